@@ -1,0 +1,120 @@
+"""Chunked SGMV expand: add each segment's LoRA ``B`` product, scaled, onto the base output in place.
+
+Semantics::
+
+    for each segment s with slot = seg_slot[s], r = rank[slot], rows = permutation[seg_indptr[s]:seg_indptr[s+1]]:
+        y[rows] += (t[rows, :r] @ B[slot, :, :r]ᵀ) * scaling[slot]     (fp32 accumulation, one rounding to y's dtype)
+
+``t`` is cast to ``B``'s dtype before the product (as PEFT feeds ``lora_A``'s output to ``lora_B`` in the adapter
+dtype). Rows in no segment (base rows) and segments whose slot has rank 0 are left as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..plan import BatchPlan
+from .shrink import _block
+
+
+@triton.jit
+def _expand_kernel(
+    t_ptr,  # (T, R) fp32 shrink output
+    b_ptr,  # (S, N, R) stacked B
+    y_ptr,  # (T, N) base output, updated in place
+    perm_ptr,  # (T,) int32
+    seg_indptr_ptr,  # (num_segments + 1,) int32
+    seg_slot_ptr,  # (num_segments,) int32
+    rank_ptr,  # (S,) int32
+    scaling_ptr,  # (S,) fp32
+    N,
+    stride_tm,
+    stride_tr,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    stride_ym,
+    stride_yn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(seg_slot_ptr + seg)
+    rank = tl.load(rank_ptr + slot)
+    if rank == 0:
+        return
+    scaling = tl.load(scaling_ptr + slot)
+    start = tl.load(seg_indptr_ptr + seg)
+    length = tl.load(seg_indptr_ptr + seg + 1) - start
+
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < length
+    rows = tl.load(perm_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+
+    b = tl.load(
+        b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+        mask=r_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
+    t = tl.load(
+        t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr,
+        mask=m_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    )
+    acc = tl.dot(t.to(b.dtype), b, input_precision=DOT_PRECISION) * scaling
+
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def expand(
+    t: torch.Tensor,
+    b: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    plan: BatchPlan,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    """Launch the expand kernel; ``y`` is updated in place and returned.
+
+    Args:
+        t: ``(T, R)`` fp32, the shrink output (``R`` = the layer's padded max rank).
+        b: ``(S, N, R)`` stacked B weights (slot-major), fp16/bf16/fp32.
+        ranks: ``(S,)`` int32 rank of each slot.
+        scalings: ``(S,)`` fp32 scaling of each slot.
+        plan: the batch plan on ``y``'s device.
+        y: ``(T, N)`` base output, fp16/bf16/fp32, any strides.
+    """
+    num_tokens, n = y.shape
+    num_slots, n_b, r = b.shape
+    if n_b != n or t.shape != (num_tokens, r) or num_tokens != plan.num_tokens:
+        raise ValueError(
+            f"expand: t {tuple(t.shape)}, B {tuple(b.shape)} and y {tuple(y.shape)} do not fit a plan of "
+            f"{plan.num_tokens} tokens"
+        )
+    if plan.num_segments == 0:
+        return y
+    block_n = 64 if plan.chunk_size >= 64 else 128
+    _expand_kernel[(plan.num_segments, triton.cdiv(n, block_n))](
+        t, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings,
+        n,
+        t.stride(0), t.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        y.stride(0), y.stride(1),
+        BLOCK_M=_block(plan.chunk_size),
+        BLOCK_N=block_n,
+        BLOCK_R=_block(r),
+        DOT_PRECISION="ieee" if b.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return y

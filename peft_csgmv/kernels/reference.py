@@ -1,0 +1,59 @@
+"""The same math as the Triton kernels, in plain torch.
+
+It serves as the CPU backend and as the test oracle (call it on float64 tensors for an exact reference). It walks the
+plan's runs (maximal groups of one slot in the permuted order), which is the same result as walking its segments.
+
+Semantics (see ``shrink.py`` / ``expand.py``)::
+
+    t[rows, :r] = x[rows] @ A[slot, :r, :]ᵀ
+    y[rows]    += (t[rows, :r] @ B[slot, :, :r]ᵀ) * scaling[slot]
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..plan import BatchPlan
+
+
+def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def shrink_reference(
+    x: torch.Tensor, a: torch.Tensor, ranks: Sequence[int], plan: BatchPlan, t: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x``: (T, K); ``a``: (S, R, K); ``ranks``: host ints per slot. Returns ``t``: (T, R), fp32 (fp64 for fp64
+    inputs); entries outside the segments or past a slot's rank are zero (a fresh buffer) or untouched (``t`` given)."""
+    acc = _acc_dtype(x, a)
+    if t is None:
+        t = torch.zeros((x.shape[0], a.shape[1]), dtype=acc, device=x.device)
+    for slot, start, end in plan.runs:
+        r = int(ranks[slot])
+        if r == 0:
+            continue
+        rows = plan.permutation[start:end].long()
+        t[rows, :r] = (x[rows].to(a.dtype).to(acc) @ a[slot, :r].to(acc).T).to(t.dtype)
+    return t
+
+
+def expand_reference(
+    t: torch.Tensor,
+    b: torch.Tensor,
+    ranks: Sequence[int],
+    scalings: Sequence[float],
+    plan: BatchPlan,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    """``t``: (T, R); ``b``: (S, N, R); ``y``: (T, N) updated in place (one rounding to its dtype) and returned."""
+    acc = _acc_dtype(t, b, y)
+    for slot, start, end in plan.runs:
+        r = int(ranks[slot])
+        if r == 0:
+            continue
+        rows = plan.permutation[start:end].long()
+        delta = (t[rows, :r].to(b.dtype).to(acc) @ b[slot, :, :r].to(acc).T) * scalings[slot]
+        y[rows] = (y[rows].to(acc) + delta).to(y.dtype)
+    return y

@@ -1,0 +1,118 @@
+"""The patched forward of PEFT LoRA layers.
+
+A patched layer runs ``y = base(x)`` and then, when a csgmv call is active, adds every row's own adapter in two
+kernel launches: ``t = shrink(x, A_stack, plan)``; ``expand(t, B_stack, plan, out=y)``. With no csgmv call active,
+under ``disable_adapter()``, or when PEFT's own ``adapter_names`` reaches the layer directly, it is PEFT's forward,
+unchanged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import types
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from . import kernels
+from .plan import BatchPlan
+
+if TYPE_CHECKING:
+    from .model import CsgmvState
+    from .slots import LoraStack
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclasses.dataclass
+class CallContext:
+    """Per-call state, alive only inside one ``forward``/``generate`` call (see :data:`ACTIVE`)."""
+
+    state: "CsgmvState"
+    row_slots: tuple[int, ...]  # slot of each input row, -1 for base rows
+    arg_name: str  # "adapter_ids" or "adapter_names", for error messages
+    plans: dict = dataclasses.field(default_factory=dict)
+
+    def plan_for(self, rows: int, tokens_per_row: int, device: torch.device) -> BatchPlan:
+        """The plan for a layer input of ``rows × tokens_per_row`` tokens on ``device``; built by the first layer
+        that sees this shape, reused by all later ones (and by later calls with the same ids, via the state's
+        cache)."""
+        key = (rows, tokens_per_row, device)
+        plan = self.plans.get(key)
+        if plan is None:
+            n = len(self.row_slots)
+            if rows % n:
+                raise ValueError(
+                    f"Length of `{self.arg_name}` should be the same as the number of inputs, but got {n} and "
+                    f"{rows} respectively (a layer saw {rows} rows, which is not a whole multiple of {n})."
+                )
+            plan = self.state.cached_plan(self.row_slots, rows // n, tokens_per_row, device)
+            self.plans[key] = plan
+        return plan
+
+
+# The active csgmv call, if any. Layers read it; the model wrapper sets it and resets it in ``finally``.
+ACTIVE: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("peft_csgmv_call", default=None)
+
+
+def use_triton(backend: str, device: torch.device) -> bool:
+    if backend == "triton":
+        return True
+    if backend == "torch":
+        return False
+    return device.type == "cuda"
+
+
+def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: BatchPlan, triton_backend: bool) -> None:
+    """``y[i] += scaling[s] * (x[i] @ A[s]ᵀ) @ B[s]ᵀ`` for every token ``i`` of slot ``s``; ``x``: (T, in), ``y``:
+    (T, out), in place."""
+    if triton_backend:
+        t = kernels.shrink(x, stack.a, stack.ranks, plan)
+        kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y)
+    else:
+        t = kernels.shrink_reference(x, stack.a, stack.ranks_host, plan)
+        kernels.expand_reference(t, stack.b, stack.ranks_host, stack.scalings_host, plan, y)
+
+
+def _csgmv_linear_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    ctx = ACTIVE.get()
+    stack: LoraStack = self._csgmv_stack
+    if ctx is None or ctx.state is not stack_state(self) or self.disable_adapters or "adapter_names" in kwargs:
+        return self._csgmv_orig_forward(x, *args, **kwargs)
+    result = self.base_layer(x, *args, **kwargs)
+    if x.dim() < 2:
+        raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
+    rows = x.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    plan = ctx.plan_for(rows, x2.shape[0] // rows, x.device)
+    if plan.is_empty:
+        return result
+    if stack.device != x.device:
+        stack.to(x.device)
+    if not result.is_contiguous():
+        result = result.contiguous()
+    apply_lora(x2, result.view(-1, result.shape[-1]), stack, plan, ctx.state.triton_on(x.device))
+    return result
+
+
+def stack_state(layer: nn.Module) -> "CsgmvState":
+    return layer._csgmv_state_ref()
+
+
+def patch_layer(layer: nn.Module, stack: "LoraStack", state_ref: Callable[[], "CsgmvState"]) -> None:
+    """Swap ``layer.forward`` for the csgmv forward (instance attribute; :func:`unpatch_layer` undoes it)."""
+    layer._csgmv_stack = stack
+    layer._csgmv_state_ref = state_ref
+    layer._csgmv_orig_forward = layer.forward
+    layer.forward = types.MethodType(_csgmv_linear_forward, layer)
+
+
+def unpatch_layer(layer: nn.Module) -> None:
+    for attr in ("forward", "_csgmv_orig_forward", "_csgmv_stack", "_csgmv_state_ref"):
+        layer.__dict__.pop(attr, None)
+
+
+def is_patched(layer: nn.Module) -> bool:
+    return "_csgmv_stack" in layer.__dict__

@@ -1,0 +1,346 @@
+"""``enable_csgmv`` / ``disable_csgmv``: patch a ``PeftModel`` in place so that mixed-adapter batches run through the
+chunked-SGMV kernels.
+
+What patching does, all of it undone by :func:`disable_csgmv`:
+
+* every PEFT LoRA ``Linear`` layer (``nn.Linear`` or GPT-2 ``Conv1D`` base) gets a :class:`~peft_csgmv.slots.LoraStack`
+  and an instance-level ``forward`` (see :mod:`peft_csgmv.layers`);
+* the ``PeftModel`` gets instance-level ``forward`` and ``generate`` that accept ``adapter_ids`` (and PEFT's own
+  ``adapter_names``), validate them once per call, and publish the per-row slots to the layers through a context
+  variable that is reset in ``finally``.
+
+Nothing is registered as a module, parameter or buffer: ``state_dict``, ``save_pretrained`` and PEFT's adapter
+bookkeeping are untouched.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import weakref
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .layers import ACTIVE, BACKENDS, CallContext, is_patched, patch_layer, unpatch_layer, use_triton
+from .plan import BatchPlan
+from .slots import LoraStack, SlotRegistry, layer_adapters
+
+BASE_NAMES = (None, "__base__")
+_PLAN_CACHE_SIZE = 64
+
+
+def _peft_classes():
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import Linear as LoraLinear
+
+    return PeftModel, LoraLayer, LoraLinear
+
+
+def _auxiliary_wrapper_class():
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # older PEFT
+        from peft.utils.other import ModulesToSaveWrapper as AuxiliaryTrainingWrapper
+    return AuxiliaryTrainingWrapper
+
+
+def _unsupported_reason(layer: nn.Module, name: str) -> str | None:
+    """Why csgmv cannot serve adapter ``name`` in ``layer`` (None when it can)."""
+    if layer.use_dora.get(name, False):
+        return "Cannot pass `{arg}` when DoRA is enabled. (adapter '" + name + "' uses DoRA, which csgmv does not serve yet)"
+    variant = getattr(layer, "lora_variant", {}).get(name)
+    if variant is not None:
+        return f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet"
+    if getattr(layer.lora_B[name], "bias", None) is not None:
+        return f"adapter '{name}' has `lora_bias=True`, which csgmv does not serve yet"
+    return None
+
+
+class CsgmvState:
+    """Everything ``enable_csgmv`` attached to one model: the slot registry, the patched layers and their stacks."""
+
+    def __init__(self, model: nn.Module, backend: str, dtype: torch.dtype | None) -> None:
+        self.model_ref = weakref.ref(model)
+        self.backend = backend
+        self.dtype = dtype
+        self.registry = SlotRegistry()
+        self.layers: dict[str, nn.Module] = {}  # module name -> patched LoRA layer
+        self.unsupported: dict[str, str] = {}  # adapter name -> why csgmv cannot serve it
+        self.fingerprint: tuple = ()
+        self.configs: list = []  # keeps the fingerprinted config objects alive, so their ids stay unique
+        self.plans: collections.OrderedDict = collections.OrderedDict()
+
+    # -- adapters -------------------------------------------------------------------------------------------------
+
+    def _fingerprint(self, model) -> tuple:
+        return tuple((name, id(cfg)) for name, cfg in model.peft_config.items())
+
+    def sync(self, model, force: bool = False) -> None:
+        """Bring slots and stacks in line with the adapters PEFT holds now. Only what changed is (re)stacked: new
+        LoRA layers are patched, new adapters get a slot, deleted ones free theirs, replaced ones are copied again."""
+        fingerprint = self._fingerprint(model)
+        if fingerprint == self.fingerprint and not force:
+            return
+        _, LoraLayer, LoraLinear = _peft_classes()
+        names = [n for n in model.peft_config if n in _lora_adapter_names(model)]
+        for gone in [n for n in self.registry.index if n not in names]:
+            self.registry.remove(gone)
+        for name in names:
+            self.registry.add(name)
+
+        self.unsupported = {}
+        found: dict[str, nn.Module] = {}
+        for mod_name, layer in model.named_modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            if type(layer) is not LoraLinear:
+                continue  # rejected in _check_model
+            found[mod_name] = layer
+            if is_patched(layer):
+                stack = layer._csgmv_stack
+                if force:
+                    stack.sources.clear()
+            else:
+                stack = self._new_stack(layer)
+                patch_layer(layer, stack, weakref.ref(self))
+            adapters = layer_adapters(layer)
+            for slot, name in enumerate(self.registry.names):
+                if name is None or name not in adapters:
+                    stack.clear_slot(slot)
+                    continue
+                reason = _unsupported_reason(layer, name)
+                if reason is not None:
+                    self.unsupported.setdefault(name, reason)
+                    stack.clear_slot(slot)
+                    continue
+                source = layer.lora_A[name]
+                if stack.sources.get(slot) is not source:
+                    a, b = adapters[name]
+                    stack.set_slot(slot, a, b, layer.scaling[name], source=source)
+            stack.ensure_capacity(self.registry.capacity)
+            for slot in range(len(self.registry.names), stack.capacity):
+                stack.clear_slot(slot)
+        for mod_name, layer in self.layers.items():
+            if mod_name not in found or found[mod_name] is not layer:
+                unpatch_layer(layer)
+        self.layers = found
+        self.fingerprint = fingerprint
+        self.configs = list(model.peft_config.values())
+        self.plans.clear()
+
+    def _new_stack(self, layer: nn.Module) -> LoraStack:
+        base = layer.get_base_layer()
+        weight = getattr(base, "weight", None)
+        if self.dtype is not None:
+            dtype = self.dtype
+        elif weight is not None and weight.dtype.is_floating_point:
+            dtype = weight.dtype
+        else:
+            dtype = torch.float32
+        ranks = [layer.r[n] for n in layer.lora_A.keys()] or [1]
+        device = weight.device if weight is not None else next(layer.lora_A.parameters()).device
+        return LoraStack(
+            in_features=layer.in_features,
+            out_features=layer.out_features,
+            capacity=max(self.registry.capacity, 1),
+            r_max=max(ranks),
+            dtype=dtype,
+            device=device,
+        )
+
+    def release(self) -> None:
+        for layer in self.layers.values():
+            unpatch_layer(layer)
+        self.layers = {}
+        self.plans.clear()
+
+    # -- per call -------------------------------------------------------------------------------------------------
+
+    def triton_on(self, device: torch.device) -> bool:
+        return use_triton(self.backend, device)
+
+    def cached_plan(self, row_slots: tuple[int, ...], repeat: int, tokens_per_row: int, device) -> BatchPlan:
+        key = (row_slots, repeat, tokens_per_row, device)
+        plan = self.plans.get(key)
+        if plan is None:
+            slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
+            plan = BatchPlan.build(slots, tokens_per_row, device)
+            self.plans[key] = plan
+            if len(self.plans) > _PLAN_CACHE_SIZE:
+                self.plans.popitem(last=False)
+        else:
+            self.plans.move_to_end(key)
+        return plan
+
+    def resolve(self, model, ids: Sequence[str | None], arg: str, batch_size: int | None) -> tuple[int, ...]:
+        """Validate ``ids`` for this call and map them to slots (``-1`` for base rows). Raises before anything runs."""
+        if isinstance(ids, str) or not isinstance(ids, (list, tuple)):
+            raise TypeError(f"Got {arg} of type {type(ids)}, expected a list of str.")
+        bad = [i for i in ids if i is not None and not isinstance(i, str)]
+        if bad:
+            raise TypeError(f"`{arg}` must hold adapter names (str) or None for base rows; got {bad[0]!r}")
+        if len(ids) == 0:
+            raise ValueError(f"`{arg}` is empty; give one adapter name (or None / '__base__') per input row")
+        if model.training:
+            raise ValueError(f"Cannot pass `{arg}` when the model is in training mode.")
+        self.sync(model)
+        known = set(self.registry.index) | set(self.unsupported)
+        unknown = {i for i in ids if i not in BASE_NAMES and i not in known}
+        if unknown:
+            raise ValueError(
+                f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unknown))}. "
+                f"Loaded adapters: {', '.join(sorted(known)) or '(none)'}; use None or '__base__' for base rows."
+            )
+        if batch_size is not None and (batch_size % len(ids) != 0):
+            raise ValueError(
+                f"Length of `{arg}` should be the same as the number of inputs, but got {len(ids)} and {batch_size} "
+                "respectively."
+            )
+        if any(layer.merged for layer in self.layers.values()):
+            raise ValueError(
+                f"Cannot pass `{arg}` when there are merged adapters, please call `unmerge_adapter` first."
+            )
+        for name in dict.fromkeys(ids):
+            if name in self.unsupported:
+                raise ValueError(self.unsupported[name].replace("{arg}", arg))
+        index = self.registry.index
+        return tuple(-1 if i in BASE_NAMES else index[i] for i in ids)
+
+
+def _lora_adapter_names(model) -> set[str]:
+    _, LoraLayer, _ = _peft_classes()
+    names: set[str] = set()
+    for layer in model.modules():
+        if isinstance(layer, LoraLayer):
+            names |= set(layer.lora_A.keys()) | set(layer.lora_embedding_A.keys())
+    return names
+
+
+def _check_model(model) -> None:
+    PeftModel, LoraLayer, LoraLinear = _peft_classes()
+    if not isinstance(model, PeftModel):
+        raise TypeError(f"enable_csgmv expects a peft.PeftModel, got {type(model).__name__}")
+    bad_types = {n: cfg.peft_type for n, cfg in model.peft_config.items() if str(cfg.peft_type) not in ("LORA", "PeftType.LORA")}
+    if bad_types:
+        raise ValueError(
+            "csgmv serves LoRA adapters only; these are not LoRA: "
+            + ", ".join(f"'{n}' ({t})" for n, t in bad_types.items())
+        )
+    Aux = _auxiliary_wrapper_class()
+    for mod_name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and type(module) is not LoraLinear:
+            raise NotImplementedError(
+                f"csgmv does not handle the PEFT layer type {type(module).__module__}.{type(module).__name__} yet "
+                f"(module '{mod_name}'); it handles lora.Linear layers (nn.Linear and transformers Conv1D bases)."
+            )
+        if isinstance(module, Aux):
+            raise NotImplementedError(
+                f"csgmv does not handle {type(module).__name__} (`modules_to_save` / trainable tokens) yet "
+                f"(module '{mod_name}')."
+            )
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int | None:
+    for key in ("input_ids", "inputs_embeds", "decoder_input_ids"):
+        value = kwargs.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            return value.shape[0]
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1:
+        return args[0].shape[0]
+    return None
+
+
+def _pop_ids(kwargs: dict) -> tuple[Sequence[str | None] | None, str]:
+    ids = kwargs.pop("adapter_ids", None)
+    names = kwargs.pop("adapter_names", None)
+    if ids is not None and names is not None:
+        raise ValueError("Pass either `adapter_ids` or `adapter_names`, not both.")
+    if names is not None:
+        return names, "adapter_names"
+    return ids, "adapter_ids"
+
+
+@contextlib.contextmanager
+def _csgmv_call(model, args: tuple, kwargs: dict) -> Iterator[None]:
+    """Validate the ids of one call, publish them to the layers, and clear them again whatever happens."""
+    state: CsgmvState = model._csgmv
+    ids, arg = _pop_ids(kwargs)
+    if ids is None or not model.has_active_enabled_adapter:
+        # No ids, or under ``disable_adapter()``: PEFT ignores adapter_names there, and so do we.
+        yield
+        return
+    row_slots = state.resolve(model, ids, arg, _batch_size(args, kwargs))
+    token = ACTIVE.set(CallContext(state=state, row_slots=row_slots, arg_name=arg))
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        ACTIVE.reset(token)
+
+
+def _forward(self, *args: Any, **kwargs: Any):
+    with _csgmv_call(self, args, kwargs):
+        return type(self).forward(self, *args, **kwargs)
+
+
+def _generate(self, *args: Any, **kwargs: Any):
+    with _csgmv_call(self, args, kwargs):
+        return type(self).generate(self, *args, **kwargs)
+
+
+def enable_csgmv(model, backend: str = "auto", dtype: torch.dtype | None = None):
+    """Patch ``model`` (a ``peft.PeftModel`` with LoRA adapters) in place for fast mixed-adapter batches.
+
+    Afterwards ``model(..., adapter_ids=[...])`` and ``model.generate(..., adapter_ids=[...])`` apply one adapter per
+    input row (``None`` or ``"__base__"`` for the base model); PEFT's ``adapter_names=[...]`` spelling takes the
+    same fast path. Without ids the model behaves exactly as before.
+
+    Args:
+        model: the ``PeftModel``. Returned for chaining; patched in place.
+        backend: ``"auto"`` (Triton kernels on CUDA, the torch reference on CPU), ``"triton"`` or ``"torch"``.
+        dtype: dtype of the stacked adapter weights; default the base layer's weight dtype (see
+            :mod:`peft_csgmv.slots`).
+
+    Calling it again on an enabled model restacks every adapter (use it after editing adapter weights in place).
+    Adding, loading and deleting adapters through PEFT is picked up on the next call without it.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    _check_model(model)
+    state = model.__dict__.get("_csgmv")
+    if state is not None:
+        state.backend, state.dtype = backend, dtype
+        state.sync(model, force=True)
+        return model
+    state = CsgmvState(model, backend, dtype)
+    try:
+        state.sync(model, force=True)
+    except BaseException:
+        state.release()
+        raise
+    model.__dict__["_csgmv"] = state
+    model.__dict__["forward"] = _forward.__get__(model)
+    model.__dict__["generate"] = _generate.__get__(model)
+    return model
+
+
+def disable_csgmv(model):
+    """Undo :func:`enable_csgmv`: every layer and the model get PEFT's own forward back. Returns ``model``."""
+    state = model.__dict__.pop("_csgmv", None)
+    if state is None:
+        return model
+    state.release()
+    # Layers that PEFT replaced or dropped since (merge_and_unload, delete_adapter) may still carry a patch.
+    for module in model.modules():
+        if is_patched(module):
+            unpatch_layer(module)
+    model.__dict__.pop("forward", None)
+    model.__dict__.pop("generate", None)
+    return model
+
+
+def is_csgmv_enabled(model) -> bool:
+    return "_csgmv" in model.__dict__

@@ -1,0 +1,155 @@
+"""BatchPlan: how the tokens of one forward are grouped by adapter slot.
+
+A layer sees ``rows`` rows of ``tokens_per_row`` tokens each, flattened row-major into ``rows * tokens_per_row``
+tokens. Every row uses one adapter slot (or none: a base row, slot ``-1``). The plan
+
+1. sorts the tokens by slot with a stable sort, base tokens last (``permutation[p]`` is the original index of the
+   token at permuted position ``p``);
+2. cuts each run of one slot into chunks of at most ``chunk_size`` tokens (a *segment*), each with one slot;
+3. leaves base tokens out of every segment, so no kernel touches them.
+
+Worked example (``tokens_per_row = 2``, ``chunk_size = 16``)::
+
+    row slots        [ 1, -1,  0,  1]          (row 1 is a base row)
+    token slots      [1, 1, -1, -1, 0, 0, 1, 1]
+    permutation      [4, 5, 0, 1, 6, 7, 2, 3]  (slot 0 first, then slot 1, base last)
+    seg_indptr       [0, 2, 6]                 (tokens 0..1 of the permuted order, then 2..5)
+    seg_slot         [0, 1]
+
+With ``chunk_size = 3`` the run of slot 1 (four tokens) would be cut into two segments: ``seg_indptr [0, 2, 5, 6]``,
+``seg_slot [0, 1, 1]``.
+
+Everything is computed on the host from the per-row slot list (which the caller knows without touching the device)
+and copied to the device in one non-blocking transfer, so building a plan never waits on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+MIN_CHUNK_SIZE = 16
+
+
+def chunk_size_for(num_tokens: int) -> int:
+    """Segment length by batch size: small batches get short chunks (less padding work per program), large batches
+    long ones (fewer programs, better weight reuse)."""
+    if num_tokens >= 256:
+        return 128
+    if num_tokens >= 64:
+        return 32
+    return MIN_CHUNK_SIZE
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """Token grouping shared by every patched layer that sees the same ``(rows, tokens_per_row)`` shape.
+
+    Attributes:
+        rows, tokens_per_row: the shape this plan was built for; ``num_tokens = rows * tokens_per_row``.
+        chunk_size: the most tokens a segment holds; the kernels' row tile.
+        num_segments: number of segments (host int: it sizes the kernel grid).
+        permutation: ``(num_tokens,)`` int32 on the device; adapter tokens grouped by slot, base tokens last.
+        seg_indptr: ``(num_segments + 1,)`` int32 on the device; segment ``s`` is
+            ``permutation[seg_indptr[s]:seg_indptr[s + 1]]``.
+        seg_slot: ``(num_segments,)`` int32 on the device; the slot of each segment (never ``-1``).
+        runs: host-side ``(slot, start, end)`` for each maximal run of one slot in the permuted order (base tokens
+            excluded); the torch backend works from these, the Triton backend from the segments.
+    """
+
+    rows: int
+    tokens_per_row: int
+    chunk_size: int
+    num_segments: int
+    permutation: torch.Tensor
+    seg_indptr: torch.Tensor
+    seg_slot: torch.Tensor
+    runs: tuple[tuple[int, int, int], ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows * self.tokens_per_row
+
+    @property
+    def is_empty(self) -> bool:
+        """True when no token uses an adapter (an all-base batch): layers skip the kernels entirely."""
+        return self.num_segments == 0
+
+    @classmethod
+    def build(
+        cls,
+        row_slots: Sequence[int],
+        tokens_per_row: int,
+        device: torch.device | str = "cpu",
+        chunk_size: int | None = None,
+    ) -> "BatchPlan":
+        """Build the plan for ``len(row_slots)`` rows of ``tokens_per_row`` tokens.
+
+        Args:
+            row_slots: slot of each row, ``-1`` for a base row (host ints).
+            tokens_per_row: tokens in every row (the layer input is ``rows × tokens_per_row × features``).
+            device: where the index tensors live (the layer's device).
+            chunk_size: override the segment length (default: :func:`chunk_size_for` of the token count).
+        """
+        rows = len(row_slots)
+        if rows == 0 or tokens_per_row <= 0:
+            raise ValueError(f"a plan needs at least one row and one token per row, got {rows} × {tokens_per_row}")
+        num_tokens = rows * tokens_per_row
+        chunk = chunk_size if chunk_size is not None else chunk_size_for(num_tokens)
+        if chunk < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk}")
+
+        # Stable order of rows by slot, base rows last. Sorting rows (not tokens) is enough: every row has the same
+        # number of tokens, and a stable token sort would keep each row's tokens together in order anyway.
+        order = sorted(range(rows), key=lambda i: (row_slots[i] < 0, row_slots[i]))
+        seg_lens: list[int] = []
+        seg_slot: list[int] = []
+        runs: list[tuple[int, int, int]] = []
+        pos = 0
+        i = 0
+        while i < rows and row_slots[order[i]] >= 0:
+            slot = row_slots[order[i]]
+            j = i
+            while j < rows and row_slots[order[j]] == slot:
+                j += 1
+            run = (j - i) * tokens_per_row
+            runs.append((slot, pos, pos + run))
+            full, rest = divmod(run, chunk)
+            seg_lens.extend([chunk] * full)
+            if rest:
+                seg_lens.append(rest)
+            seg_slot.extend([slot] * (full + (1 if rest else 0)))
+            pos += run
+            i = j
+
+        num_segments = len(seg_slot)
+        # One host buffer, one transfer: [permutation | seg_indptr | seg_slot].
+        host = torch.empty(num_tokens + 2 * num_segments + 1, dtype=torch.int32)
+        order_t = torch.tensor(order, dtype=torch.int32)
+        perm = host[:num_tokens].view(rows, tokens_per_row)
+        torch.add(
+            order_t[:, None] * tokens_per_row, torch.arange(tokens_per_row, dtype=torch.int32)[None, :], out=perm
+        )
+        indptr = host[num_tokens : num_tokens + num_segments + 1]
+        indptr[0] = 0
+        if num_segments:
+            torch.cumsum(torch.tensor(seg_lens, dtype=torch.int32), 0, out=indptr[1:])
+            host[num_tokens + num_segments + 1 :] = torch.tensor(seg_slot, dtype=torch.int32)
+
+        device = torch.device(device)
+        if device.type == "cuda":
+            dev = host.pin_memory().to(device, non_blocking=True)
+        else:
+            dev = host.to(device)
+        return cls(
+            rows=rows,
+            tokens_per_row=tokens_per_row,
+            chunk_size=chunk,
+            num_segments=num_segments,
+            permutation=dev[:num_tokens],
+            seg_indptr=dev[num_tokens : num_tokens + num_segments + 1],
+            seg_slot=dev[num_tokens + num_segments + 1 :],
+            runs=tuple(runs),
+        )

@@ -1,0 +1,151 @@
+"""Adapter slots: one model-wide name → slot registry, and per-layer stacked LoRA weights.
+
+Every adapter gets one slot index, the same in every layer. A layer's :class:`LoraStack` holds
+
+* ``a``: ``(capacity, r_max, in_features)`` — ``lora_A`` of each slot, zero-padded to the layer's largest rank;
+* ``b``: ``(capacity, out_features, r_max)`` — ``lora_B`` of each slot, zero-padded likewise;
+* ``ranks``: ``(capacity,)`` int32 — the slot's rank in this layer, ``0`` where the adapter does not target the layer
+  (or the slot is free); the kernels do no work for rank-0 slots;
+* ``scalings``: ``(capacity,)`` fp32 — PEFT's ``layer.scaling[name]`` (``lora_alpha / r``, or ``lora_alpha / √r``
+  with rsLoRA, with ``rank_pattern`` / ``alpha_pattern`` already applied by PEFT).
+
+Stacked dtype: by default the dtype of the layer's base weight (the activations' dtype), so the kernels run on
+tensor cores in bf16/fp16 models even though PEFT keeps adapter weights in fp32 there
+(``autocast_adapter_dtype``). ``enable_csgmv(model, dtype=torch.float32)`` keeps fp32 stacks instead (closer to
+PEFT's own numerics, slower). Host copies of ranks and scalings serve the torch backend without a device sync.
+
+Slots are added and cleared one at a time (``set_slot`` / ``clear_slot``); capacity and ``r_max`` grow by
+reallocation when needed, so loading or deleting one adapter never restacks the others.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SlotRegistry:
+    """Model-wide adapter name → slot index. Freed slots are reused."""
+
+    def __init__(self) -> None:
+        self.names: list[str | None] = []  # slot -> name (None: free)
+        self.index: dict[str, int] = {}
+
+    @property
+    def capacity(self) -> int:
+        return len(self.names)
+
+    def add(self, name: str) -> int:
+        if name in self.index:
+            return self.index[name]
+        try:
+            slot = self.names.index(None)
+            self.names[slot] = name
+        except ValueError:
+            slot = len(self.names)
+            self.names.append(name)
+        self.index[name] = slot
+        return slot
+
+    def remove(self, name: str) -> int:
+        slot = self.index.pop(name)
+        self.names[slot] = None
+        return slot
+
+
+def layer_adapters(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The adapters a PEFT LoRA Linear layer holds: name → (A ``(r, in)``, B ``(out, r)``) weights."""
+    return {name: (layer.lora_A[name].weight, layer.lora_B[name].weight) for name in layer.lora_A.keys()}
+
+
+class LoraStack:
+    """Stacked LoRA weights of one layer (see the module docstring for the layout)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        capacity: int,
+        r_max: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.in_features = in_features
+        self.out_features = out_features
+        self.dtype = dtype
+        self.device = device
+        self.a = torch.zeros((capacity, r_max, in_features), dtype=dtype, device=device)
+        self.b = torch.zeros((capacity, out_features, r_max), dtype=dtype, device=device)
+        self.ranks = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.scalings = torch.zeros(capacity, dtype=torch.float32, device=device)
+        self.ranks_host = [0] * capacity
+        self.scalings_host = [0.0] * capacity
+        self.sources: dict[int, nn.Module] = {}  # slot -> the lora_A module its weights came from
+
+    @property
+    def capacity(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def r_max(self) -> int:
+        return self.a.shape[1]
+
+    def ensure_capacity(self, capacity: int) -> None:
+        """Make room for slots ``0 .. capacity-1`` (new slots have rank 0)."""
+        self._grow(capacity, 0)
+
+    def _grow(self, capacity: int, r_max: int) -> None:
+        if capacity <= self.capacity and r_max <= self.r_max:
+            return
+        capacity, r_max = max(capacity, self.capacity), max(r_max, self.r_max)
+        a = torch.zeros((capacity, r_max, self.in_features), dtype=self.dtype, device=self.device)
+        b = torch.zeros((capacity, self.out_features, r_max), dtype=self.dtype, device=self.device)
+        a[: self.capacity, : self.r_max] = self.a
+        b[: self.capacity, :, : self.r_max] = self.b
+        self.a, self.b = a, b
+        extra = capacity - len(self.ranks_host)
+        if extra > 0:
+            self.ranks = torch.cat([self.ranks, self.ranks.new_zeros(extra)])
+            self.scalings = torch.cat([self.scalings, self.scalings.new_zeros(extra)])
+            self.ranks_host += [0] * extra
+            self.scalings_host += [0.0] * extra
+
+    def set_slot(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, source=None) -> None:
+        """Copy one adapter's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)`` weights into ``slot``."""
+        r = lora_a.shape[0]
+        if lora_a.shape[1] != self.in_features or lora_b.shape != (self.out_features, r):
+            raise ValueError(
+                f"adapter weights A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit a layer of "
+                f"{self.in_features} → {self.out_features} features"
+            )
+        self._grow(slot + 1, r)
+        with torch.no_grad():
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+            self.a[slot, :r] = lora_a.detach().to(device=self.device, dtype=self.dtype)
+            self.b[slot, :, :r] = lora_b.detach().to(device=self.device, dtype=self.dtype)
+            self.ranks[slot] = r
+            self.scalings[slot] = float(scaling)
+        self.ranks_host[slot] = r
+        self.scalings_host[slot] = float(scaling)
+        self.sources[slot] = source
+
+    def clear_slot(self, slot: int) -> None:
+        """Make ``slot`` a no-op in this layer (rank 0); its weight rows are zeroed."""
+        if slot >= self.capacity:
+            return
+        with torch.no_grad():
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+            self.ranks[slot] = 0
+            self.scalings[slot] = 0.0
+        self.ranks_host[slot] = 0
+        self.scalings_host[slot] = 0.0
+        self.sources.pop(slot, None)
+
+    def to(self, device: torch.device) -> "LoraStack":
+        """Move the stack (after the model was moved)."""
+        self.device = device
+        self.a, self.b = self.a.to(device), self.b.to(device)
+        self.ranks, self.scalings = self.ranks.to(device), self.scalings.to(device)
+        return self
