@@ -1,0 +1,120 @@
+"""CUDA-only tests: the compiled Triton kernels in bf16/fp16/fp32 against a float64 reference and against stock PEFT.
+Skipped without a CUDA device (see conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import add_adapters, assert_close, tiny_model
+from peft_csgmv import BatchPlan, disable_csgmv, enable_csgmv
+from peft_csgmv.kernels import expand, expand_reference, shrink, shrink_reference
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _stack(num_slots, ranks, k, n, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    r_max = max(ranks)
+    a = torch.zeros(num_slots, r_max, k, dtype=torch.float64)
+    b = torch.zeros(num_slots, n, r_max, dtype=torch.float64)
+    for s, r in enumerate(ranks):
+        a[s, :r] = torch.randn(r, k, generator=g, dtype=torch.float64) / k**0.5
+        b[s, :, :r] = torch.randn(n, r, generator=g, dtype=torch.float64) / r**0.5
+    scal = torch.linspace(0.5, 2.0, num_slots, dtype=torch.float32)
+    return a.to(DEV, dtype), b.to(DEV, dtype), torch.tensor(ranks, dtype=torch.int32, device=DEV), scal.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "k,n,ranks,row_slots,tpr",
+    [
+        (2048, 2048, [16] * 32, list(range(32)), 1),  # decode, 32 distinct
+        (2048, 8192, [8, 16, 64, 128], [0, 1, 2, 3, -1, 0, 2, 1], 1),  # decode, mixed ranks, base rows
+        (8192, 2048, [16, 64], [0, 1, 1, -1], 129),  # prefill, chunk 128 with remainder
+        (4096, 14336, [16] * 8, [0] * 16, 64),  # prefill, one adapter
+        (2049, 431, [1, 3, 0, 17], [0, 1, 2, 3, 0, -1], 33),  # odd dims, rank 0 slot
+    ],
+    ids=["decode32", "mixed-ranks", "prefill-chunk", "prefill-one", "odd"],
+)
+def test_kernels_vs_float64(dtype, k, n, ranks, row_slots, tpr):
+    torch.manual_seed(0)
+    a, b, r, scal = _stack(len(ranks), ranks, k, n, dtype)
+    plan = BatchPlan.build(row_slots, tpr, DEV)
+    x = torch.randn(plan.num_tokens, k, device=DEV).to(dtype)
+    y = torch.randn(plan.num_tokens, n, device=DEV).to(dtype)
+    y0 = y.clone()
+    t = shrink(x, a, r, plan)
+    expand(t, b, r, scal, plan, y)
+    ranks_h, scal_h = r.tolist(), scal.tolist()
+    t_ref = shrink_reference(x.double(), a.double(), ranks_h, plan)
+    y_ref = expand_reference(t_ref, b.double(), ranks_h, scal_h, plan, y0.double())
+    assert_close(y, y_ref, dtype, scale=4.0, what=f"y ({dtype})")
+    base_rows = [i * tpr + j for i, s in enumerate(row_slots) for j in range(tpr) if s < 0 or ranks[s] == 0]
+    if base_rows:
+        assert torch.equal(y[base_rows], y0[base_rows])
+
+
+def _per_adapter_logits(pm, ids, mask, names):
+    """Each row's logits from its own adapter's stock PEFT run (base rows under ``disable_adapter``), and the base
+    logits. (PEFT's own ``adapter_names`` path cannot serve OPT, whose MLP sees flattened tokens.)"""
+    with torch.no_grad(), pm.disable_adapter():
+        base = pm(ids, attention_mask=mask).logits.float()
+    ref = base.clone()
+    with torch.no_grad():
+        for name in set(names) - {"__base__"}:
+            pm.set_adapter(name)
+            rows = [i for i, n in enumerate(names) if n == name]
+            ref[rows] = pm(ids, attention_mask=mask).logits.float()[rows]
+    return ref, base
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "opt"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("stack_dtype", [None, torch.float32], ids=["stack-base-dtype", "stack-fp32"])
+def test_model_parity_half(arch, dtype, stack_dtype):
+    model, targets = tiny_model(arch)
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=targets),
+        "b": dict(r=16, lora_alpha=8, target_modules=targets[:2], use_rslora=True),
+        "c": dict(r=4, lora_alpha=4, target_modules=targets),
+    }
+    pm = add_adapters(model.to(DEV), specs)
+    pm.to(dtype)  # adapters in the model dtype too, as a half-precision deployment would have them
+    names = ["__base__", "a", "b", "c", "a", "__base__"]
+    ids = torch.randint(3, 97, (len(names), 12), device=DEV)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[3, :5] = 0
+    ref, base = _per_adapter_logits(pm, ids, mask, names)
+    assert (ref - base).abs().max() > 0.05, "the adapters do not change the output"
+    enable_csgmv(pm, dtype=stack_dtype)
+    try:
+        out = pm(ids, attention_mask=mask, adapter_ids=names).logits.float()
+    finally:
+        disable_csgmv(pm)
+    assert_close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()) * 2, what=f"{arch} logits")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_fp32_greedy_generate_token_identical(arch):
+    model, targets = tiny_model(arch)
+    specs = {"a": dict(r=8, lora_alpha=16, target_modules=targets), "b": dict(r=32, lora_alpha=8, target_modules=targets)}
+    pm = add_adapters(model.to(DEV), specs)
+    names = ["a", "__base__", "b", "a", "b"]
+    ids = torch.randint(3, 97, (len(names), 10), device=DEV)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = pm.generate(input_ids=ids, adapter_names=names, **kw)
+        ref_beam = pm.generate(input_ids=ids, adapter_names=names, num_beams=3, **kw)
+    enable_csgmv(pm)
+    try:
+        out = pm.generate(input_ids=ids, adapter_ids=names, **kw)
+        out_beam = pm.generate(input_ids=ids, adapter_ids=names, num_beams=3, **kw)
+    finally:
+        disable_csgmv(pm)
+    assert torch.equal(out, ref)
+    assert torch.equal(out_beam, ref_beam)
