@@ -67,6 +67,18 @@ class BatchPlan:
     seg_indptr: torch.Tensor
     seg_slot: torch.Tensor
     runs: tuple[tuple[int, int, int], ...]
+    _workspace: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def workspace(self, width: int) -> torch.Tensor:
+        """A ``(num_tokens, width)`` fp32 buffer for the shrink output, allocated once per plan and width and shared
+        by every layer (layers run one after another, and each layer's expand consumes it before the next
+        shrink)."""
+        buf = self._workspace.get(width)
+        if buf is None:
+            buf = self._workspace[width] = torch.empty(
+                (self.num_tokens, width), dtype=torch.float32, device=self.permutation.device
+            )
+        return buf
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,8 @@ from peft_csgmv import BatchPlan, disable_csgmv, enable_csgmv
 from peft_csgmv.kernels import expand, expand_reference, shrink, shrink_reference
 
 pytestmark = pytest.mark.gpu
-DEV = "cuda"
+import os
+DEV = os.environ.get("CSGMV_TEST_DEVICE", "cuda")
 
 
 def _stack(num_slots, ranks, k, n, dtype, seed=0):

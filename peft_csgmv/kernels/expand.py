@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..plan import BatchPlan
+from .launch import Launcher
 from .shrink import _block
 
 
@@ -78,6 +79,9 @@ def _expand_kernel(
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_expand = Launcher(_expand_kernel)
+
+
 def expand(
     t: torch.Tensor,
     b: torch.Tensor,
@@ -106,12 +110,12 @@ def expand(
     if plan.num_segments == 0:
         return y
     block_n = 64 if plan.chunk_size >= 64 else 128
-    _expand_kernel[(plan.num_segments, triton.cdiv(n, block_n))](
-        t, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings,
-        n,
-        t.stride(0), t.stride(1),
-        b.stride(0), b.stride(1), b.stride(2),
-        y.stride(0), y.stride(1),
+    _launch_expand(
+        (plan.num_segments, -(-n // block_n), 1),
+        (
+            t, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings,
+            n, t.stride(0), t.stride(1), b.stride(0), b.stride(1), b.stride(2), y.stride(0), y.stride(1),
+        ),
         BLOCK_M=_block(plan.chunk_size),
         BLOCK_N=block_n,
         BLOCK_R=_block(r),

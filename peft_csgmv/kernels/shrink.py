@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..plan import BatchPlan
+from .launch import Launcher
 
 
 @triton.jit
@@ -71,8 +72,13 @@ def _shrink_kernel(
     tl.store(t_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
+_launch_shrink = Launcher(_shrink_kernel)
+
+
 def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    """Tile size for a dimension of ``n`` (at least 16, as ``tl.dot`` needs). Plain Python: Triton's own helpers
+    cost microseconds per call on the launch path."""
+    return max(16, 1 << (n - 1).bit_length())
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, plan: BatchPlan, t: torch.Tensor | None = None):
@@ -97,12 +103,12 @@ def shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, plan: BatchPla
     if plan.num_segments == 0:
         return t
     block_m = _block(plan.chunk_size)
-    _shrink_kernel[(plan.num_segments,)](
-        x, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
-        k,
-        x.stride(0), x.stride(1),
-        a.stride(0), a.stride(1), a.stride(2),
-        t.stride(0), t.stride(1),
+    _launch_shrink(
+        (plan.num_segments, 1, 1),
+        (
+            x, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
+            k, x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1),
+        ),
         BLOCK_M=block_m,
         BLOCK_R=_block(r),
         BLOCK_K=64 if block_m >= 64 else 128,

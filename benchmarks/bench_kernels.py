@@ -1,0 +1,227 @@
+"""Kernel benchmark over real layer shapes: shrink + expand of one LoRA layer.
+
+    python benchmarks/bench_kernels.py --out results/kernels.json
+
+For each (in → out, rank, tokens, distinct adapters, distribution) it reports
+* GPU µs: one layer's shrink + expand, median over CUDA-graph replays (launch gaps removed);
+* host µs: eager host time per layer (two launches through the library's launch path, no sync);
+* GB/s achieved and the ratio to the memory floor: x, y (read + write) and each used adapter's A and B read once,
+  over the measured device copy rate (``--copy-gbs``, default 4300 GB/s on the H200).
+Then the per-layer cost of the whole patched module (base Linear alone, PEFT one adapter, csgmv) and the plan build
+time. The tables are printed last; the JSON holds GPU name, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from peft_csgmv import BatchPlan  # noqa: E402
+from peft_csgmv.kernels import expand, shrink  # noqa: E402
+
+SHAPES = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048), (4096, 4096), (4096, 1024), (4096, 14336),
+          (14336, 4096)]  # fmt: skip
+
+
+def row_slots(rows: int, distinct: int, dist: str, gen: torch.Generator) -> list[int]:
+    if dist == "uniform":
+        return [i % distinct for i in range(rows)]
+    # zipf-skewed: slot s with weight 1/(s+1)
+    w = torch.tensor([1.0 / (s + 1) for s in range(distinct)])
+    return torch.multinomial(w, rows, replacement=True, generator=gen).tolist()
+
+
+def graph_time_us(fn, iters: int = 20, replays: int = 20) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def host_time_us(fn, iters: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e6 / iters)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def bench_case(k, n, rank, tokens, rows, distinct, dist, dtype, copy_gbs, gen):
+    slots = row_slots(rows, distinct, dist, gen)
+    num_slots = max(distinct, 1)
+    dev = "cuda"
+    a = torch.randn(num_slots, rank, k, device=dev, dtype=dtype) / k**0.5
+    b = torch.randn(num_slots, n, rank, device=dev, dtype=dtype) / rank**0.5
+    ranks = torch.full((num_slots,), rank, dtype=torch.int32, device=dev)
+    scal = torch.ones(num_slots, dtype=torch.float32, device=dev)
+    plan = BatchPlan.build(slots, tokens // rows, dev)
+    x = torch.randn(plan.num_tokens, k, device=dev, dtype=dtype)
+    y = torch.randn(plan.num_tokens, n, device=dev, dtype=dtype)
+    t = torch.empty(plan.num_tokens, rank, device=dev, dtype=torch.float32)
+
+    def layer():
+        shrink(x, a, ranks, plan, t)
+        expand(t, b, ranks, scal, plan, y)
+
+    gpu_us = graph_time_us(layer)
+    host_us = host_time_us(layer)
+    used = len(set(slots))
+    elt = x.element_size()
+    nbytes = plan.num_tokens * (k + 2 * n) * elt + used * rank * (k + n) * elt
+    floor_us = nbytes / (copy_gbs * 1e3)
+    return dict(in_f=k, out_f=n, rank=rank, tokens=plan.num_tokens, distinct=distinct, used=used, dist=dist,
+                gpu_us=gpu_us, host_us=host_us, gbs=nbytes / gpu_us / 1e3, floor_us=floor_us,
+                vs_floor=gpu_us / floor_us, segments=plan.num_segments)  # fmt: skip
+
+
+def bench_modules(dtype, gen) -> list[dict]:
+    """Host and GPU time per layer of the whole module: base nn.Linear, PEFT lora.Linear with one adapter, csgmv."""
+    from peft import LoraConfig, get_peft_model
+
+    from peft_csgmv.layers import ACTIVE, CallContext
+
+    rows = []
+    for k, n in [(2048, 2048), (4096, 14336)]:
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj = torch.nn.Linear(k, n, bias=False)
+
+            def forward(self, x):
+                return self.proj(x)
+
+        base = M().to("cuda", dtype)
+        x = torch.randn(32, 1, k, device="cuda", dtype=dtype)
+        entry = dict(in_f=k, out_f=n, tokens=32)
+        with torch.no_grad():
+            entry["base_host_us"] = host_time_us(lambda: base.proj(x))
+            pm = get_peft_model(base, LoraConfig(r=16, target_modules=["proj"], init_lora_weights=False),
+                                adapter_name="a0", autocast_adapter_dtype=False)
+            for i in range(1, 32):
+                pm.add_adapter(f"a{i}", LoraConfig(r=16, target_modules=["proj"], init_lora_weights=False))
+            pm.to(dtype).eval()
+            layer = pm.base_model.model.proj
+            entry["peft_one_host_us"] = host_time_us(lambda: layer(x))
+            from peft_csgmv import disable_csgmv, enable_csgmv
+
+            enable_csgmv(pm)
+            state = pm._csgmv
+            ctx = CallContext(state=state, row_slots=tuple(range(32)), arg_name="adapter_ids")
+            token = ACTIVE.set(ctx)
+            try:
+                entry["csgmv_host_us"] = host_time_us(lambda: layer(x))
+                entry["csgmv_gpu_us"] = graph_time_us(lambda: layer(x))
+            finally:
+                ACTIVE.reset(token)
+                disable_csgmv(pm)
+        rows.append(entry)
+    return rows
+
+
+def bench_plan() -> list[dict]:
+    out = []
+    for rows, tpr in [(32, 1), (32, 256)]:
+        slots = list(range(rows))
+        BatchPlan.build(slots, tpr, "cuda")
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            BatchPlan.build(slots, tpr, "cuda")
+            samples.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        out.append(dict(rows=rows, tokens_per_row=tpr, build_us=statistics.median(samples)))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--copy-gbs", type=float, default=4300.0)
+    p.add_argument("--quick", action="store_true", help="a few cases only")
+    args = p.parse_args(argv)
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    for k, n in shapes:
+        for rank in ([16] if args.quick else [8, 16, 64, 128]):
+            for distinct in [1, 8, 32]:
+                cases.append((k, n, rank, 32, 32, distinct, "uniform"))
+        for tokens in [512, 8192]:
+            for rank in ([16] if args.quick else [16, 64]):
+                for distinct, dist in [(1, "uniform"), (32, "uniform"), (128, "uniform"), (32, "zipf")]:
+                    rows = max(distinct, 32) if tokens >= 4096 else 32
+                    cases.append((k, n, rank, tokens, min(rows, tokens), distinct, dist))
+    results = []
+    for c in cases:
+        r = bench_case(*c, dtype=dtype, copy_gbs=args.copy_gbs, gen=gen)
+        results.append(r)
+        print(f"{r['in_f']:>5}→{r['out_f']:<5} r{r['rank']:<3} T{r['tokens']:<5} {r['distinct']:>3} {r['dist']:<7} "
+              f"gpu {r['gpu_us']:7.1f} µs  host {r['host_us']:6.1f} µs  {r['gbs']:6.0f} GB/s  "
+              f"{r['vs_floor']:5.2f}× floor", flush=True)
+    modules = bench_modules(dtype, gen)
+    plans = bench_plan()
+
+    print("\n| in→out | rank | tokens | distinct | GPU µs | host µs | GB/s | × floor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['in_f']}→{r['out_f']} | {r['rank']} | {r['tokens']} | {r['distinct']} {r['dist']} | "
+              f"{r['gpu_us']:.1f} | {r['host_us']:.1f} | {r['gbs']:.0f} | {r['vs_floor']:.2f} |")
+    print("\n| module in→out, 32 decode tokens | base Linear host µs | PEFT one adapter host µs | csgmv host µs | csgmv GPU µs |")
+    print("|---|---|---|---|---|")
+    for m in modules:
+        print(f"| {m['in_f']}→{m['out_f']} | {m['base_host_us']:.1f} | {m['peft_one_host_us']:.1f} | "
+              f"{m['csgmv_host_us']:.1f} | {m['csgmv_gpu_us']:.1f} |")
+    print("\n| plan rows × tokens | build µs |")
+    print("|---|---|")
+    for pl in plans:
+        print(f"| {pl['rows']} × {pl['tokens_per_row']} | {pl['build_us']:.1f} |")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        meta = dict(
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            device=torch.cuda.get_device_name(),
+            versions={m: __import__(m).__version__ for m in ("torch", "triton", "transformers", "peft")},
+            launch="triton" if os.environ.get("PEFT_CSGMV_TRITON_LAUNCH") == "1" else "direct",
+        )
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, kernels=results, modules=modules, plans=plans), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

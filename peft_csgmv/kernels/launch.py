@@ -1,0 +1,84 @@
+"""A lean launch path for the Triton kernels.
+
+``kernel[grid](...)`` re-derives the argument specialization, hashes a cache key and builds launch metadata on every
+call: tens of microseconds of host time, paid twice per LoRA layer per forward. In eager decode that host time *is*
+the cost of LoRA. :class:`Launcher` keeps the compiled kernel that Triton's own launch returned, keyed by everything
+Triton specializes on (argument dtypes, 16-byte alignment of each pointer, the exact integer arguments, the constexprs)
+and calls it directly on later launches with the same key.
+
+The first launch for a key always goes through Triton (which compiles and launches). The direct path is used only
+where it is known to behave identically: compiled (not interpreted) kernels, no launch hooks installed, and a Triton
+whose compiled-kernel ``run`` accepts the full argument list (checked on first use; otherwise the launcher falls back
+to ``kernel[grid]`` for good). ``PEFT_CSGMV_TRITON_LAUNCH=1`` forces Triton's own path (for comparison).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+except ImportError:  # older Triton: no direct path
+    _knobs = None
+    _driver = None
+
+
+def _hooks_installed() -> bool:
+    """Whether a launch hook (a profiler, proton) is installed; then every launch takes Triton's own path. Recent
+    Triton keeps the hooks as (usually empty) ``HookChain`` objects, older ones as ``None`` or a callable."""
+    for hook in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class Launcher:
+    """Launch one ``@triton.jit`` kernel; see the module docstring."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.compiled: dict = {}
+        self.direct = (
+            _knobs is not None and not _interpreting() and os.environ.get("PEFT_CSGMV_TRITON_LAUNCH", "0") != "1"
+        )
+
+    @staticmethod
+    def _key(args: tuple, constexprs: tuple) -> tuple:
+        key = [args[0].device.index]
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+            else:
+                key.append(arg)
+        key.append(constexprs)
+        return tuple(key)
+
+    def __call__(self, grid: tuple[int, int, int], args: tuple, **constexprs) -> None:
+        """``args``: the kernel's runtime arguments in signature order; ``constexprs``: its constexpr arguments, which
+        follow them in the signature."""
+        if not self.direct or _hooks_installed():
+            self.kernel[grid](*args, **constexprs)
+            return
+        key = self._key(args, tuple(constexprs.items()))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            self.compiled[key] = self.kernel[grid](*args, **constexprs)
+            return
+        device = args[0].device.index
+        stream = _driver.active.get_current_stream(device)
+        try:
+            compiled.run(
+                grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
+                *args, *constexprs.values(),
+            )  # fmt: skip
+        except TypeError:
+            # This Triton's launcher takes a different argument list: use its own path from now on.
+            self.direct = False
+            self.kernel[grid](*args, **constexprs)

@@ -1,0 +1,540 @@
+"""The Triton kernels (``shrink`` / ``expand``) and the torch reference against an independent float64 oracle.
+
+On a machine without CUDA the kernels run under the Triton interpreter (tests/conftest.py sets ``TRITON_INTERPRET``),
+where ``tl.dot`` on bf16 operands is unreliable, so the CPU grid covers fp32 and fp16 (bf16 joins on a GPU); shapes are
+kept small. Kernel inputs live on ``DEVICE``; the oracle always runs on the CPU in float64.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from helpers import assert_close
+
+from peft_csgmv.kernels import expand, expand_reference, shrink, shrink_reference
+from peft_csgmv.plan import BatchPlan
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Oracle: a plain per-token loop over the Semantics of shrink.py / expand.py, in float64.
+#
+# It works from the slot of every original token (``token_slot[i]``, -1 = base), not from the plan's segments: the
+# segments partition the adapter tokens by slot (tests/test_plan.py checks that), so "for each segment, for each row of
+# it" is the same as "for each token with a slot". That keeps the oracle independent of the plan as well.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def oracle_shrink(x, a, ranks, token_slot, t_before):
+    """``t[i, :r] = x[i] (cast to A's dtype) @ A[slot, :r, :]ᵀ`` for each adapter token ``i`` of a slot with rank
+    ``r > 0``; every other entry keeps its value from ``t_before``. Returns float64."""
+    t = t_before.cpu().double().clone()
+    x64 = x.cpu().to(a.dtype).double()
+    a64 = a.cpu().double()
+    for i, slot in enumerate(token_slot):
+        if slot < 0:
+            continue
+        r = int(ranks[slot])
+        for j in range(r):
+            t[i, j] = torch.dot(x64[i], a64[slot, j])
+    return t
+
+
+def oracle_expand(t, b, ranks, scalings, token_slot, y_before):
+    """``y[i] += (t[i, :r] (cast to B's dtype) @ B[slot, :, :r]ᵀ) * scaling[slot]`` for each adapter token ``i`` of a
+    slot with rank ``r > 0``; other rows keep ``y_before``. Returns float64 (no rounding to y's dtype)."""
+    y = y_before.cpu().double().clone()
+    b64 = b.cpu().double()
+    t = t.cpu()
+    for i, slot in enumerate(token_slot):
+        if slot < 0:
+            continue
+        r = int(ranks[slot])
+        if r == 0:
+            continue
+        ti = t[i, :r].to(b.dtype).double()
+        y[i] += (b64[slot, :, :r] @ ti) * float(scalings[slot])
+    return y
+
+
+def written_mask(token_slot, ranks, width):
+    """``(T, width)`` bool: the entries of ``t`` that shrink writes (adapter tokens, columns below their slot's rank)."""
+    mask = torch.zeros(len(token_slot), width, dtype=torch.bool)
+    for i, slot in enumerate(token_slot):
+        if slot >= 0:
+            mask[i, : int(ranks[slot])] = True
+    return mask.to(DEVICE)
+
+
+def touched_rows(token_slot, ranks):
+    """``(T,)`` bool: the rows of ``y`` that expand updates."""
+    return torch.tensor([slot >= 0 and int(ranks[slot]) > 0 for slot in token_slot], dtype=torch.bool, device=DEVICE)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit pattern (so -0.0 ≠ +0.0 and NaN == NaN)."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def magnitude(expected: torch.Tensor) -> float:
+    """Tolerance scale: the largest result magnitude (at least 1), since accumulated rounding error grows with it."""
+    finite = expected[torch.isfinite(expected)]
+    return max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+
+
+def check_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
+    """``actual`` (any device) against the float64 oracle with ``dtype``'s tolerance scaled by the result magnitude."""
+    actual, expected = actual.cpu(), expected.cpu()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    assert_close(actual, expected, dtype=dtype, scale=magnitude(expected), what=what)
+
+
+def device_mask(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.bool, device=DEVICE)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parameter grid (kept apart from the oracle)
+# ----------------------------------------------------------------------------------------------------------------------
+
+NUM_SLOTS = 4
+
+
+def _zipf_rows(n, seed, base_fraction=0.0):
+    rng = random.Random(seed)
+    weights = [1.0 / (k + 1) ** 1.5 for k in range(NUM_SLOTS)]
+    return [-1 if rng.random() < base_fraction else rng.choices(range(NUM_SLOTS), weights)[0] for _ in range(n)]
+
+
+# name → (row_slots, tokens_per_row, chunk_size override)
+PLANS = {
+    "distinct": ([2, 0, 3, 1], 3, None),
+    "identical": ([1] * 5, 3, None),
+    "zipf": (_zipf_rows(16, seed=0), 2, None),
+    "base-interleaved": ([2, -1, 0, -1, 3, -1, 1, 2], 2, None),
+    "single-token-rows": ([3, 0, 2, 0, 1, -1, 3, 0, 0, 2], 1, None),
+    "runs-16-17-32-33-chunk16": ([0] * 16 + [1] * 17 + [2] * 32 + [3] * 33, 1, 16),
+    "runs-33-66-chunk32": ([1, 2, 2, -1], 33, None),
+    "docstring-chunk3": ([1, -1, 0, 1], 2, 3),
+    "all-base": ([-1, -1], 3, None),
+}
+
+# name → (rank of each slot, padded max rank R of the stack)
+RANKS = {
+    "r1-3-8-16": ([1, 3, 8, 16], 16),
+    "r8-1-3-8-pad16": ([8, 1, 3, 8], 16),
+    "r64-1-3-8": ([64, 1, 3, 8], 64),
+    "r8-0-3-16": ([8, 0, 3, 16], 16),
+    "r128-3-0-64": ([128, 3, 0, 64], 128),
+}
+
+DIMS = {"in33-out47": (33, 47), "in123-out431": (123, 431), "in257-out33": (257, 33)}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+if DEVICE.type == "cuda":  # the interpreter's tl.dot on bf16 is unreliable
+    DTYPES["bf16"] = torch.bfloat16
+SCALINGS = [0.5, 2.0, 1.25, 0.75]
+
+
+def dtype_params():
+    return [pytest.param(dt, id=name) for name, dt in DTYPES.items()]
+
+
+def plan_params(*names):
+    return [pytest.param(name, id=name) for name in (names or PLANS)]
+
+
+def make_plan(name):
+    row_slots, tokens_per_row, chunk_size = PLANS[name]
+    plan = BatchPlan.build(row_slots, tokens_per_row, device=DEVICE, chunk_size=chunk_size)
+    token_slot = [row_slots[i // tokens_per_row] for i in range(len(row_slots) * tokens_per_row)]
+    return plan, token_slot
+
+
+def make_weights(ranks, r_max, k, n, dtype, seed, pad=0.0):
+    """``A (S, R, K)``, ``B (S, N, R)`` with ``pad`` past each slot's rank; ranks int32, scalings fp32."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(NUM_SLOTS, r_max, k, generator=g) / math.sqrt(k)
+    b = torch.randn(NUM_SLOTS, n, r_max, generator=g) / math.sqrt(r_max)
+    for s, r in enumerate(ranks):
+        a[s, r:] = pad
+        b[s, :, r:] = pad
+    ranks_t = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
+    scalings = torch.tensor(SCALINGS, dtype=torch.float32, device=DEVICE)
+    return a.to(DEVICE, dtype), b.to(DEVICE, dtype), ranks_t, scalings
+
+
+def randn(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def full(shape, value, dtype=torch.float32):
+    return torch.full(shape, value, dtype=dtype, device=DEVICE)
+
+
+SENTINEL = -7777.0  # what an entry of t that shrink must not write holds before and after
+
+
+def run_and_check_end_to_end(plan, token_slot, ranks, r_max, k, n, dtype, seed=0, what=""):
+    """shrink then expand on fresh data; compare each step with the oracle; untouched entries bit-identical."""
+    a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed)
+    x = randn(plan.num_tokens, k, dtype=dtype, seed=seed + 1)
+    y = randn(plan.num_tokens, n, dtype=dtype, seed=seed + 2)
+    y0 = y.clone()
+    t = full((plan.num_tokens, r_max), SENTINEL)
+
+    t_out = shrink(x, a, ranks_t, plan, t=t)
+    assert t_out is t
+    t_exp = oracle_shrink(x, a, ranks, token_slot, torch.full_like(t, SENTINEL))
+    check_close(t, t_exp, dtype, what=f"{what} shrink t")
+    unwritten = ~written_mask(token_slot, ranks, r_max)
+    assert torch.equal(bits(t[unwritten]), bits(torch.full_like(t[unwritten], SENTINEL))), f"{what}: t written past rank"
+
+    # "t stored in fp32": the oracle's expand consumes the oracle's t rounded to fp32.
+    y_exp = oracle_expand(t_exp.float(), b, ranks, scalings, token_slot, y0)
+    y_out = expand(t, b, ranks_t, scalings, plan, y)
+    assert y_out is y
+    check_close(y, y_exp, dtype, what=f"{what} expand y")
+    untouched = ~touched_rows(token_slot, ranks)
+    assert torch.equal(bits(y[untouched]), bits(y0[untouched])), f"{what}: rows outside the segments changed"
+    touched = touched_rows(token_slot, ranks)
+    if touched.any():
+        assert not torch.equal(y[touched], y0[touched]), f"{what}: expand changed nothing"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# shrink / expand over the plan grid
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("plan_name", plan_params())
+def test_shrink_matches_oracle(plan_name, dtype):
+    plan, token_slot = make_plan(plan_name)
+    ranks, r_max = RANKS["r1-3-8-16"]
+    k, n = DIMS["in33-out47"]
+    a, _, ranks_t, _ = make_weights(ranks, r_max, k, n, dtype, seed=10)
+    x = randn(plan.num_tokens, k, dtype=dtype, seed=11)
+    t = full((plan.num_tokens, r_max), SENTINEL)
+    x0 = x.clone()
+
+    out = shrink(x, a, ranks_t, plan, t=t)
+
+    assert out is t and out.dtype == torch.float32
+    expected = oracle_shrink(x, a, ranks, token_slot, torch.full_like(t, SENTINEL))
+    check_close(t, expected, dtype, what=f"shrink[{plan_name}]")
+    unwritten = ~written_mask(token_slot, ranks, r_max)
+    assert torch.equal(bits(t[unwritten]), bits(torch.full_like(t[unwritten], SENTINEL)))
+    assert torch.equal(bits(x), bits(x0)), "shrink modified x"
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("plan_name", plan_params())
+def test_expand_matches_oracle(plan_name, dtype):
+    plan, token_slot = make_plan(plan_name)
+    ranks, r_max = RANKS["r1-3-8-16"]
+    k, n = DIMS["in33-out47"]
+    _, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=20)
+    t = randn(plan.num_tokens, r_max, dtype=torch.float32, seed=21)
+    y = randn(plan.num_tokens, n, dtype=dtype, seed=22)
+    y0, t0 = y.clone(), t.clone()
+
+    out = expand(t, b, ranks_t, scalings, plan, y)
+
+    assert out is y
+    expected = oracle_expand(t0, b, ranks, scalings, token_slot, y0)
+    check_close(y, expected, dtype, what=f"expand[{plan_name}]")
+    untouched = ~touched_rows(token_slot, ranks)
+    assert torch.equal(bits(y[untouched]), bits(y0[untouched])), "base rows changed"
+    assert torch.equal(bits(t), bits(t0)), "expand modified t"
+    if plan.is_empty:
+        assert torch.equal(bits(y), bits(y0))
+    else:
+        assert not torch.equal(y, y0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Odd dims × mixed ranks (incl. a rank-0 slot), shrink → expand end to end
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("ranks_name", ["r1-3-8-16", "r8-1-3-8-pad16", "r64-1-3-8", "r8-0-3-16"])
+@pytest.mark.parametrize("dims_name", list(DIMS))
+def test_dims_and_ranks(dims_name, ranks_name, dtype):
+    # zipf-skewed slots with base rows interleaved, 36 tokens (default chunk 16 → several segments per busy slot)
+    row_slots = _zipf_rows(12, seed=5, base_fraction=0.25)
+    assert -1 in row_slots and len(set(row_slots)) == NUM_SLOTS + 1
+    plan = BatchPlan.build(row_slots, tokens_per_row=3, device=DEVICE)
+    token_slot = [row_slots[i // 3] for i in range(plan.num_tokens)]
+    ranks, r_max = RANKS[ranks_name]
+    k, n = DIMS[dims_name]
+    run_and_check_end_to_end(plan, token_slot, ranks, r_max, k, n, dtype, seed=30, what=f"{dims_name}/{ranks_name}")
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_chunk64_tiles(dtype):
+    """chunk ≥ 64 switches both kernels to 64-wide K / N tiles: K = 123 and N = 431 then need a loop with a tail."""
+    row_slots = [0, 0, 0, 0, 1, 1, -1, 3]  # runs of 80 (64 + 16), 40 and 20 tokens
+    plan = BatchPlan.build(row_slots, tokens_per_row=20, device=DEVICE, chunk_size=64)
+    assert plan.seg_indptr.tolist() == [0, 64, 80, 120, 140]
+    token_slot = [row_slots[i // 20] for i in range(plan.num_tokens)]
+    ranks, r_max = RANKS["r1-3-8-16"]
+    k, n = DIMS["in123-out431"]
+    run_and_check_end_to_end(plan, token_slot, ranks, r_max, k, n, dtype, seed=35, what="chunk64")
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_rank128_small(dtype):
+    row_slots = [0, 2, 3, 1, -1, 0]  # slot 2 has rank 0
+    plan = BatchPlan.build(row_slots, tokens_per_row=2, device=DEVICE)
+    token_slot = [row_slots[i // 2] for i in range(plan.num_tokens)]
+    ranks, r_max = RANKS["r128-3-0-64"]
+    run_and_check_end_to_end(plan, token_slot, ranks, r_max, 33, 47, dtype, seed=40, what="rank128")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Rank 0, rank padding, base rows
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize(
+    "row_slots",
+    [pytest.param([1, 0, 1, 3, 1], id="mixed-with-rank0"), pytest.param([1, 1, 1], id="only-rank0")],
+)
+def test_rank0_slot_touches_nothing(row_slots, dtype):
+    ranks, r_max = RANKS["r8-0-3-16"]  # slot 1 has rank 0
+    k, n = DIMS["in33-out47"]
+    plan = BatchPlan.build(row_slots, tokens_per_row=4, device=DEVICE)
+    a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=50)
+    x = randn(plan.num_tokens, k, dtype=dtype, seed=51)
+    y = randn(plan.num_tokens, n, dtype=dtype, seed=52)
+    rank0 = device_mask([row_slots[i // 4] == 1 for i in range(plan.num_tokens)])
+    y[rank0, ::3] = -0.0  # re-storing y + 0 there would turn these into +0.0
+    y0 = y.clone()
+    t = full((plan.num_tokens, r_max), SENTINEL)
+
+    shrink(x, a, ranks_t, plan, t=t)
+    expand(t, b, ranks_t, scalings, plan, y)
+
+    assert torch.equal(bits(t[rank0]), bits(torch.full_like(t[rank0], SENTINEL))), "t written for a rank-0 slot"
+    assert torch.equal(bits(y[rank0]), bits(y0[rank0])), "y changed for a rank-0 slot"
+    if (~rank0).any():
+        assert not torch.equal(y[~rank0], y0[~rank0])
+        assert (t[~rank0][:, 0] != SENTINEL).all()
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_rank_padding_is_never_read(dtype):
+    """Garbage (1e3) past each slot's rank in A, B and the input t: the kernels must only use the first r entries."""
+    plan_name = "base-interleaved"
+    plan, token_slot = make_plan(plan_name)
+    ranks, r_max = RANKS["r8-1-3-8-pad16"]
+    k, n = DIMS["in33-out47"]
+    a_clean, b_clean, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=60, pad=0.0)
+    a_dirty, b_dirty, _, _ = make_weights(ranks, r_max, k, n, dtype, seed=60, pad=1e3)
+    assert not torch.equal(a_clean, a_dirty) and not torch.equal(b_clean, b_dirty)
+    x = randn(plan.num_tokens, k, dtype=dtype, seed=61)
+    y = randn(plan.num_tokens, n, dtype=dtype, seed=62)
+    y0 = y.clone()
+    t = full((plan.num_tokens, r_max), 1e3)
+
+    shrink(x, a_dirty, ranks_t, plan, t=t)
+    t_exp = oracle_shrink(x, a_clean, ranks, token_slot, torch.full_like(t, 1e3))
+    written = written_mask(token_slot, ranks, r_max)
+    check_close(t[written], t_exp[written.cpu()], dtype, what="shrink (dirty pad)")
+    assert (t[~written] == 1e3).all(), "shrink wrote past a slot's rank"
+
+    # t still holds 1e3 past each rank: expand must mask both t and B by rank.
+    expand(t, b_dirty, ranks_t, scalings, plan, y)
+    y_exp = oracle_expand(t_exp.float(), b_clean, ranks, scalings, token_slot, y0)
+    check_close(y, y_exp, dtype, what="expand (dirty pad)")
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_base_rows_bit_identical(dtype):
+    """Base rows hold -0.0, NaN and inf: a kernel that so much as re-stores y + 0 there would flip -0.0 to +0.0."""
+    plan, token_slot = make_plan("base-interleaved")
+    ranks, r_max = RANKS["r1-3-8-16"]
+    k, n = DIMS["in33-out47"]
+    a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=70)
+    x = randn(plan.num_tokens, k, dtype=dtype, seed=71)
+    y = randn(plan.num_tokens, n, dtype=dtype, seed=72)
+    base = device_mask([s < 0 for s in token_slot])
+    assert base.any() and (~base).any()
+    special = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf"), 1.5], dtype=dtype, device=DEVICE)
+    y[base] = special.repeat(n // len(special) + 1)[:n]
+    x[base] = float("nan")  # base tokens of x must not be read into anything that is compared
+    t = full((plan.num_tokens, r_max), float("nan"))
+    y0 = y.clone()
+
+    shrink(x, a, ranks_t, plan, t=t)
+    expand(t, b, ranks_t, scalings, plan, y)
+
+    assert torch.equal(bits(y[base]), bits(y0[base])), "base rows of y are not bit-identical"
+    assert torch.isnan(t[base]).all(), "shrink wrote t for base rows"
+    assert torch.isfinite(y[~base]).all(), "NaN from base rows leaked into adapter rows"
+    assert not torch.equal(y[~base], y0[~base])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# In place, strides
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_expand_is_in_place():
+    plan, token_slot = make_plan("zipf")
+    ranks, r_max = RANKS["r1-3-8-16"]
+    k, n = DIMS["in33-out47"]
+    _, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, torch.float32, seed=80)
+    t = randn(plan.num_tokens, r_max, dtype=torch.float32, seed=81)
+    y = randn(plan.num_tokens, n, dtype=torch.float32, seed=82)
+    y0 = y.clone()
+    ptr = y.data_ptr()
+
+    out = expand(t, b, ranks_t, scalings, plan, y)
+
+    assert out is y
+    assert y.data_ptr() == ptr and out.data_ptr() == ptr
+    assert not torch.equal(y, y0), "y was not updated in place"
+    check_close(y, oracle_expand(t, b, ranks, scalings, token_slot, y0), torch.float32, what="in-place expand")
+
+
+def x_view(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """A non-contiguous view holding the same values as ``x``."""
+    if layout == "column-slice":  # columns 7 .. 7+K of a wider tensor: strides (K + 12, 1)
+        wide = full((x.shape[0], x.shape[1] + 12), float("nan"), x.dtype)
+        wide[:, 7 : 7 + x.shape[1]] = x
+        return wide[:, 7 : 7 + x.shape[1]]
+    if layout == "transposed":  # column-major: strides (1, T)
+        return x.t().contiguous().t()
+    raise ValueError(layout)
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("layout", ["column-slice", "transposed"])
+def test_noncontiguous_x(layout, dtype):
+    plan, token_slot = make_plan("base-interleaved")
+    ranks, r_max = RANKS["r1-3-8-16"]
+    k, n = DIMS["in33-out47"]
+    a, _, ranks_t, _ = make_weights(ranks, r_max, k, n, dtype, seed=90)
+    x_dense = randn(plan.num_tokens, k, dtype=dtype, seed=91)
+    x = x_view(x_dense, layout)
+    assert not x.is_contiguous() and torch.equal(x, x_dense)
+
+    t = shrink(x, a, ranks_t, plan)
+
+    assert t.shape == (plan.num_tokens, r_max) and t.dtype == torch.float32
+    expected = oracle_shrink(x_dense, a, ranks, token_slot, torch.zeros(plan.num_tokens, r_max, dtype=torch.float64))
+    written = written_mask(token_slot, ranks, r_max)
+    check_close(t[written], expected[written.cpu()], dtype, what=f"shrink x {layout}")
+
+
+def y_view(y: torch.Tensor, layout: str):
+    """A strided view holding the same values as ``y``, its parent buffer, and a mask of the parent that is not in the
+    view."""
+    t, n = y.shape
+    if layout == "column-slice":  # columns 5 .. 5+N of a wider buffer
+        parent = full((t, n + 9), 3.25, y.dtype)
+        view = parent[:, 5 : 5 + n]
+    elif layout == "transposed":  # column-major, rows 1 .. 1+N of a taller buffer
+        parent = full((n + 3, t), 3.25, y.dtype)
+        view = parent[1 : 1 + n].t()
+    elif layout == "row-stride-2":  # every other row
+        parent = full((2 * t, n), 3.25, y.dtype)
+        view = parent[::2]
+    else:
+        raise ValueError(layout)
+    view.copy_(y)
+    outside = torch.ones_like(parent, dtype=torch.bool)
+    outside.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(False)
+    return view, parent, outside
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("layout", ["column-slice", "transposed", "row-stride-2"])
+def test_strided_y(layout, dtype):
+    plan, token_slot = make_plan("base-interleaved")
+    ranks, r_max = RANKS["r1-3-8-16"]
+    k, n = DIMS["in33-out47"]
+    _, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=100)
+    t = randn(plan.num_tokens, r_max, dtype=torch.float32, seed=101)
+    y_dense = randn(plan.num_tokens, n, dtype=dtype, seed=102)
+    y, parent, outside = y_view(y_dense, layout)
+    assert not y.is_contiguous() and torch.equal(y, y_dense) and outside.any()
+    parent0 = parent.clone()
+    ptr = y.data_ptr()
+
+    out = expand(t, b, ranks_t, scalings, plan, y)
+
+    assert out is y and out.data_ptr() == ptr
+    expected = oracle_expand(t, b, ranks, scalings, token_slot, y_dense)
+    check_close(y, expected, dtype, what=f"expand y {layout}")
+    assert torch.equal(bits(parent[outside]), bits(parent0[outside])), "expand wrote outside the y view"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Argument checks
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_shape_mismatch_raises():
+    plan, _ = make_plan("distinct")
+    ranks, r_max = RANKS["r1-3-8-16"]
+    a, b, ranks_t, scalings = make_weights(ranks, r_max, 33, 47, torch.float32, seed=110)
+    x = randn(plan.num_tokens, 33, dtype=torch.float32, seed=111)
+    with pytest.raises(ValueError):
+        shrink(x[:, :32], a, ranks_t, plan)  # K mismatch
+    with pytest.raises(ValueError):
+        shrink(x[:-1], a, ranks_t, plan)  # token count mismatch
+    t = full((plan.num_tokens, r_max), 0.0)
+    y = full((plan.num_tokens, 47), 0.0)
+    with pytest.raises(ValueError):
+        expand(t, b, ranks_t, scalings, plan, y[:, :46])  # N mismatch
+    with pytest.raises(ValueError):
+        expand(t[:, :8], b, ranks_t, scalings, plan, y)  # R mismatch
+    with pytest.raises(ValueError):
+        expand(t[:-1], b, ranks_t, scalings, plan, y[:-1])  # token count mismatch
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The torch reference against the same oracle
+# ----------------------------------------------------------------------------------------------------------------------
+
+REF_DTYPES = [pytest.param(torch.float64, id="fp64"), *dtype_params()]  # the reference handles bf16 on the CPU too
+
+
+@pytest.mark.parametrize("dtype", REF_DTYPES)
+@pytest.mark.parametrize("plan_name", plan_params())
+def test_reference_matches_oracle(plan_name, dtype):
+    plan, token_slot = make_plan(plan_name)
+    ranks, r_max = RANKS["r8-0-3-16"]  # includes a rank-0 slot
+    k, n = DIMS["in33-out47"]
+    a, b, _, scalings = make_weights(ranks, r_max, k, n, dtype, seed=120)
+    x = randn(plan.num_tokens, k, dtype=dtype, seed=121)
+    y = randn(plan.num_tokens, n, dtype=dtype, seed=122)
+    y0 = y.clone()
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    t = full((plan.num_tokens, r_max), SENTINEL, acc)
+    scal = scalings.tolist()
+
+    out_t = shrink_reference(x, a, ranks, plan, t=t)
+    assert out_t is t
+    t_exp = oracle_shrink(x, a, ranks, token_slot, torch.full_like(t, SENTINEL))
+    check_close(t, t_exp, dtype, what=f"shrink_reference[{plan_name}]")
+
+    fresh = shrink_reference(x, a, ranks, plan)
+    assert fresh.dtype == acc and fresh.shape == (plan.num_tokens, r_max)
+    written = written_mask(token_slot, ranks, r_max)
+    assert (fresh[~written] == 0).all()
+    assert torch.equal(fresh[written], t[written])
+
+    out_y = expand_reference(t, b, ranks, scal, plan, y)
+    assert out_y is y
+    y_exp = oracle_expand(t, b, ranks, scalings, token_slot, y0)
+    check_close(y, y_exp, dtype, what=f"expand_reference[{plan_name}]")
+    untouched = ~touched_rows(token_slot, ranks)
+    assert torch.equal(bits(y[untouched]), bits(y0[untouched]))
