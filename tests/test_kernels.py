@@ -538,3 +538,54 @@ def test_reference_matches_oracle(plan_name, dtype):
     check_close(y, y_exp, dtype, what=f"expand_reference[{plan_name}]")
     untouched = ~touched_rows(token_slot, ranks)
     assert torch.equal(bits(y[untouched]), bits(y0[untouched]))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Split-K: shrink writes partial products per K range into planes of t; expand sums them.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3, 5], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_split_k_partials_sum_to_oracle(split_k, dtype):
+    plan, token_slot = make_plan("base-interleaved")
+    ranks, r_max, k, n = [8, 1, 3, 16], 16, 777, 47
+    a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=21)
+    x = randn(plan.num_tokens, k, dtype=dtype, seed=22)
+    y = randn(plan.num_tokens, n, dtype=dtype, seed=23)
+    y0 = y.clone()
+    t = shrink(x, a, ranks_t, plan, split_k=split_k)
+    planes = t.shape[0] if t.dim() == 3 else 1
+    # K splits are whole BLOCK_K tiles, so a request may round down (777 in 5 splits of 256 → 4), never up.
+    assert min(split_k, 2) <= planes <= split_k, f"asked for {split_k} splits, got {planes} planes"
+    t_exp = oracle_shrink(x, a, ranks, token_slot, torch.zeros(plan.num_tokens, r_max))
+    t_sum = (t if t.dim() == 3 else t.unsqueeze(0)).sum(0)
+    written = written_mask(token_slot, ranks, r_max)
+    check_close(t_sum[written], t_exp.to(DEVICE)[written], dtype, what=f"split {split_k} shrink")
+    expand(t, b, ranks_t, scalings, plan, y)
+    y_exp = oracle_expand(t_exp.float(), b, ranks, scalings, token_slot, y0)
+    check_close(y, y_exp, dtype, what=f"split {split_k} expand")
+    untouched = ~touched_rows(token_slot, ranks)
+    assert torch.equal(bits(y[untouched]), bits(y0[untouched]))
+
+
+def test_split_k_chosen_for_few_segments():
+    """With few segments and a wide input the launcher splits K by itself (the interpreter poses as a 4-SM GPU), and
+    the result still matches the oracle."""
+    from peft_csgmv.kernels.shrink import split_k_for
+
+    plan, token_slot = make_plan("distinct")  # 4 segments
+    k, n = 1024, 33
+    splits, k_per_split = split_k_for(plan.num_segments, k, 128, DEVICE)
+    if DEVICE.type == "cpu":
+        assert splits == 2 and k_per_split == 512
+    ranks, r_max = [8, 1, 3, 16], 16
+    a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, torch.float32, seed=31)
+    x = randn(plan.num_tokens, k, dtype=torch.float32, seed=32)
+    y = randn(plan.num_tokens, n, dtype=torch.float32, seed=33)
+    y0 = y.clone()
+    t = shrink(x, a, ranks_t, plan)
+    assert (t.shape[0] if t.dim() == 3 else 1) == splits
+    expand(t, b, ranks_t, scalings, plan, y)
+    t_exp = oracle_shrink(x, a, ranks, token_slot, torch.zeros(plan.num_tokens, r_max))
+    check_close(y, oracle_expand(t_exp.float(), b, ranks, scalings, token_slot, y0), torch.float32, what="auto split")

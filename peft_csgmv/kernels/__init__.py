@@ -3,6 +3,6 @@ reference with the same semantics."""
 
 from .expand import expand
 from .reference import expand_reference, shrink_reference
-from .shrink import shrink
+from .shrink import max_split_k, shrink
 
-__all__ = ["shrink", "expand", "shrink_reference", "expand_reference"]
+__all__ = ["max_split_k", "shrink", "expand", "shrink_reference", "expand_reference"]

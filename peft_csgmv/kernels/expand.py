@@ -5,6 +5,7 @@ Semantics::
     for each segment s with slot = seg_slot[s], r = rank[slot], rows = permutation[seg_indptr[s]:seg_indptr[s+1]]:
         y[rows] += (t[rows, :r] @ B[slot, :, :r]ᵀ) * scaling[slot]     (fp32 accumulation, one rounding to y's dtype)
 
+With split-K shrink output ``t`` has ``P`` planes of partial products and ``t = Σ_p t[p]`` is formed in fp32 first.
 ``t`` is cast to ``B``'s dtype before the product (as PEFT feeds ``lora_A``'s output to ``lora_B`` in the adapter
 dtype). Rows in no segment (base rows) and segments whose slot has rank 0 are left as they are.
 """
@@ -22,7 +23,7 @@ from .shrink import _block
 
 @triton.jit
 def _expand_kernel(
-    t_ptr,  # (T, R) fp32 shrink output
+    t_ptr,  # (P, T, R) fp32 shrink output (P split-K planes)
     b_ptr,  # (S, N, R) stacked B
     y_ptr,  # (T, N) base output, updated in place
     perm_ptr,  # (T,) int32
@@ -31,6 +32,8 @@ def _expand_kernel(
     rank_ptr,  # (S,) int32
     scaling_ptr,  # (S,) fp32
     N,
+    SPLITS,
+    stride_tp,
     stride_tm,
     stride_tr,
     stride_bs,
@@ -66,11 +69,11 @@ def _expand_kernel(
         mask=r_mask[:, None] & n_mask[None, :],
         other=0.0,
     )
-    t = tl.load(
-        t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr,
-        mask=m_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
+    t_ptrs = t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr
+    t_mask = m_mask[:, None] & r_mask[None, :]
+    t = tl.load(t_ptrs, mask=t_mask, other=0.0)
+    for p in range(1, SPLITS):
+        t += tl.load(t_ptrs + p * stride_tp, mask=t_mask, other=0.0)
     acc = tl.dot(t.to(b.dtype), b, input_precision=DOT_PRECISION) * scaling
 
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
@@ -93,7 +96,8 @@ def expand(
     """Launch the expand kernel; ``y`` is updated in place and returned.
 
     Args:
-        t: ``(T, R)`` fp32, the shrink output (``R`` = the layer's padded max rank).
+        t: ``(T, R)`` or ``(P, T, R)`` fp32, the shrink output (``R`` = the layer's max rank; ``P`` split-K planes,
+            summed here).
         b: ``(S, N, R)`` stacked B weights (slot-major), fp16/bf16/fp32.
         ranks: ``(S,)`` int32 rank of each slot.
         scalings: ``(S,)`` fp32 scaling of each slot.
@@ -102,7 +106,8 @@ def expand(
     """
     num_tokens, n = y.shape
     num_slots, n_b, r = b.shape
-    if n_b != n or t.shape != (num_tokens, r) or num_tokens != plan.num_tokens:
+    t3 = t if t.dim() == 3 else t.unsqueeze(0)
+    if n_b != n or t3.shape[1:] != (num_tokens, r) or num_tokens != plan.num_tokens:
         raise ValueError(
             f"expand: t {tuple(t.shape)}, B {tuple(b.shape)} and y {tuple(y.shape)} do not fit a plan of "
             f"{plan.num_tokens} tokens"
@@ -113,8 +118,9 @@ def expand(
     _launch_expand(
         (plan.num_segments, -(-n // block_n), 1),
         (
-            t, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings,
-            n, t.stride(0), t.stride(1), b.stride(0), b.stride(1), b.stride(2), y.stride(0), y.stride(1),
+            t3, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings,
+            n, t3.shape[0], t3.stride(0), t3.stride(1), t3.stride(2),
+            b.stride(0), b.stride(1), b.stride(2), y.stride(0), y.stride(1),
         ),
         BLOCK_M=_block(plan.chunk_size),
         BLOCK_N=block_n,

@@ -8,6 +8,10 @@ Semantics::
 Rows that belong to no segment (base rows) and segments whose slot has rank 0 are not touched; ``t[:, r:]`` of a
 segment is not written either. ``t`` is indexed by original token, so the expand step reads it through the same
 permutation.
+
+Split-K: when there are too few segments to fill the GPU (decode with few adapters, wide inputs), the K range is cut
+into ``split_k`` parts and each part writes its partial product to its own plane, ``t[p] = x[:, Kp] @ A[:, Kp]ᵀ``;
+the expand kernel sums the planes (``t = Σ_p t[p]``). No atomics and no zero-fill are needed.
 """
 
 from __future__ import annotations
@@ -24,17 +28,19 @@ from .launch import Launcher
 def _shrink_kernel(
     x_ptr,  # (T, K) activations, any float dtype
     a_ptr,  # (S, R, K) stacked A
-    t_ptr,  # (T, R) fp32 output
+    t_ptr,  # (P, T, R) fp32 output, one plane per K split
     perm_ptr,  # (T,) int32
     seg_indptr_ptr,  # (num_segments + 1,) int32
     seg_slot_ptr,  # (num_segments,) int32
     rank_ptr,  # (S,) int32
     K,
+    K_PER_SPLIT,  # K elements per split (a multiple of BLOCK_K)
     stride_xm,
     stride_xk,
     stride_as,
     stride_ar,
     stride_ak,
+    stride_tp,
     stride_tm,
     stride_tr,
     BLOCK_M: tl.constexpr,
@@ -43,10 +49,13 @@ def _shrink_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     seg = tl.program_id(0)
+    split = tl.program_id(1)
     slot = tl.load(seg_slot_ptr + seg)
     rank = tl.load(rank_ptr + slot)
     if rank == 0:
         return
+    k_start = split * K_PER_SPLIT
+    k_len = tl.minimum(K - k_start, K_PER_SPLIT)
     start = tl.load(seg_indptr_ptr + seg)
     length = tl.load(seg_indptr_ptr + seg + 1) - start
 
@@ -57,18 +66,20 @@ def _shrink_kernel(
     r_mask = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
 
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + offs_k[None, :]) * stride_xk
+    a_ptrs = (
+        a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar + (k_start + offs_k[:, None]) * stride_ak
+    )
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_mask = offs_k < K - k * BLOCK_K
+    for k in range(0, tl.cdiv(k_len, BLOCK_K)):
+        k_mask = offs_k < k_len - k * BLOCK_K
         a = tl.load(a_ptrs, mask=r_mask[None, :] & k_mask[:, None], other=0.0)
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x.to(a.dtype), a, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
 
-    t_ptrs = t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr
+    t_ptrs = t_ptr + split * stride_tp + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr
     tl.store(t_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
@@ -81,7 +92,39 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, plan: BatchPlan, t: torch.Tensor | None = None):
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    n = _SM_COUNT.get(device)
+    if n is None:
+        # Under the interpreter (CPU tensors) pretend to a small GPU, so CPU tests exercise split-K.
+        n = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        _SM_COUNT[device] = n
+    return n
+
+
+def max_split_k(num_segments: int, device: torch.device) -> int:
+    """The most K splits a plan of ``num_segments`` segments uses (about two programs per SM wanted)."""
+    return max(1, -(-2 * _sm_count(device) // max(num_segments, 1)))
+
+
+def split_k_for(num_segments: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:
+    """``(split_k, k_per_split)``: split the K range when the segments alone would leave most of the GPU idle,
+    keeping at least 256 K elements per split."""
+    split = max(1, min(max_split_k(num_segments, device), k // 256))
+    k_per_split = -(-(-(-k // split)) // block_k) * block_k
+    return -(-k // k_per_split), k_per_split
+
+
+def shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    ranks: torch.Tensor,
+    plan: BatchPlan,
+    t: torch.Tensor | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
     """Launch the shrink kernel.
 
     Args:
@@ -89,29 +132,45 @@ def shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, plan: BatchPla
         a: ``(S, R, K)`` stacked A weights (slot-major), fp16/bf16/fp32; ``x`` is cast to this dtype for the product.
         ranks: ``(S,)`` int32, the rank of each slot (``0`` = the slot does nothing in this layer).
         plan: the batch plan (permutation, segments, slot per segment) on ``x``'s device.
-        t: optional ``(T, R)`` fp32 output buffer.
+        t: optional fp32 output buffer, ``(T, R)`` or ``(P, T, R)`` with ``P >= split_k``.
+        split_k: number of K splits (default: :func:`split_k_for`); with ``t`` given as ``(T, R)``, 1.
 
     Returns:
-        ``t``: ``(T, R)`` fp32; only ``t[rows of segment s, :ranks[slot of s]]`` is written.
+        ``t``: fp32, ``(T, R)`` when one split is used, else ``(P, T, R)`` partial products whose sum over ``P`` is
+        the result (:func:`~peft_csgmv.kernels.expand` accepts both). Only ``t[..., rows of segment s,
+        :ranks[slot of s]]`` is written.
     """
     num_tokens, k = x.shape
     num_slots, r, k_a = a.shape
     if k_a != k or num_tokens != plan.num_tokens:
         raise ValueError(f"shrink: x {tuple(x.shape)} does not fit A {tuple(a.shape)} / plan of {plan.num_tokens} tokens")
-    if t is None:
-        t = torch.empty((num_tokens, r), dtype=torch.float32, device=x.device)
-    if plan.num_segments == 0:
-        return t
     block_m = _block(plan.chunk_size)
-    _launch_shrink(
-        (plan.num_segments, 1, 1),
-        (
-            x, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
-            k, x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1),
-        ),
-        BLOCK_M=block_m,
-        BLOCK_R=_block(r),
-        BLOCK_K=64 if block_m >= 64 else 128,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
-    return t
+    block_k = 64 if block_m >= 64 else 128
+    if split_k is None:
+        split_k = 1 if (t is not None and t.dim() == 2) or plan.num_segments == 0 else None
+    if split_k is None:
+        split_k, k_per_split = split_k_for(plan.num_segments, k, block_k, x.device)
+    else:
+        k_per_split = -(-(-(-k // split_k)) // block_k) * block_k
+        split_k = -(-k // k_per_split)
+    if t is None:
+        t = torch.empty((split_k, num_tokens, r), dtype=torch.float32, device=x.device)
+    t3 = t if t.dim() == 3 else t.unsqueeze(0)
+    if t3.shape[0] < split_k or t3.shape[1:] != (num_tokens, r):
+        raise ValueError(f"shrink: t {tuple(t.shape)} cannot hold {split_k} splits of ({num_tokens}, {r})")
+    if plan.num_segments:
+        _launch_shrink(
+            (plan.num_segments, split_k, 1),
+            (
+                x, a, t3, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
+                k, k_per_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+                t3.stride(0), t3.stride(1), t3.stride(2),
+            ),
+            BLOCK_M=block_m,
+            BLOCK_R=_block(r),
+            BLOCK_K=block_k,
+            DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        )  # fmt: skip
+    if t.dim() == 2:
+        return t
+    return t3[0] if split_k == 1 else t3[:split_k]
