@@ -84,6 +84,12 @@ class CsgmvState:
         fingerprint = self._fingerprint(model)
         if fingerprint == self.fingerprint and not force:
             return
+        # An adapter added since enable_csgmv may have brought a module that csgmv cannot serve (a LoRA embedding,
+        # `modules_to_save`, ...). Left alone, such a module would run PEFT's stock forward inside a mixed batch and
+        # apply the *active* adapter to every row (or none at all), i.e. silently wrong output: refuse, as
+        # enable_csgmv does, before anything runs. The fingerprint is not updated, so every call refuses until the
+        # adapter is deleted again.
+        _check_modules(model)
         _, LoraLayer, LoraLinear = _peft_classes()
         names = [n for n in model.peft_config if n in _lora_adapter_names(model)]
         for gone in [n for n in self.registry.index if n not in names]:
@@ -220,7 +226,7 @@ def _lora_adapter_names(model) -> set[str]:
 
 
 def _check_model(model) -> None:
-    PeftModel, LoraLayer, LoraLinear = _peft_classes()
+    PeftModel, _, _ = _peft_classes()
     if not isinstance(model, PeftModel):
         raise TypeError(f"enable_csgmv expects a peft.PeftModel, got {type(model).__name__}")
     bad_types = {n: cfg.peft_type for n, cfg in model.peft_config.items() if str(cfg.peft_type) not in ("LORA", "PeftType.LORA")}
@@ -229,14 +235,30 @@ def _check_model(model) -> None:
             "csgmv serves LoRA adapters only; these are not LoRA: "
             + ", ".join(f"'{n}' ({t})" for n, t in bad_types.items())
         )
+    _check_modules(model)
+
+
+def _held_adapters(module: nn.Module) -> set[str]:
+    """Names of the adapters a PEFT layer or auxiliary wrapper holds (``{"?"}`` when it cannot tell)."""
+    try:
+        return set(module._get_available_adapters())
+    except (AttributeError, NotImplementedError):
+        return {"?"}
+
+
+def _check_modules(model) -> None:
+    """Raise ``NotImplementedError`` for the first module that holds an adapter csgmv cannot serve: a LoRA layer
+    other than ``lora.Linear`` (embedding, conv, ...) or a `modules_to_save` / trainable-tokens wrapper. Such modules
+    left empty by ``delete_adapter`` are fine: their forward is the base module's."""
+    _, LoraLayer, LoraLinear = _peft_classes()
     Aux = _auxiliary_wrapper_class()
     for mod_name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and type(module) is not LoraLinear:
+        if isinstance(module, LoraLayer) and type(module) is not LoraLinear and _held_adapters(module):
             raise NotImplementedError(
                 f"csgmv does not handle the PEFT layer type {type(module).__module__}.{type(module).__name__} yet "
                 f"(module '{mod_name}'); it handles lora.Linear layers (nn.Linear and transformers Conv1D bases)."
             )
-        if isinstance(module, Aux):
+        if isinstance(module, Aux) and _held_adapters(module):
             raise NotImplementedError(
                 f"csgmv does not handle {type(module).__name__} (`modules_to_save` / trainable tokens) yet "
                 f"(module '{mod_name}')."
@@ -312,9 +334,12 @@ def enable_csgmv(model, backend: str = "auto", dtype: torch.dtype | None = None)
     _check_model(model)
     state = model.__dict__.get("_csgmv")
     if state is not None:
-        state.backend, state.dtype = backend, dtype
-        state.sync(model, force=True)
-        return model
+        if dtype == state.dtype:
+            state.backend = backend
+            state.sync(model, force=True)
+            return model
+        # A restack copies into the existing stacks, which keep their dtype: build them afresh for the new one.
+        disable_csgmv(model)
     state = CsgmvState(model, backend, dtype)
     try:
         state.sync(model, force=True)

@@ -1,0 +1,55 @@
+"""Plot decode-step time against distinct adapters (PEFT ``adapter_names`` vs peft_csgmv) from bench_e2e JSON files.
+
+    python benchmarks/plot.py results/e2e_1b.json results/e2e_8b.json --out docs/decode_vs_distinct.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+
+def main(argv=None) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+")
+    p.add_argument("--out", default="decode_vs_distinct.png")
+    args = p.parse_args(argv)
+    fig, axes = plt.subplots(1, len(args.files), figsize=(5.5 * len(args.files), 4), squeeze=False)
+    for ax, path in zip(axes[0], args.files):
+        with open(path) as f:
+            data = json.load(f)
+        rows = {r["row"]: r for r in data["results"]}
+        model = data["meta"]["args"]["model"]
+        for prefix, style in (("PEFT adapter_names", "o-"), ("peft_csgmv", "s-")):
+            pts = sorted(
+                (int(m.group(1)), r["decode_ms"])
+                for name, r in rows.items()
+                if (m := re.fullmatch(re.escape(prefix) + r", (\d+) distinct", name))
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=prefix)
+        for name, style in (("base model, no LoRA", ":"), ("PEFT one adapter", "--")):
+            if name in rows:
+                ax.axhline(rows[name]["decode_ms"], linestyle=style, color="gray", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("distinct adapters in a batch of %d" % data["meta"]["args"]["batch"])
+        ax.set_ylabel("decode step (ms)")
+        ax.set_title(f"{model} Llama, {data['meta']['device']}")
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
