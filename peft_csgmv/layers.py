@@ -69,8 +69,7 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
     """``y[i] += scaling[s] * (x[i] @ A[s]ᵀ) @ B[s]ᵀ`` for every token ``i`` of slot ``s``; ``x``: (T, in), ``y``:
     (T, out), in place."""
     if triton_backend:
-        t = plan.workspace(kernels.max_split_k(plan.num_segments, x.device), stack.r_max)
-        t = kernels.shrink(x, stack.a, stack.ranks, plan, t)
+        t = kernels.shrink(x, stack.a, stack.ranks, plan, plan.workspace(1, stack.r_max)[0])
         kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y)
     else:
         t = kernels.shrink_reference(x, stack.a, stack.ranks_host, plan)

@@ -570,8 +570,8 @@ def test_split_k_partials_sum_to_oracle(split_k, dtype):
 
 
 def test_split_k_chosen_for_few_segments():
-    """With few segments and a wide input the launcher splits K by itself (the interpreter poses as a 4-SM GPU), and
-    the result still matches the oracle."""
+    """With few segments and a wide input ``split_k="auto"`` splits K (the interpreter poses as a 4-SM GPU), and the
+    result still matches the oracle; the default is one split."""
     from peft_csgmv.kernels.shrink import split_k_for
 
     plan, token_slot = make_plan("distinct")  # 4 segments
@@ -584,7 +584,8 @@ def test_split_k_chosen_for_few_segments():
     x = randn(plan.num_tokens, k, dtype=torch.float32, seed=32)
     y = randn(plan.num_tokens, n, dtype=torch.float32, seed=33)
     y0 = y.clone()
-    t = shrink(x, a, ranks_t, plan)
+    assert shrink(x, a, ranks_t, plan).dim() == 2
+    t = shrink(x, a, ranks_t, plan, split_k="auto")
     assert (t.shape[0] if t.dim() == 3 else 1) == splits
     expand(t, b, ranks_t, scalings, plan, y)
     t_exp = oracle_shrink(x, a, ranks, token_slot, torch.zeros(plan.num_tokens, r_max))

@@ -123,7 +123,7 @@ def shrink(
     ranks: torch.Tensor,
     plan: BatchPlan,
     t: torch.Tensor | None = None,
-    split_k: int | None = None,
+    split_k: int | str = 1,
 ) -> torch.Tensor:
     """Launch the shrink kernel.
 
@@ -133,7 +133,9 @@ def shrink(
         ranks: ``(S,)`` int32, the rank of each slot (``0`` = the slot does nothing in this layer).
         plan: the batch plan (permutation, segments, slot per segment) on ``x``'s device.
         t: optional fp32 output buffer, ``(T, R)`` or ``(P, T, R)`` with ``P >= split_k``.
-        split_k: number of K splits (default: :func:`split_k_for`); with ``t`` given as ``(T, R)``, 1.
+        split_k: number of K splits, or ``"auto"`` for :func:`split_k_for`'s choice (only with ``t`` absent or
+            ``(P, T, R)``). The default is 1: on the H200 the automatic split made one-adapter decode slower, so the
+            patched layers do not use it until its heuristic is tuned.
 
     Returns:
         ``t``: fp32, ``(T, R)`` when one split is used, else ``(P, T, R)`` partial products whose sum over ``P`` is
@@ -146,9 +148,9 @@ def shrink(
         raise ValueError(f"shrink: x {tuple(x.shape)} does not fit A {tuple(a.shape)} / plan of {plan.num_tokens} tokens")
     block_m = _block(plan.chunk_size)
     block_k = 64 if block_m >= 64 else 128
-    if split_k is None:
-        split_k = 1 if (t is not None and t.dim() == 2) or plan.num_segments == 0 else None
-    if split_k is None:
+    if t is not None and t.dim() == 2 or plan.num_segments == 0:
+        split_k = 1
+    if split_k == "auto":
         split_k, k_per_split = split_k_for(plan.num_segments, k, block_k, x.device)
     else:
         k_per_split = -(-(-(-k // split_k)) // block_k) * block_k
