@@ -1,6 +1,6 @@
 """Plot decode-step time against distinct adapters (PEFT ``adapter_names`` vs peft_csgmv) from bench_e2e JSON files.
 
-    python benchmarks/plot.py results/e2e_1b.json results/e2e_8b.json --out docs/decode_vs_distinct.png
+    python -m peft_csgmv.plot results/e2e_1b.json results/e2e_8b.json --out docs/decode_vs_distinct.png
 """
 
 from __future__ import annotations
@@ -11,20 +11,16 @@ import re
 import sys
 
 
-def main(argv=None) -> int:
+def plot_decode_vs_distinct(datasets: list[dict], out: str) -> None:
+    """One panel per benchmark result (``{"meta": ..., "results": [...]}``): decode-step ms against distinct
+    adapters for PEFT ``adapter_names`` and peft_csgmv, with the base model and PEFT one adapter as lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("files", nargs="+")
-    p.add_argument("--out", default="decode_vs_distinct.png")
-    args = p.parse_args(argv)
-    fig, axes = plt.subplots(1, len(args.files), figsize=(5.5 * len(args.files), 4), squeeze=False)
-    for ax, path in zip(axes[0], args.files):
-        with open(path) as f:
-            data = json.load(f)
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4), squeeze=False)
+    for ax, data in zip(axes[0], datasets):
         rows = {r["row"]: r for r in data["results"]}
         model = data["meta"]["args"]["model"]
         for prefix, style in (("PEFT adapter_names", "o-"), ("peft_csgmv", "s-")):
@@ -46,7 +42,20 @@ def main(argv=None) -> int:
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+")
+    p.add_argument("--out", default="decode_vs_distinct.png")
+    args = p.parse_args(argv)
+    datasets = []
+    for path in args.files:
+        with open(path) as f:
+            datasets.append(json.load(f))
+    plot_decode_vs_distinct(datasets, args.out)
     print(f"wrote {args.out}")
     return 0
 

@@ -1,0 +1,231 @@
+"""End-to-end benchmark: base model, stock PEFT (one adapter, ``adapter_names``) and peft_csgmv, in one run.
+
+    peft-csgmv bench --model 1b --out results/e2e_1b.json --plot results/e2e_1b.png
+    python benchmarks/bench_e2e.py --model 1b --out results/e2e_1b.json        (the same)
+
+Random weights from a transformers LlamaConfig (no hub). Rows: base model with no LoRA; PEFT with one active adapter;
+PEFT ``adapter_names`` with 1 / 8 / 32 distinct adapters; peft_csgmv with the same batches (and one with base rows
+mixed in). Columns: prefill ms (batch × prompt tokens), decode-step ms (one token per row over a KV cache of the
+prompt length), generate tok/s (``max_new_tokens`` = ``min_new_tokens``). Medians of CUDA-event timings after a
+warm-up. The table is printed last; the JSON holds GPU name, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+MODELS = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+}  # fmt: skip
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class Timer:
+    """Median wall time of a callable: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn, repeats: int, warmup: int = 1, before=None) -> float:
+        for _ in range(warmup):
+            if before:
+                before()
+            fn()
+        times = []
+        for _ in range(repeats):
+            if before:
+                before()
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def _crop(cache, length: int) -> None:
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def build_model(name: str, device: torch.device, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(max_position_embeddings=4096, **MODELS[name])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def add_adapters(model, n: int, ranks: list[int], device: torch.device, fp32_adapters: bool = False):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = None
+    with torch.device(device):
+        for i in range(n):
+            r = ranks[i % len(ranks)]
+            cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, init_lora_weights=False)
+            if peft_model is None:
+                # PEFT keeps adapters in fp32 on a bf16 base unless told otherwise; the default here is the model's
+                # dtype (faster for PEFT, so the stricter baseline).
+                peft_model = get_peft_model(model, cfg, adapter_name=f"a{i}", autocast_adapter_dtype=fp32_adapters)
+            else:
+                peft_model.add_adapter(f"a{i}", cfg, autocast_adapter_dtype=fp32_adapters)
+    return peft_model.eval()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="peft-csgmv bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="1b")
+    p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--ranks", default="16", help="comma-separated ranks, cycled over the adapters (e.g. 8,16,64)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--distinct", default="1,8,32")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--peft-generate-repeats", type=int, default=1,
+                   help="generate repeats for PEFT adapter_names rows (they are slow)")
+    p.add_argument("--skip-peft-mixed-generate", action="store_true")
+    p.add_argument("--fp32-adapters", action="store_true", help="keep adapter weights in fp32 (PEFT's default)")
+    p.add_argument("--csgmv-only", action="store_true", help="skip the PEFT adapter_names rows")
+    p.add_argument("--out", default=None, help="JSON file for the results")
+    p.add_argument("--plot", default=None, help="PNG plot of decode-step time against distinct adapters")
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+
+    from . import disable_csgmv, enable_csgmv
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ranks = [int(r) for r in args.ranks.split(",")]
+    distinct = [int(d) for d in args.distinct.split(",") if int(d) <= args.adapters]
+    timer = Timer(device)
+    model = build_model(args.model, device, dtype)
+    vocab = model.config.vocab_size
+    g = torch.Generator(device="cpu").manual_seed(1)
+    input_ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=g).to(device)
+    mask = torch.ones_like(input_ids)
+    step_ids = torch.randint(3, vocab, (args.batch, 1), generator=g).to(device)
+    step_mask = torch.ones(args.batch, args.prompt + 1, dtype=mask.dtype, device=device)
+    results = []
+
+    def measure(label: str, call, gen_repeats: int | None = None):
+        """``call(**kw)`` runs the model (forward or generate) with the row's adapter arguments."""
+        with torch.no_grad():
+            prefill = timer(lambda: call("forward", input_ids=input_ids, attention_mask=mask, use_cache=False),
+                            args.repeats)
+            out = call("forward", input_ids=input_ids, attention_mask=mask, use_cache=True)
+            cache = out.past_key_values
+            decode = timer(
+                lambda: call("forward", input_ids=step_ids, attention_mask=step_mask, past_key_values=cache,
+                             use_cache=True),
+                args.repeats * 2,
+                before=lambda: _crop(cache, args.prompt),
+            )
+            del out, cache
+            reps = gen_repeats if gen_repeats is not None else max(2, args.repeats // 3)
+            if reps > 0:
+                gen_ms = timer(
+                    lambda: call("generate", input_ids=input_ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens),
+                    reps, warmup=1 if reps > 1 else 0,
+                )
+                tok_s = args.batch * args.new_tokens / (gen_ms / 1e3)
+            else:
+                tok_s = float("nan")
+        row = dict(row=label, prefill_ms=prefill, decode_ms=decode, generate_tok_s=tok_s)
+        results.append(row)
+        print(f"{label:<40} prefill {prefill:9.2f} ms  decode {decode:8.2f} ms  generate {tok_s:9.1f} tok/s",
+              flush=True)
+
+    def runner(target, **extra):
+        def call(kind, **kw):
+            return getattr(target, "generate" if kind == "generate" else "__call__")(**kw, **extra)
+
+        return call
+
+    measure("base model, no LoRA", runner(model))
+    t0 = time.perf_counter()
+    pm = add_adapters(model, args.adapters, ranks, device, args.fp32_adapters)
+    print(f"loaded {args.adapters} adapters (ranks {ranks}) in {time.perf_counter() - t0:.1f} s", flush=True)
+    pm.set_adapter("a0")
+    measure("PEFT one adapter", runner(pm))
+
+    def names_for(d: int, base_rows: bool = False):
+        names = [f"a{i % d}" for i in range(args.batch)]
+        if base_rows:
+            names = ["__base__" if i % 4 == 3 else n for i, n in enumerate(names)]
+        return names
+
+    peft_gen = 0 if args.skip_peft_mixed_generate else args.peft_generate_repeats
+    for d in [] if args.csgmv_only else distinct:
+        measure(f"PEFT adapter_names, {d} distinct", runner(pm, adapter_names=names_for(d)), gen_repeats=peft_gen)
+    enable_csgmv(pm)
+    for d in distinct:
+        measure(f"peft_csgmv, {d} distinct", runner(pm, adapter_ids=names_for(d)))
+    measure(f"peft_csgmv, {max(distinct)} distinct + 1/4 base rows",
+            runner(pm, adapter_ids=names_for(max(distinct), base_rows=True)))
+    disable_csgmv(pm)
+
+    ref = {r["row"]: r for r in results}
+    one = ref["PEFT one adapter"]
+    print()
+    header = f"| {args.model} | row | prefill ms | decode-step ms | generate tok/s | decode vs PEFT one | decode vs PEFT names |"
+    print(header)
+    print("|" + "---|" * 7)
+    for r in results:
+        mixed = ref.get(r["row"].replace("peft_csgmv", "PEFT adapter_names"))
+        vs_names = f"{r['decode_ms'] / mixed['decode_ms']:.3f}" if mixed and mixed is not r else ""
+        print(f"| {args.model} | {r['row']} | {r['prefill_ms']:.1f} | {r['decode_ms']:.2f} | "
+              f"{r['generate_tok_s']:.1f} | {r['decode_ms'] / one['decode_ms']:.3f} | {vs_names} |")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        meta = dict(
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            device=_device_name(device),
+            versions={m: __import__(m).__version__ for m in ("torch", "triton", "transformers", "peft")},
+            python=sys.version.split()[0],
+            args=vars(args),
+        )
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=2)
+    if args.plot:
+        from .plot import plot_decode_vs_distinct
+
+        plot_decode_vs_distinct([dict(meta=dict(args=vars(args), device=_device_name(device)), results=results)],
+                                args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
