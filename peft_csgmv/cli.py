@@ -31,33 +31,19 @@ def _timed(fn, device: torch.device, repeats: int = 3):
 def demo(device: str | None = None, seed: int = 0) -> bool:
     """Build a small model with four adapters, run a mixed batch both ways, print the comparison. Returns whether
     they agree."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from . import disable_csgmv, enable_csgmv
+    from .toy import tiny_llama, with_adapters
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-    )  # fmt: skip
-    base = LlamaForCausalLM(config).to(dev, dtype).eval()
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    vocab = 1000
+    base = tiny_llama(hidden=256, layers=4, seed=seed, vocab_size=vocab).to(dev, dtype)
     adapters = {"legal": 4, "chat": 8, "code": 16, "math": 32}
-    model = None
-    for name, rank in adapters.items():
-        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
-        if model is None:
-            model = get_peft_model(base, cfg, adapter_name=name)
-        else:
-            model.add_adapter(name, cfg)
-    model.eval()
+    model = with_adapters(base, adapters, seed=seed + 1)
 
     names = ["legal", "__base__", "chat", "code", "math", "legal", "__base__", "code"]
     batch, length = len(names), 32
-    input_ids = torch.randint(3, config.vocab_size, (batch, length), device=dev)
+    input_ids = torch.randint(3, vocab, (batch, length), device=dev)
     mask = torch.ones_like(input_ids)
     mask[1::3, :5] = 0  # some left padding
     print(f"peft_csgmv demo on {dev} ({dtype}): {len(adapters)} adapters (ranks {list(adapters.values())}), "

@@ -20,16 +20,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NAMES = ["__base__", "a0", "a1", "a0"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's waiting threads slow
-    them down several times over."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_batch(rows=4, seq=5):
     g = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, 97, (rows, seq), generator=g)

@@ -35,16 +35,6 @@ BASE = "__base__"
 CLEAR_MARGIN = 1e-2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's waiting threads slow
-    them down several times over."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------------------------------
