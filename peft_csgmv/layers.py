@@ -69,6 +69,11 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
     """``y[i] += scaling[s] * (x[i] @ A[s]ᵀ) @ B[s]ᵀ`` for every token ``i`` of slot ``s``; ``x``: (T, in), ``y``:
     (T, out), in place."""
     if triton_backend:
+        if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
+            # Triton launches on the current device; a model spread over GPUs (device_map) has layers elsewhere.
+            with torch.cuda.device(x.device):
+                apply_lora(x, y, stack, plan, triton_backend)
+            return
         t = kernels.shrink(x, stack.a, stack.ranks, plan, plan.workspace(1, stack.r_max)[0])
         kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y)
     else:
@@ -81,9 +86,9 @@ def _csgmv_linear_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     stack: LoraStack = self._csgmv_stack
     if ctx is None or ctx.state is not stack_state(self) or self.disable_adapters or "adapter_names" in kwargs:
         return self._csgmv_orig_forward(x, *args, **kwargs)
-    result = self.base_layer(x, *args, **kwargs)
     if x.dim() < 2:
         raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
+    result = self.base_layer(x, *args, **kwargs)
     rows = x.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
     plan = ctx.plan_for(rows, x2.shape[0] // rows, x.device)

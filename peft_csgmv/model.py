@@ -62,8 +62,7 @@ def _unsupported_reason(layer: nn.Module, name: str) -> str | None:
 class CsgmvState:
     """Everything ``enable_csgmv`` attached to one model: the slot registry, the patched layers and their stacks."""
 
-    def __init__(self, model: nn.Module, backend: str, dtype: torch.dtype | None) -> None:
-        self.model_ref = weakref.ref(model)
+    def __init__(self, backend: str, dtype: torch.dtype | None) -> None:
         self.backend = backend
         self.dtype = dtype
         self.registry = SlotRegistry()
@@ -340,7 +339,7 @@ def enable_csgmv(model, backend: str = "auto", dtype: torch.dtype | None = None)
             return model
         # A restack copies into the existing stacks, which keep their dtype: build them afresh for the new one.
         disable_csgmv(model)
-    state = CsgmvState(model, backend, dtype)
+    state = CsgmvState(backend, dtype)
     try:
         state.sync(model, force=True)
     except BaseException:
