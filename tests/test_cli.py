@@ -151,3 +151,15 @@ def test_bench_writes_json_and_plot(tmp_path):
     rows = {r["row"] for r in data["results"]}
     assert {"base model, no LoRA", "PEFT one adapter", "PEFT adapter_names, 4 distinct", "peft_csgmv, 4 distinct"} <= rows
     assert png.stat().st_size > 1000
+
+
+def test_generate_with_device_map(checkout, tmp_path):
+    """``--device-map`` goes through accelerate's loading path (here onto the CPU) and gives the same completions."""
+    inp, out, out_map = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "out_map.jsonl"
+    _write(inp, PROMPTS[:3])
+    assert main(_args(checkout, inp, out)) == 0
+    args = _args(checkout, inp, out_map, "--device-map", "cpu")
+    i = args.index("--device")
+    del args[i : i + 2]
+    assert main(args) == 0
+    assert {r["line"]: r["completion"] for r in _records(out_map)} == {r["line"]: r["completion"] for r in _records(out)}
