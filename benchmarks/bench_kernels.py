@@ -139,7 +139,8 @@ def bench_modules(dtype, gen) -> list[dict]:
 
             enable_csgmv(pm)
             state = pm._csgmv
-            ctx = CallContext(state=state, row_slots=tuple(range(32)), arg_name="adapter_ids")
+            ctx = CallContext(state=state, row_slots=tuple(range(32)), names=tuple(f"a{i}" for i in range(32)),
+                              arg_name="adapter_ids")
             token = ACTIVE.set(ctx)
             try:
                 entry["csgmv_host_us"] = host_time_us(lambda: layer(x))

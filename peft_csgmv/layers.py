@@ -1,9 +1,14 @@
-"""The patched forward of PEFT LoRA layers.
+"""The patched forwards of PEFT modules.
 
-A patched layer runs ``y = base(x)`` and then, when a csgmv call is active, adds every row's own adapter in two
-kernel launches: ``t = shrink(x, A_stack, plan)``; ``expand(t, B_stack, plan, out=y)``. With no csgmv call active,
-under ``disable_adapter()``, or when PEFT's own ``adapter_names`` reaches the layer directly, it is PEFT's forward,
-unchanged.
+A patched ``lora.Linear`` runs ``y = base(x)`` and then, when a csgmv call is active, adds every row's own adapter in
+two kernel launches: ``t = shrink(x, A_stack, plan)``; ``expand(t, B_stack, plan, out=y)``. With no csgmv call
+active, under ``disable_adapter()``, or when PEFT's own ``adapter_names`` reaches the layer directly, it is PEFT's
+forward, unchanged.
+
+Modules csgmv has no kernel for, but for which PEFT has a mixed-batch path (LoRA on embeddings and convolutions,
+``modules_to_save`` and trainable-token wrappers, and ``lora.Linear`` layers while an adapter with ``lora_bias`` is in
+the batch), get the *PEFT path*: during a csgmv call they receive PEFT's ``adapter_names`` for exactly the rows they
+see, so PEFT applies each row's adapter there. Correct by construction, at PEFT's speed for those few modules.
 """
 
 from __future__ import annotations
@@ -32,8 +37,28 @@ class CallContext:
 
     state: "CsgmvState"
     row_slots: tuple[int, ...]  # slot of each input row, -1 for base rows
+    names: tuple[str, ...]  # adapter name of each input row in PEFT's spelling ("__base__" for base rows)
     arg_name: str  # "adapter_ids" or "adapter_names", for error messages
     plans: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.requested = frozenset(self.names)
+
+    def repeat(self, rows: int) -> int:
+        """How many consecutive rows of a module input each id covers (``num_beams``, ``num_return_sequences``,
+        or tokens flattened into rows)."""
+        n = len(self.row_slots)
+        if rows % n:
+            raise ValueError(
+                f"Length of `{self.arg_name}` should be the same as the number of inputs, but got {n} and "
+                f"{rows} respectively (a layer saw {rows} rows, which is not a whole multiple of {n})."
+            )
+        return rows // n
+
+    def names_for(self, rows: int) -> list[str]:
+        """PEFT's ``adapter_names`` for a module input of ``rows`` rows."""
+        k = self.repeat(rows)
+        return [name for name in self.names for _ in range(k)]
 
     def plan_for(self, rows: int, tokens_per_row: int, device: torch.device) -> BatchPlan:
         """The plan for a layer input of ``rows × tokens_per_row`` tokens on ``device``; built by the first layer
@@ -42,13 +67,7 @@ class CallContext:
         key = (rows, tokens_per_row, device)
         plan = self.plans.get(key)
         if plan is None:
-            n = len(self.row_slots)
-            if rows % n:
-                raise ValueError(
-                    f"Length of `{self.arg_name}` should be the same as the number of inputs, but got {n} and "
-                    f"{rows} respectively (a layer saw {rows} rows, which is not a whole multiple of {n})."
-                )
-            plan = self.state.cached_plan(self.row_slots, rows // n, tokens_per_row, device)
+            plan = self.state.cached_plan(self.row_slots, self.repeat(rows), tokens_per_row, device)
             self.plans[key] = plan
         return plan
 
@@ -88,8 +107,10 @@ def _csgmv_linear_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
         return self._csgmv_orig_forward(x, *args, **kwargs)
     if x.dim() < 2:
         raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
-    result = self.base_layer(x, *args, **kwargs)
     rows = x.shape[0]
+    if stack.peft_only and not stack.peft_only.isdisjoint(ctx.requested):
+        return self._csgmv_orig_forward(x, *args, adapter_names=ctx.names_for(rows), **kwargs)
+    result = self.base_layer(x, *args, **kwargs)
     x2 = x.reshape(-1, x.shape[-1])
     plan = ctx.plan_for(rows, x2.shape[0] // rows, x.device)
     if plan.is_empty:
@@ -102,22 +123,44 @@ def _csgmv_linear_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     return result
 
 
+def _peft_path_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A module csgmv has no kernel for: during a csgmv call, PEFT's own mixed-batch forward with the rows' names."""
+    ctx = ACTIVE.get()
+    if ctx is None or ctx.state is not stack_state(self) or "adapter_names" in kwargs:
+        return self._csgmv_orig_forward(x, *args, **kwargs)
+    # Rows whose adapter this module does not hold run its base module, as they do in that adapter's own PEFT run
+    # (PEFT's trainable-token and modules_to_save wrappers fail on names they do not hold).
+    held = self._csgmv_held
+    names = [name if name in held else "__base__" for name in ctx.names_for(x.shape[0])]
+    return self._csgmv_orig_forward(x, *args, adapter_names=names, **kwargs)
+
+
 def stack_state(layer: nn.Module) -> "CsgmvState":
     return layer._csgmv_state_ref()
 
 
+def _patch(module: nn.Module, forward, state_ref: Callable[[], "CsgmvState"]) -> None:
+    module._csgmv_state_ref = state_ref
+    module._csgmv_orig_forward = module.forward
+    module.forward = types.MethodType(forward, module)
+
+
 def patch_layer(layer: nn.Module, stack: "LoraStack", state_ref: Callable[[], "CsgmvState"]) -> None:
-    """Swap ``layer.forward`` for the csgmv forward (instance attribute; :func:`unpatch_layer` undoes it)."""
+    """Swap a ``lora.Linear``'s ``forward`` for the csgmv forward (instance attribute; :func:`unpatch_layer` undoes
+    it)."""
     layer._csgmv_stack = stack
-    layer._csgmv_state_ref = state_ref
-    layer._csgmv_orig_forward = layer.forward
-    layer.forward = types.MethodType(_csgmv_linear_forward, layer)
+    _patch(layer, _csgmv_linear_forward, state_ref)
+
+
+def patch_peft_path(module: nn.Module, state_ref: Callable[[], "CsgmvState"]) -> None:
+    """Give a module csgmv has no kernel for the PEFT path (see the module docstring)."""
+    _patch(module, _peft_path_forward, state_ref)
 
 
 def unpatch_layer(layer: nn.Module) -> None:
-    for attr in ("forward", "_csgmv_orig_forward", "_csgmv_stack", "_csgmv_state_ref"):
+    for attr in ("forward", "_csgmv_orig_forward", "_csgmv_stack", "_csgmv_state_ref", "_csgmv_held"):
         layer.__dict__.pop(attr, None)
 
 
 def is_patched(layer: nn.Module) -> bool:
-    return "_csgmv_stack" in layer.__dict__
+    return "_csgmv_state_ref" in layer.__dict__

@@ -5,6 +5,8 @@ What patching does, all of it undone by :func:`disable_csgmv`:
 
 * every PEFT LoRA ``Linear`` layer (``nn.Linear`` or GPT-2 ``Conv1D`` base) gets a :class:`~peft_csgmv.slots.LoraStack`
   and an instance-level ``forward`` (see :mod:`peft_csgmv.layers`);
+* modules csgmv has no kernel for but PEFT can mix (LoRA embeddings and convolutions, ``modules_to_save`` and
+  trainable-token wrappers) get PEFT's own mixed-batch path during csgmv calls;
 * the ``PeftModel`` gets instance-level ``forward`` and ``generate`` that accept ``adapter_ids`` (and PEFT's own
   ``adapter_names``), validate them once per call, and publish the per-row slots to the layers through a context
   variable that is reset in ``finally``.
@@ -23,7 +25,16 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from .layers import ACTIVE, BACKENDS, CallContext, is_patched, patch_layer, unpatch_layer, use_triton
+from .layers import (
+    ACTIVE,
+    BACKENDS,
+    CallContext,
+    is_patched,
+    patch_layer,
+    patch_peft_path,
+    unpatch_layer,
+    use_triton,
+)
 from .plan import BatchPlan
 from .slots import LoraStack, SlotRegistry, layer_adapters
 
@@ -47,15 +58,21 @@ def _auxiliary_wrapper_class():
     return AuxiliaryTrainingWrapper
 
 
-def _unsupported_reason(layer: nn.Module, name: str) -> str | None:
-    """Why csgmv cannot serve adapter ``name`` in ``layer`` (None when it can)."""
+def _dora_error(name: str) -> str:
+    return "Cannot pass `{arg}` when DoRA is enabled. (adapter '" + name + "' uses DoRA, which csgmv does not serve yet)"
+
+
+def _unsupported_reason(layer: nn.Module, name: str) -> tuple[str, str] | None:
+    """Whether csgmv's kernels can serve adapter ``name`` in a ``lora.Linear`` layer: ``None`` if they can, else
+    ``("peft", why)`` when PEFT's own mixed-batch path can (the layer then takes it while the adapter is in a batch)
+    or ``("error", message)`` when neither can."""
     if layer.use_dora.get(name, False):
-        return "Cannot pass `{arg}` when DoRA is enabled. (adapter '" + name + "' uses DoRA, which csgmv does not serve yet)"
+        return "error", _dora_error(name)
     variant = getattr(layer, "lora_variant", {}).get(name)
     if variant is not None:
-        return f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet"
+        return "error", f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet"
     if getattr(layer.lora_B[name], "bias", None) is not None:
-        return f"adapter '{name}' has `lora_bias=True`, which csgmv does not serve yet"
+        return "peft", "lora_bias"
     return None
 
 
@@ -66,7 +83,8 @@ class CsgmvState:
         self.backend = backend
         self.dtype = dtype
         self.registry = SlotRegistry()
-        self.layers: dict[str, nn.Module] = {}  # module name -> patched LoRA layer
+        self.layers: dict[str, nn.Module] = {}  # module name -> patched lora.Linear layer
+        self.peft_path: dict[str, nn.Module] = {}  # module name -> module on PEFT's mixed-batch path
         self.unsupported: dict[str, str] = {}  # adapter name -> why csgmv cannot serve it
         self.fingerprint: tuple = ()
         self.configs: list = []  # keeps the fingerprinted config objects alive, so their ids stay unique
@@ -88,15 +106,23 @@ class CsgmvState:
         # apply the *active* adapter to every row (or none at all), i.e. silently wrong output: refuse, as
         # enable_csgmv does, before anything runs. The fingerprint is not updated, so every call refuses until the
         # adapter is deleted again.
-        _check_modules(model)
+        peft_path = _check_modules(model)
         _, LoraLayer, LoraLinear = _peft_classes()
-        names = [n for n in model.peft_config if n in _lora_adapter_names(model)]
+        names = list(model.peft_config)
         for gone in [n for n in self.registry.index if n not in names]:
             self.registry.remove(gone)
         for name in names:
             self.registry.add(name)
 
         self.unsupported = {}
+        for mod_name, module in peft_path.items():
+            if isinstance(module, LoraLayer):
+                for name in _held_adapters(module):
+                    if module.use_dora.get(name, False):
+                        self.unsupported.setdefault(name, _dora_error(name))
+            if not is_patched(module):
+                patch_peft_path(module, weakref.ref(self))
+            module._csgmv_held = frozenset(_held_adapters(module))
         found: dict[str, nn.Module] = {}
         for mod_name, layer in model.named_modules():
             if not isinstance(layer, LoraLayer):
@@ -112,13 +138,18 @@ class CsgmvState:
                 stack = self._new_stack(layer)
                 patch_layer(layer, stack, weakref.ref(self))
             adapters = layer_adapters(layer)
+            stack.peft_only.clear()
             for slot, name in enumerate(self.registry.names):
                 if name is None or name not in adapters:
                     stack.clear_slot(slot)
                     continue
                 reason = _unsupported_reason(layer, name)
                 if reason is not None:
-                    self.unsupported.setdefault(name, reason)
+                    kind, message = reason
+                    if kind == "peft":
+                        stack.peft_only.add(name)
+                    else:
+                        self.unsupported.setdefault(name, message)
                     stack.clear_slot(slot)
                     continue
                 source = layer.lora_A[name]
@@ -128,10 +159,11 @@ class CsgmvState:
             stack.ensure_capacity(self.registry.capacity)
             for slot in range(len(self.registry.names), stack.capacity):
                 stack.clear_slot(slot)
-        for mod_name, layer in self.layers.items():
-            if mod_name not in found or found[mod_name] is not layer:
-                unpatch_layer(layer)
-        self.layers = found
+        for old, new in ((self.layers, found), (self.peft_path, peft_path)):
+            for mod_name, module in old.items():
+                if new.get(mod_name) is not module:
+                    unpatch_layer(module)
+        self.layers, self.peft_path = found, peft_path
         self.fingerprint = fingerprint
         self.configs = list(model.peft_config.values())
         self.plans.clear()
@@ -157,9 +189,9 @@ class CsgmvState:
         )
 
     def release(self) -> None:
-        for layer in self.layers.values():
-            unpatch_layer(layer)
-        self.layers = {}
+        for module in [*self.layers.values(), *self.peft_path.values()]:
+            unpatch_layer(module)
+        self.layers, self.peft_path = {}, {}
         self.plans.clear()
 
     # -- per call -------------------------------------------------------------------------------------------------
@@ -215,15 +247,6 @@ class CsgmvState:
         return tuple(-1 if i in BASE_NAMES else index[i] for i in ids)
 
 
-def _lora_adapter_names(model) -> set[str]:
-    _, LoraLayer, _ = _peft_classes()
-    names: set[str] = set()
-    for layer in model.modules():
-        if isinstance(layer, LoraLayer):
-            names |= set(layer.lora_A.keys()) | set(layer.lora_embedding_A.keys())
-    return names
-
-
 def _check_model(model) -> None:
     PeftModel, _, _ = _peft_classes()
     if not isinstance(model, PeftModel):
@@ -245,23 +268,41 @@ def _held_adapters(module: nn.Module) -> set[str]:
         return {"?"}
 
 
-def _check_modules(model) -> None:
-    """Raise ``NotImplementedError`` for the first module that holds an adapter csgmv cannot serve: a LoRA layer
-    other than ``lora.Linear`` (embedding, conv, ...) or a `modules_to_save` / trainable-tokens wrapper. Such modules
-    left empty by ``delete_adapter`` are fine: their forward is the base module's."""
+_PEFT_MIXED_BATCH_BASES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _check_modules(model) -> dict[str, nn.Module]:
+    """The modules that take PEFT's mixed-batch path (name → module): LoRA on embeddings and convolutions, and
+    `modules_to_save` / trainable-token wrappers around the module types PEFT can mix. Raises
+    ``NotImplementedError`` naming the first module that holds an adapter neither csgmv nor PEFT's mixed batches can
+    serve (MultiheadAttention, ``target_parameters``, quantized or other untested layer types). Modules left empty
+    by ``delete_adapter`` are fine: their forward is the base module's."""
+    from peft.tuners.lora import Embedding as LoraEmbedding
+    from peft.tuners.lora.layer import _ConvNd
+
     _, LoraLayer, LoraLinear = _peft_classes()
     Aux = _auxiliary_wrapper_class()
+    peft_path: dict[str, nn.Module] = {}
     for mod_name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and type(module) is not LoraLinear and _held_adapters(module):
-            raise NotImplementedError(
-                f"csgmv does not handle the PEFT layer type {type(module).__module__}.{type(module).__name__} yet "
-                f"(module '{mod_name}'); it handles lora.Linear layers (nn.Linear and transformers Conv1D bases)."
-            )
-        if isinstance(module, Aux) and _held_adapters(module):
-            raise NotImplementedError(
-                f"csgmv does not handle {type(module).__name__} (`modules_to_save` / trainable tokens) yet "
-                f"(module '{mod_name}')."
-            )
+        if isinstance(module, LoraLayer) and type(module) is not LoraLinear:
+            if isinstance(module, (LoraEmbedding, _ConvNd)):
+                peft_path[mod_name] = module
+            elif _held_adapters(module):
+                raise NotImplementedError(
+                    f"csgmv does not handle the PEFT layer type {type(module).__module__}.{type(module).__name__} "
+                    f"(module '{mod_name}') in mixed batches; it handles lora.Linear layers (nn.Linear and "
+                    "transformers Conv1D bases), and LoRA embeddings and convolutions through PEFT's own path."
+                )
+        elif isinstance(module, Aux):
+            if isinstance(getattr(module, "original_module", None), _PEFT_MIXED_BATCH_BASES):
+                peft_path[mod_name] = module
+            elif _held_adapters(module):
+                raise NotImplementedError(
+                    f"csgmv cannot mix adapters in {type(module).__name__} (module '{mod_name}') around a "
+                    f"{type(getattr(module, 'original_module', None)).__name__}: PEFT's mixed batches support "
+                    f"{', '.join(t.__name__ for t in _PEFT_MIXED_BATCH_BASES)} there."
+                )
+    return peft_path
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int | None:
@@ -294,7 +335,8 @@ def _csgmv_call(model, args: tuple, kwargs: dict) -> Iterator[None]:
         yield
         return
     row_slots = state.resolve(model, ids, arg, _batch_size(args, kwargs))
-    token = ACTIVE.set(CallContext(state=state, row_slots=row_slots, arg_name=arg))
+    names = tuple("__base__" if i in BASE_NAMES else i for i in ids)
+    token = ACTIVE.set(CallContext(state=state, row_slots=row_slots, names=names, arg_name=arg))
     try:
         with torch.no_grad():
             yield

@@ -81,6 +81,9 @@ class LoraStack:
         self.ranks_host = [0] * capacity
         self.scalings_host = [0.0] * capacity
         self.sources: dict[int, nn.Module] = {}  # slot -> the lora_A module its weights came from
+        # Adapters of this layer that only PEFT's own mixed-batch path serves (``lora_bias``): while one of them is in
+        # a batch, the layer takes that path for the whole batch.
+        self.peft_only: set[str] = set()
 
     @property
     def capacity(self) -> int:

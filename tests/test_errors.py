@@ -153,14 +153,6 @@ def test_dora_adapter(kernel_calls):
     s.assert_usable(kernel_calls)
 
 
-def test_lora_bias_adapter(kernel_calls):
-    _, targets = tiny_model("llama")
-    s = Setup(extra={"biased": dict(r=4, lora_alpha=8, lora_bias=True, target_modules=targets)})
-    with pytest.raises(ValueError, match=r"adapter 'biased' has `lora_bias=True`"):
-        s(adapter_ids=["a0", "a1", "biased", None])
-    s.assert_usable(kernel_calls)
-
-
 def test_both_spellings_given(setup, kernel_calls):
     with pytest.raises(ValueError, match=r"Pass either `adapter_ids` or `adapter_names`, not both\."):
         setup(adapter_ids=NAMES, adapter_names=NAMES)
@@ -232,32 +224,31 @@ def assert_untouched(model):
     assert not any(is_patched(m) for m in model.modules())
 
 
+class MhaNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.out(self.mha(x, x, x)[0])
+
+
 def test_unsupported_layer_type_at_enable():
-    model, _ = tiny_model("llama")
-    model = add_adapters(model, {"emb": dict(r=4, target_modules=["embed_tokens", "q_proj"])})
-    msg = r"peft\.tuners\.lora\.layer\.Embedding.*'base_model\.model\.model\.embed_tokens'"
+    """LoRA on MultiheadAttention: neither csgmv nor PEFT's mixed batches serve it, so enable_csgmv names it."""
+    torch.manual_seed(0)
+    model = get_peft_model(MhaNet(), LoraConfig(init_lora_weights=False, r=4, target_modules=["mha", "out"]))
+    msg = r"peft\.tuners\.lora\.layer\.MultiheadAttention \(module 'base_model\.model\.mha'\)"
     with pytest.raises(NotImplementedError, match=msg):
-        enable_csgmv(model)
+        enable_csgmv(model.eval())
     assert_untouched(model)
 
-    # Once the embedding adapter is deleted, the lora.Embedding layer PEFT leaves behind is empty: no obstacle.
-    torch.manual_seed(3)
-    model.add_adapter("q", LoraConfig(init_lora_weights=False, r=4, target_modules=["q_proj"]))
-    model.set_adapter("q")
-    model.delete_adapter("emb")
-    model.to(DEVICE)
-    input_ids, mask = make_batch()
-    names = ["q", "__base__", "q", "__base__"]
-    with torch.no_grad():
-        expected = model(input_ids, attention_mask=mask, adapter_names=names).logits
-    enable_csgmv(model, backend="torch")
-    assert_close(model(input_ids, attention_mask=mask, adapter_ids=names).logits, expected)
 
-
-def test_modules_to_save_at_enable():
+def test_modules_to_save_around_unmixable_module_at_enable():
+    """`modules_to_save` around a module type PEFT cannot mix per row (a norm): enable_csgmv names it."""
     model, targets = tiny_model("llama")
-    model = add_adapters(model, {"m": dict(r=4, target_modules=targets, modules_to_save=["lm_head"])})
-    msg = r"ModulesToSaveWrapper .*`modules_to_save`.*'base_model\.model\.lm_head'"
+    model = add_adapters(model, {"m": dict(r=4, target_modules=targets, modules_to_save=["norm"])})
+    msg = r"ModulesToSaveWrapper \(module 'base_model\.model\.model\.\S*norm'\) around a LlamaRMSNorm"
     with pytest.raises(NotImplementedError, match=msg):
         enable_csgmv(model)
     assert_untouched(model)
@@ -288,22 +279,15 @@ def test_bad_backend(backend):
 
 
 def test_unsupported_adapter_added_after_enable(setup, kernel_calls):
-    """An adapter added after enable_csgmv that brings a module csgmv cannot serve is refused on the next call, as
-    enable_csgmv would have refused it (running it would silently apply the wrong adapter to some rows); deleting it
-    again makes the model usable."""
+    """An adapter added after enable_csgmv that brings a module neither csgmv nor PEFT's mixed batches can serve is
+    refused on the next call, as enable_csgmv would have refused it (running it would silently apply the wrong adapter
+    to some rows); deleting it again makes the model usable."""
     torch.manual_seed(5)
-    setup.model.add_adapter("emb", LoraConfig(init_lora_weights=False, r=4, target_modules=["embed_tokens", "q_proj"]))
-    with pytest.raises(NotImplementedError, match=r"lora\.layer\.Embedding.*embed_tokens"):
-        setup(adapter_ids=["emb", "a0", None, "a1"])
-    with pytest.raises(NotImplementedError, match=r"lora\.layer\.Embedding"):
-        setup(adapter_ids=NAMES)  # refused even when the rows do not ask for it
-    setup.model.delete_adapter("emb")
-    setup.assert_usable(kernel_calls)
-
-    mts = LoraConfig(init_lora_weights=False, r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    mts = LoraConfig(init_lora_weights=False, r=4, target_modules=["q_proj"], modules_to_save=["norm"])
     setup.model.add_adapter("mts", mts)
-    kernel_calls.clear()
-    with pytest.raises(NotImplementedError, match=r"ModulesToSaveWrapper.*lm_head"):
-        setup(adapter_ids=NAMES)
+    with pytest.raises(NotImplementedError, match=r"ModulesToSaveWrapper.*norm'\) around a LlamaRMSNorm"):
+        setup(adapter_ids=["mts", "a0", None, "a1"])
+    with pytest.raises(NotImplementedError, match=r"ModulesToSaveWrapper"):
+        setup(adapter_ids=NAMES)  # refused even when the rows do not ask for it
     setup.model.delete_adapter("mts")
     setup.assert_usable(kernel_calls)
