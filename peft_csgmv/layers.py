@@ -94,10 +94,10 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
                 apply_lora(x, y, stack, plan, triton_backend)
             return
         t = kernels.shrink(x, stack.a, stack.ranks, plan, plan.workspace(1, stack.r_max)[0])
-        kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y)
+        kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias)
     else:
         t = kernels.shrink_reference(x, stack.a, stack.ranks_host, plan)
-        kernels.expand_reference(t, stack.b, stack.ranks_host, stack.scalings_host, plan, y)
+        kernels.expand_reference(t, stack.b, stack.ranks_host, stack.scalings_host, plan, y, stack.mag, stack.bias)
 
 
 def _csgmv_linear_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -58,22 +58,37 @@ def _auxiliary_wrapper_class():
     return AuxiliaryTrainingWrapper
 
 
-def _dora_error(name: str) -> str:
-    return "Cannot pass `{arg}` when DoRA is enabled. (adapter '" + name + "' uses DoRA, which csgmv does not serve yet)"
+def _dora_error(name: str, where: str) -> str:
+    return f"Cannot pass `{{arg}}` when DoRA is enabled. (adapter '{name}' uses DoRA {where}, which csgmv does not serve yet)"
 
 
 def _unsupported_reason(layer: nn.Module, name: str) -> tuple[str, str] | None:
-    """Whether csgmv's kernels can serve adapter ``name`` in a ``lora.Linear`` layer: ``None`` if they can, else
-    ``("peft", why)`` when PEFT's own mixed-batch path can (the layer then takes it while the adapter is in a batch)
-    or ``("error", message)`` when neither can."""
+    """Whether csgmv's kernels can serve adapter ``name`` in a ``lora.Linear`` layer: ``None`` if they can (plain LoRA
+    and DoRA), else ``("peft", why)`` when PEFT's own mixed-batch path can (the layer then takes it while the adapter
+    is in a batch) or ``("error", message)`` when neither can."""
+    biased = getattr(layer.lora_B[name], "bias", None) is not None
     if layer.use_dora.get(name, False):
-        return "error", _dora_error(name)
+        return ("error", _dora_error(name, "together with `lora_bias=True`")) if biased else None
     variant = getattr(layer, "lora_variant", {}).get(name)
     if variant is not None:
         return "error", f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet"
-    if getattr(layer.lora_B[name], "bias", None) is not None:
+    if biased:
         return "peft", "lora_bias"
     return None
+
+
+def _dora_scale(layer: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DoRA at inference: ``(magnitude / ‖W + scaling·B·A‖ per output feature, base bias)``, computed once in fp32 as
+    PEFT's DoRA layer does per forward."""
+    from peft.utils.integrations import dequantize_module_weight
+
+    base = layer.get_base_layer()
+    dora = layer.lora_magnitude_vector[name]
+    with torch.no_grad():
+        weight = dequantize_module_weight(base).float()
+        lora_weight = layer.lora_B[name].weight.float() @ layer.lora_A[name].weight.float()
+        norm = dora.get_weight_norm(weight, lora_weight, layer.scaling[name]).float()
+        return dora.weight.float() / norm, getattr(base, "bias", None)
 
 
 class CsgmvState:
@@ -119,7 +134,7 @@ class CsgmvState:
             if isinstance(module, LoraLayer):
                 for name in _held_adapters(module):
                     if module.use_dora.get(name, False):
-                        self.unsupported.setdefault(name, _dora_error(name))
+                        self.unsupported.setdefault(name, _dora_error(name, f"on a {type(module).__name__} layer"))
             if not is_patched(module):
                 patch_peft_path(module, weakref.ref(self))
             module._csgmv_held = frozenset(_held_adapters(module))
@@ -155,7 +170,8 @@ class CsgmvState:
                 source = layer.lora_A[name]
                 if stack.sources.get(slot) is not source:
                     a, b = adapters[name]
-                    stack.set_slot(slot, a, b, layer.scaling[name], source=source)
+                    dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
+                    stack.set_slot(slot, a, b, layer.scaling[name], source=source, dora=dora)
             stack.ensure_capacity(self.registry.capacity)
             for slot in range(len(self.registry.names), stack.capacity):
                 stack.clear_slot(slot)

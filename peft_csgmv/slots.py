@@ -14,6 +14,10 @@ tensor cores in bf16/fp16 models even though PEFT keeps adapter weights in fp32 
 (``autocast_adapter_dtype``). ``enable_csgmv(model, dtype=torch.float32)`` keeps fp32 stacks instead (closer to
 PEFT's own numerics, slower). Host copies of ranks and scalings serve the torch backend without a device sync.
 
+DoRA adapters add ``mag``: ``(capacity, out_features)`` fp32, the per-output scale ``magnitude / ‖W + scaling·B·A‖``
+of each slot (1 for plain LoRA slots), and ``bias``: the base layer's bias in fp32 (zeros for none); both exist only
+once a layer holds a DoRA adapter.
+
 Slots are added and cleared one at a time (``set_slot`` / ``clear_slot``); capacity and ``r_max`` grow by
 reallocation when needed, so loading or deleting one adapter never restacks the others.
 """
@@ -84,6 +88,8 @@ class LoraStack:
         # Adapters of this layer that only PEFT's own mixed-batch path serves (``lora_bias``): while one of them is in
         # a batch, the layer takes that path for the whole batch.
         self.peft_only: set[str] = set()
+        self.mag: torch.Tensor | None = None  # (capacity, out) fp32 DoRA scale, once a DoRA adapter is stacked
+        self.bias: torch.Tensor | None = None  # (out,) fp32 base bias, with mag
 
     @property
     def capacity(self) -> int:
@@ -108,13 +114,24 @@ class LoraStack:
         self.a, self.b = a, b
         extra = capacity - len(self.ranks_host)
         if extra > 0:
+            if self.mag is not None:
+                self.mag = torch.cat([self.mag, self.mag.new_ones(extra, self.out_features)])
             self.ranks = torch.cat([self.ranks, self.ranks.new_zeros(extra)])
             self.scalings = torch.cat([self.scalings, self.scalings.new_zeros(extra)])
             self.ranks_host += [0] * extra
             self.scalings_host += [0.0] * extra
 
-    def set_slot(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, source=None) -> None:
-        """Copy one adapter's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)`` weights into ``slot``."""
+    def set_slot(
+        self,
+        slot: int,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scaling: float,
+        source=None,
+        dora: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> None:
+        """Copy one adapter's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)`` weights into ``slot``; for DoRA,
+        ``dora = (mag (out,), base bias (out,) or None)``."""
         r = lora_a.shape[0]
         if lora_a.shape[1] != self.in_features or lora_b.shape != (self.out_features, r):
             raise ValueError(
@@ -132,6 +149,17 @@ class LoraStack:
         self.ranks_host[slot] = r
         self.scalings_host[slot] = float(scaling)
         self.sources[slot] = source
+        if dora is not None:
+            mag, bias = dora
+            if self.mag is None:
+                self.mag = torch.ones((self.capacity, self.out_features), dtype=torch.float32, device=self.device)
+                self.bias = torch.zeros(self.out_features, dtype=torch.float32, device=self.device)
+            with torch.no_grad():
+                self.mag[slot] = mag.detach().to(device=self.device, dtype=torch.float32)
+                if bias is not None:
+                    self.bias.copy_(bias.detach().float())
+        elif self.mag is not None:
+            self.mag[slot] = 1.0
 
     def clear_slot(self, slot: int) -> None:
         """Make ``slot`` a no-op in this layer (rank 0); its weight rows are zeroed."""
@@ -142,6 +170,8 @@ class LoraStack:
             self.b[slot].zero_()
             self.ranks[slot] = 0
             self.scalings[slot] = 0.0
+            if self.mag is not None:
+                self.mag[slot] = 1.0
         self.ranks_host[slot] = 0
         self.scalings_host[slot] = 0.0
         self.sources.pop(slot, None)
@@ -151,4 +181,6 @@ class LoraStack:
         self.device = device
         self.a, self.b = self.a.to(device), self.b.to(device)
         self.ranks, self.scalings = self.ranks.to(device), self.scalings.to(device)
+        if self.mag is not None:
+            self.mag, self.bias = self.mag.to(device), self.bias.to(device)
         return self

@@ -142,14 +142,14 @@ def test_training_mode(setup, kernel_calls, arg):
     setup.assert_usable(kernel_calls)
 
 
-def test_dora_adapter(kernel_calls):
-    """A DoRA adapter loaded alongside: asking for it fails as in PEFT; the plain adapters keep working."""
-    _, targets = tiny_model("llama")
-    s = Setup(extra={"dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=targets)})
-    with pytest.raises(ValueError, match=r"Cannot pass `adapter_ids` when DoRA is enabled\."):
-        s(adapter_ids=["a0", "dora", None, "a1"])
-    with pytest.raises(ValueError, match=r"Cannot pass `adapter_names` when DoRA is enabled\."):
-        s.generate(adapter_names=["dora"] * 4)
+def test_lora_variant_adapter(kernel_calls):
+    """An adapter with a LoRA variant csgmv does not serve (aLoRA): asking for it fails before anything runs; the plain
+    adapters keep working. (DoRA is served: tests/test_dora.py.)"""
+    s = Setup(extra={"al": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[5])})
+    with pytest.raises(ValueError, match=r"adapter 'al' uses the LoRA variant ALoraLinearVariant"):
+        s(adapter_ids=["a0", "al", None, "a1"])
+    with pytest.raises(ValueError, match=r"adapter 'al' uses the LoRA variant"):
+        s.generate(adapter_names=["al"] * 4)
     s.assert_usable(kernel_calls)
 
 

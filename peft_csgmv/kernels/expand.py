@@ -6,6 +6,12 @@ Semantics::
         y[rows] += (t[rows, :r] @ B[slot, :, :r]ᵀ) * scaling[slot]     (fp32 accumulation, one rounding to y's dtype)
 
 With split-K shrink output ``t`` has ``P`` planes of partial products and ``t = Σ_p t[p]`` is formed in fp32 first.
+DoRA (``mag`` given): every slot also has a per-output-feature scale ``m[slot] = magnitude / ‖W + scaling·B·A‖``
+(computed once per adapter when it is stacked; 1 for plain LoRA slots), applied to the whole layer output of its
+rows, bias excluded::
+
+        y[rows] = m[slot] · (y[rows] − bias + (t[rows, :r] @ B[slot, :, :r]ᵀ) · scaling[slot]) + bias
+
 ``t`` is cast to ``B``'s dtype before the product (as PEFT feeds ``lora_A``'s output to ``lora_B`` in the adapter
 dtype). Rows in no segment (base rows) and segments whose slot has rank 0 are left as they are.
 """
@@ -31,6 +37,8 @@ def _expand_kernel(
     seg_slot_ptr,  # (num_segments,) int32
     rank_ptr,  # (S,) int32
     scaling_ptr,  # (S,) fp32
+    mag_ptr,  # (S, N) fp32 DoRA scale (read only with HAS_DORA)
+    bias_ptr,  # (N,) fp32 base-layer bias (read only with HAS_DORA)
     N,
     SPLITS,
     stride_tp,
@@ -41,10 +49,12 @@ def _expand_kernel(
     stride_br,
     stride_ym,
     stride_yn,
+    stride_ms,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_DORA: tl.constexpr,
 ):
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -78,8 +88,14 @@ def _expand_kernel(
 
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DORA:
+        mag = tl.load(mag_ptr + slot.to(tl.int64) * stride_ms + offs_n, mask=n_mask, other=1.0)
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0)
+        out = mag[None, :] * (y - bias[None, :] + acc) + bias[None, :]
+    else:
+        out = y + acc
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 _launch_expand = Launcher(_expand_kernel)
@@ -92,6 +108,8 @@ def expand(
     scalings: torch.Tensor,
     plan: BatchPlan,
     y: torch.Tensor,
+    mag: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the expand kernel; ``y`` is updated in place and returned.
 
@@ -103,6 +121,8 @@ def expand(
         scalings: ``(S,)`` fp32 scaling of each slot.
         plan: the batch plan on ``y``'s device.
         y: ``(T, N)`` base output, fp16/bf16/fp32, any strides.
+        mag: optional ``(S, N)`` fp32 DoRA scale per slot and output feature (1 for plain LoRA slots).
+        bias: with ``mag``, the ``(N,)`` fp32 base-layer bias that ``y`` includes (zeros for none).
     """
     num_tokens, n = y.shape
     num_slots, n_b, r = b.shape
@@ -114,17 +134,23 @@ def expand(
         )
     if plan.num_segments == 0:
         return y
+    has_dora = mag is not None
+    if has_dora and (mag.shape != (num_slots, n) or bias is None or bias.shape != (n,)):
+        raise ValueError(f"expand: DoRA needs mag ({num_slots}, {n}) and bias ({n},)")
+    if not has_dora:
+        mag = bias = scalings  # never read
     block_n = 64 if plan.chunk_size >= 64 else 128
     _launch_expand(
         (plan.num_segments, -(-n // block_n), 1),
         (
-            t3, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings,
+            t3, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings, mag, bias,
             n, t3.shape[0], t3.stride(0), t3.stride(1), t3.stride(2),
-            b.stride(0), b.stride(1), b.stride(2), y.stride(0), y.stride(1),
+            b.stride(0), b.stride(1), b.stride(2), y.stride(0), y.stride(1), mag.stride(0) if has_dora else 0,
         ),
         BLOCK_M=_block(plan.chunk_size),
         BLOCK_N=block_n,
         BLOCK_R=_block(r),
         DOT_PRECISION="ieee" if b.dtype == torch.float32 else "tf32",
+        HAS_DORA=has_dora,
     )  # fmt: skip
     return y

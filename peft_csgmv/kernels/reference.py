@@ -7,6 +7,7 @@ Semantics (see ``shrink.py`` / ``expand.py``)::
 
     t[rows, :r] = x[rows] @ A[slot, :r, :]ᵀ
     y[rows]    += (t[rows, :r] @ B[slot, :, :r]ᵀ) * scaling[slot]
+    (DoRA: y[rows] = m[slot] · (y[rows] − bias + (t[rows, :r] @ B[slot, :, :r]ᵀ) · scaling[slot]) + bias)
 """
 
 from __future__ import annotations
@@ -46,14 +47,23 @@ def expand_reference(
     scalings: Sequence[float],
     plan: BatchPlan,
     y: torch.Tensor,
+    mag: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``t``: (T, R); ``b``: (S, N, R); ``y``: (T, N) updated in place (one rounding to its dtype) and returned."""
+    """``t``: (T, R) or (P, T, R) split-K planes; ``b``: (S, N, R); ``y``: (T, N) updated in place (one rounding to
+    its dtype) and returned. DoRA: ``mag`` (S, N) and ``bias`` (N,), as in ``expand.py``."""
     acc = _acc_dtype(t, b, y)
+    if t.dim() == 3:
+        t = t.sum(0)
     for slot, start, end in plan.runs:
         r = int(ranks[slot])
         if r == 0:
             continue
         rows = plan.permutation[start:end].long()
         delta = (t[rows, :r].to(b.dtype).to(acc) @ b[slot, :, :r].to(acc).T) * scalings[slot]
-        y[rows] = (y[rows].to(acc) + delta).to(y.dtype)
+        if mag is None:
+            y[rows] = (y[rows].to(acc) + delta).to(y.dtype)
+        else:
+            m, bb = mag[slot].to(acc), bias.to(acc)
+            y[rows] = (m * (y[rows].to(acc) - bb + delta) + bb).to(y.dtype)
     return y
