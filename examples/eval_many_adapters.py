@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 
 import torch
 
 from peft_csgmv import disable_csgmv
 from peft_csgmv.batch import load_model
-from peft_csgmv.toy import save_toy_checkout
+from peft_csgmv.toy import checkout_or_toy
 
 TEXTS = [
     "The parties agree to the terms below.",
@@ -45,12 +44,11 @@ def main() -> None:
     p.add_argument("--rows-per-batch", type=int, default=64)
     args = p.parse_args()
 
-    tmp = None
-    if args.base:
-        base, adapters = args.base, dict(a.split("=", 1) for a in args.adapter)
-    else:
-        tmp = tempfile.TemporaryDirectory()
-        base, adapters = save_toy_checkout(tmp.name, {f"task{i}": 4 * (1 + i % 4) for i in range(8)})
+    with checkout_or_toy(args.base, args.adapter, {f"task{i}": 4 * (1 + i % 4) for i in range(8)}) as (base, adapters):
+        run(args, base, adapters)
+
+
+def run(args, base, adapters) -> None:
     texts = [t.strip() for t in open(args.texts)] if args.texts else TEXTS
     model, tokenizer = load_model(base, adapters)
     device = model.get_input_embeddings().weight.device
@@ -84,8 +82,6 @@ def main() -> None:
     stock = ((nll * mask).sum(1) / mask.sum(1)).mean().item()
     ours = sum(losses[first]) / len(losses[first])
     print(f"stock PEFT, adapter {first}: loss {stock:.4f} (csgmv {ours:.4f}, |diff| {abs(stock - ours):.2e})")
-    if tmp:
-        tmp.cleanup()
 
 
 if __name__ == "__main__":

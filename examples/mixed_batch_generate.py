@@ -10,12 +10,11 @@ Each row names its adapter (None for the base model); the whole batch runs throu
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 import torch
 
 from peft_csgmv.batch import load_model
-from peft_csgmv.toy import save_toy_checkout
+from peft_csgmv.toy import checkout_or_toy
 
 
 def main() -> None:
@@ -25,12 +24,11 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=24)
     args = p.parse_args()
 
-    tmp = None
-    if args.base:
-        base, adapters = args.base, dict(a.split("=", 1) for a in args.adapter)
-    else:
-        tmp = tempfile.TemporaryDirectory()
-        base, adapters = save_toy_checkout(tmp.name, {"legal": 4, "chat": 8, "code": 16})
+    with checkout_or_toy(args.base, args.adapter, {"legal": 4, "chat": 8, "code": 16}) as (base, adapters):
+        run(args, base, adapters)
+
+
+def run(args, base, adapters) -> None:
     model, tokenizer = load_model(base, adapters)  # loads every adapter and calls enable_csgmv
 
     names = list(adapters)
@@ -44,8 +42,6 @@ def main() -> None:
     for prompt, adapter, seq in zip(prompts, adapter_ids, out):
         text = tokenizer.decode(seq[batch["input_ids"].shape[1] :], skip_special_tokens=True)
         print(f"[{adapter or 'base'}] {prompt!r} -> {text!r}")
-    if tmp:
-        tmp.cleanup()
 
 
 if __name__ == "__main__":

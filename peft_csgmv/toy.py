@@ -3,7 +3,9 @@ a small Llama, and LoRA adapters of chosen ranks, optionally saved to a director
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 
 import torch
 
@@ -74,3 +76,14 @@ def save_toy_checkout(directory: str, ranks: dict[str, int], hidden: int = 64, l
         if os.path.isdir(nested):
             paths[name] = nested
     return base_dir, paths
+
+
+@contextlib.contextmanager
+def checkout_or_toy(base: str | None, adapter_args: list[str], ranks: dict[str, int]):
+    """``(base, {name: path})`` from ``--base`` / ``--adapter NAME=PATH`` arguments, or, without ``base``, a toy
+    checkout with one adapter per ``ranks`` entry in a temporary directory (removed on exit)."""
+    if base:
+        yield base, dict(a.split("=", 1) for a in adapter_args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield save_toy_checkout(tmp, ranks)
