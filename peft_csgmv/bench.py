@@ -151,7 +151,7 @@ def main(argv=None) -> int:
                 args.repeats * 2,
                 before=lambda: _crop(cache, args.prompt),
             )
-            del out, cache
+            out = cache = None  # free the KV cache before generate
             reps = gen_repeats if gen_repeats is not None else max(2, args.repeats // 3)
             if reps > 0:
                 gen_ms = timer(

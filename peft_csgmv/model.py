@@ -44,8 +44,8 @@ _PLAN_CACHE_SIZE = 64
 
 def _peft_classes():
     from peft import PeftModel
-    from peft.tuners.lora import LoraLayer
     from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
 
     return PeftModel, LoraLayer, LoraLinear
 

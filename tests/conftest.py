@@ -27,3 +27,19 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts calls of the patched layers' LoRA kernels (both backends go through ``layers.apply_lora``)."""
+    calls = []
+    import peft_csgmv.layers as csgmv_layers
+
+    original = csgmv_layers.apply_lora
+
+    def counting(*args, **kwargs):
+        calls.append(args[-1])  # the triton flag
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(csgmv_layers, "apply_lora", counting)
+    return calls

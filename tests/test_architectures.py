@@ -23,24 +23,25 @@ import contextlib
 import pytest
 import torch
 import transformers as tf
-
-from helpers import ALL_LINEAR, add_adapters, tiny_model
-from peft_csgmv import enable_csgmv
-from peft_csgmv.layers import ACTIVE
-from test_parity import (  # noqa: F401  (kernel_calls is a fixture)
+from helpers import (
+    ALL_LINEAR,
     BASE,
     CLEAR_MARGIN,
     DEVICE,
+    add_adapters,
     assert_adapters_matter,
     assert_generations_differ,
     close,
     greedy_kwargs,
-    kernel_calls,
     make_batch,
     norm,
     per_adapter,
     stitch,
+    tiny_model,
 )
+
+from peft_csgmv import enable_csgmv
+from peft_csgmv.layers import ACTIVE
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parity import (
+from helpers import (
     BASE,
     assert_adapters_matter,
     close,
@@ -15,9 +15,9 @@ from test_parity import (
     make_batch,
     per_adapter,
     stitch,
+    tiny_model,
 )
 
-from helpers import tiny_model
 from peft_csgmv import disable_csgmv, enable_csgmv
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

@@ -7,10 +7,9 @@ import re
 
 import pytest
 import torch
+from helpers import add_adapters, assert_close, tiny_model
 from peft import LoHaConfig, LoraConfig, get_peft_model
 
-import peft_csgmv.layers as csgmv_layers
-from helpers import add_adapters, assert_close, tiny_model
 from peft_csgmv import enable_csgmv, is_csgmv_enabled
 from peft_csgmv.layers import ACTIVE, is_patched
 
@@ -26,20 +25,6 @@ def make_batch(rows=4, seq=5):
     mask = torch.ones_like(input_ids)
     mask[1, :2] = 0  # some left padding
     return input_ids.to(DEVICE), mask.to(DEVICE)
-
-
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Every launch of the LoRA kernels of a patched layer (both backends go through ``layers.apply_lora``)."""
-    calls = []
-    original = csgmv_layers.apply_lora
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(csgmv_layers, "apply_lora", counting)
-    return calls
 
 
 class Setup:

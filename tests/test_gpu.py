@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import add_adapters, assert_close, tiny_model
+
 from peft_csgmv import BatchPlan, disable_csgmv, enable_csgmv
 from peft_csgmv.kernels import expand, expand_reference, shrink, shrink_reference
 
 pytestmark = pytest.mark.gpu
-import os
-DEV = os.environ.get("CSGMV_TEST_DEVICE", "cuda")
+DEV = "cuda"
 
 
 def _stack(num_slots, ranks, k, n, dtype, seed=0):

@@ -17,127 +17,31 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import (
+    BASE,
+    CLEAR_MARGIN,
+    DEVICE,
+    assert_adapters_matter,
+    assert_generations_differ,
+    close,
+    greedy_kwargs,
+    interleaved,
+    make,
+    make_batch,
+    norm,
+    per_adapter,
+    stitch,
+    tiny_model,
+)
 from peft import LoraConfig
 
-import peft_csgmv.layers as csgmv_layers
-from helpers import add_adapters, assert_close, tiny_model
 from peft_csgmv import disable_csgmv, enable_csgmv, is_csgmv_enabled
 from peft_csgmv.layers import ACTIVE
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = ["torch", "triton"]
 ARCHS = ["llama", "qwen2", "mistral", "gpt2", "opt"]
-BASE = "__base__"
-# Smallest max-abs difference between two adapters' logits (or an adapter's and the base model's) that counts as
-# "the adapter clearly changes the output"; parity tolerances are ~1e-5.
-CLEAR_MARGIN = 1e-2
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def two_adapters(targets):
-    return {
-        "a0": dict(r=4, lora_alpha=8, target_modules=targets),
-        "a1": dict(r=8, lora_alpha=4, target_modules=targets),
-    }
-
-
-def make(arch: str = "llama", specs=None, dtype=torch.float32):
-    model, targets = tiny_model(arch, dtype=dtype)
-    return add_adapters(model, specs if specs is not None else two_adapters(targets)).to(DEVICE)
-
-
-def make_batch(rows: int, seq: int, seed: int = 0, left_pad: bool = True):
-    """Random prompts (ids >= 3, clear of bos/eos/pad) with left padding: row ``i`` has ``i % 3`` pad tokens."""
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, 97, (rows, seq), generator=g)
-    mask = torch.ones_like(input_ids)
-    if left_pad:
-        for i in range(rows):
-            mask[i, : i % 3] = 0
-            input_ids[i, : i % 3] = 0
-    return input_ids.to(DEVICE), mask.to(DEVICE)
-
-
-def interleaved(rows: int, adapters=("a0", "a1")) -> list[str]:
-    cycle = [BASE, *adapters]
-    return [cycle[i % len(cycle)] for i in range(rows)]
-
-
-def norm(name):
-    return BASE if name is None else name
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, what: str = "", dtype=None):
-    """assert_close, plus same shape and no NaN/inf (a NaN would slip through an elementwise ``diff > bound``)."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.isfinite(actual).all() and torch.isfinite(expected).all(), f"{what}: non-finite values"
-    assert_close(actual, expected, dtype=dtype, what=what)
-
-
-@torch.no_grad()
-def per_adapter(model, names, fn) -> dict:
-    """``fn()`` once per distinct adapter of ``names`` through stock PEFT, over the whole batch: ``set_adapter(name)``
-    for adapters, ``disable_adapter()`` for base rows. Returns {name: output}; the active adapter is restored."""
-    previous = model.active_adapter
-    outs = {}
-    try:
-        for name in dict.fromkeys(norm(n) for n in names):
-            if name == BASE:
-                with model.disable_adapter():
-                    outs[name] = fn()
-            else:
-                model.set_adapter(name)
-                outs[name] = fn()
-    finally:
-        model.set_adapter(previous)
-    return outs
-
-
-def stitch(outs: dict, names) -> torch.Tensor:
-    """Row ``i`` of the output of ``names[i]``'s own run."""
-    return torch.stack([outs[norm(n)][i] for i, n in enumerate(names)])
-
-
-def assert_generations_differ(outs: dict):
-    """Each pair of generation runs (adapters and base) produced different tokens somewhere."""
-    keys = list(outs)
-    for i, a in enumerate(keys):
-        for b in keys[i + 1 :]:
-            assert not torch.equal(outs[a], outs[b]), f"{a} and {b} generate the same tokens: the test proves nothing"
-
-
-def assert_adapters_matter(outs: dict):
-    """Each pair of runs (adapters and base) differs clearly, so parity below is not vacuous."""
-    keys = list(outs)
-    for i, a in enumerate(keys):
-        for b in keys[i + 1 :]:
-            diff = (outs[a].double() - outs[b].double()).abs().max().item()
-            assert diff > CLEAR_MARGIN, f"{a} vs {b}: outputs differ by only {diff:.3g}; the test would prove nothing"
-
-
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Counts calls of the patched layers' LoRA kernels (both backends go through ``layers.apply_lora``)."""
-    calls = []
-    original = csgmv_layers.apply_lora
-
-    def counting(*args, **kwargs):
-        calls.append(args[-1])  # the triton flag
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(csgmv_layers, "apply_lora", counting)
-    return calls
-
-
-def greedy_kwargs(new_tokens: int = 5, **extra):
-    # min_new_tokens: no row stops early at an eos token, so every per-adapter run has the same length.
-    return dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **extra)
 
 
 # --------------------------------------------------------------------------------------------------------------------

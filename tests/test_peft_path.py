@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from test_parity import (
+from helpers import (
+    ALL_LINEAR,
     BASE,
     DEVICE,
     assert_adapters_matter,
@@ -19,8 +19,8 @@ from test_parity import (
     per_adapter,
     stitch,
 )
+from peft import LoraConfig, get_peft_model
 
-from helpers import ALL_LINEAR
 from peft_csgmv import disable_csgmv, enable_csgmv
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
