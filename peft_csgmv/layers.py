@@ -107,6 +107,8 @@ def _csgmv_linear_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
         return self._csgmv_orig_forward(x, *args, **kwargs)
     if x.dim() < 2:
         raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
+    if self.scaling is not stack.scaling_src:  # rescaled by assignment (peft.helpers.rescale_adapter_scale)
+        ctx.state.stack_layer(self, force=True)
     rows = x.shape[0]
     if stack.peft_only and not stack.peft_only.isdisjoint(ctx.requested):
         return self._csgmv_orig_forward(x, *args, adapter_names=ctx.names_for(rows), **kwargs)
@@ -145,11 +147,31 @@ def _patch(module: nn.Module, forward, state_ref: Callable[[], "CsgmvState"]) ->
     module.forward = types.MethodType(forward, module)
 
 
+# PEFT methods that change a layer's scaling in place: after each, the layer's stack is refreshed.
+_RESCALING_METHODS = ("set_scale", "scale_layer", "unscale_layer")
+
+
+def _restack_after(layer: nn.Module, method: str):
+    original = getattr(layer, method)
+
+    def wrapper(*args, **kwargs):
+        result = original(*args, **kwargs)
+        state = layer._csgmv_state_ref()
+        if state is not None:
+            state.stack_layer(layer, force=True)
+        return result
+
+    return wrapper
+
+
 def patch_layer(layer: nn.Module, stack: "LoraStack", state_ref: Callable[[], "CsgmvState"]) -> None:
-    """Swap a ``lora.Linear``'s ``forward`` for the csgmv forward (instance attribute; :func:`unpatch_layer` undoes
-    it)."""
+    """Swap a ``lora.Linear``'s ``forward`` for the csgmv forward, and make its rescaling methods refresh the stack
+    (instance attributes; :func:`unpatch_layer` undoes it)."""
     layer._csgmv_stack = stack
     _patch(layer, _csgmv_linear_forward, state_ref)
+    for method in _RESCALING_METHODS:
+        if hasattr(layer, method):
+            layer.__dict__[method] = _restack_after(layer, method)
 
 
 def patch_peft_path(module: nn.Module, state_ref: Callable[[], "CsgmvState"]) -> None:
@@ -158,7 +180,7 @@ def patch_peft_path(module: nn.Module, state_ref: Callable[[], "CsgmvState"]) ->
 
 
 def unpatch_layer(layer: nn.Module) -> None:
-    for attr in ("forward", "_csgmv_orig_forward", "_csgmv_stack", "_csgmv_state_ref", "_csgmv_held"):
+    for attr in ("forward", "_csgmv_orig_forward", "_csgmv_stack", "_csgmv_state_ref", "_csgmv_held", *_RESCALING_METHODS):
         layer.__dict__.pop(attr, None)
 
 

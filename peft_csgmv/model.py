@@ -145,36 +145,9 @@ class CsgmvState:
             if type(layer) is not LoraLinear:
                 continue  # rejected in _check_model
             found[mod_name] = layer
-            if is_patched(layer):
-                stack = layer._csgmv_stack
-                if force:
-                    stack.sources.clear()
-            else:
-                stack = self._new_stack(layer)
-                patch_layer(layer, stack, weakref.ref(self))
-            adapters = layer_adapters(layer)
-            stack.peft_only.clear()
-            for slot, name in enumerate(self.registry.names):
-                if name is None or name not in adapters:
-                    stack.clear_slot(slot)
-                    continue
-                reason = _unsupported_reason(layer, name)
-                if reason is not None:
-                    kind, message = reason
-                    if kind == "peft":
-                        stack.peft_only.add(name)
-                    else:
-                        self.unsupported.setdefault(name, message)
-                    stack.clear_slot(slot)
-                    continue
-                source = layer.lora_A[name]
-                if stack.sources.get(slot) is not source:
-                    a, b = adapters[name]
-                    dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
-                    stack.set_slot(slot, a, b, layer.scaling[name], source=source, dora=dora)
-            stack.ensure_capacity(self.registry.capacity)
-            for slot in range(len(self.registry.names), stack.capacity):
-                stack.clear_slot(slot)
+            if not is_patched(layer):
+                patch_layer(layer, self._new_stack(layer), weakref.ref(self))
+            self.stack_layer(layer, force)
         for old, new in ((self.layers, found), (self.peft_path, peft_path)):
             for mod_name, module in old.items():
                 if new.get(mod_name) is not module:
@@ -183,6 +156,38 @@ class CsgmvState:
         self.fingerprint = fingerprint
         self.configs = list(model.peft_config.values())
         self.plans.clear()
+
+    def stack_layer(self, layer: nn.Module, force: bool = False) -> None:
+        """Bring one patched ``lora.Linear``'s stack in line with its adapters: copy new or replaced ones (all with
+        ``force``), clear the rest. Also called when PEFT rescales the layer (``set_scale``, ``scale_layer``,
+        ``unscale_layer``, or a new ``scaling`` dict as ``peft.helpers.rescale_adapter_scale`` sets)."""
+        stack: LoraStack = layer._csgmv_stack
+        if force:
+            stack.sources.clear()
+        adapters = layer_adapters(layer)
+        stack.peft_only.clear()
+        for slot, name in enumerate(self.registry.names):
+            if name is None or name not in adapters:
+                stack.clear_slot(slot)
+                continue
+            reason = _unsupported_reason(layer, name)
+            if reason is not None:
+                kind, message = reason
+                if kind == "peft":
+                    stack.peft_only.add(name)
+                else:
+                    self.unsupported.setdefault(name, message)
+                stack.clear_slot(slot)
+                continue
+            source = layer.lora_A[name]
+            if stack.sources.get(slot) is not source:
+                a, b = adapters[name]
+                dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
+                stack.set_slot(slot, a, b, layer.scaling[name], source=source, dora=dora)
+        stack.ensure_capacity(self.registry.capacity)
+        for slot in range(len(self.registry.names), stack.capacity):
+            stack.clear_slot(slot)
+        stack.scaling_src = layer.scaling
 
     def _new_stack(self, layer: nn.Module) -> LoraStack:
         base = layer.get_base_layer()

@@ -88,6 +88,7 @@ class LoraStack:
         # Adapters of this layer that only PEFT's own mixed-batch path serves (``lora_bias``): while one of them is in
         # a batch, the layer takes that path for the whole batch.
         self.peft_only: set[str] = set()
+        self.scaling_src: dict | None = None  # the layer's ``scaling`` dict the stack was built from
         self.mag: torch.Tensor | None = None  # (capacity, out) fp32 DoRA scale, once a DoRA adapter is stacked
         self.bias: torch.Tensor | None = None  # (out,) fp32 base bias, with mag
 

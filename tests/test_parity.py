@@ -564,3 +564,41 @@ def test_enable_again_restacks_edited_weights(backend):
     assert (expected[2] - before[2]).abs().max() > CLEAR_MARGIN
     enable_csgmv(model, backend=backend)
     close(run(adapter_ids=names), expected, "after enable_csgmv again")
+
+
+@pytest.mark.parametrize("how", ["rescale_adapter_scale", "set_scale", "scale_layer"])
+def test_rescaled_adapters_are_restacked(how):
+    """PEFT's ways of rescaling adapters after enable_csgmv reach the stacks: the next call matches stock PEFT."""
+    from peft.helpers import rescale_adapter_scale
+    from peft.tuners.lora import LoraLayer
+
+    model = make("llama")
+    names = interleaved(5)
+    input_ids, mask = make_batch(5, 6)
+
+    def fwd():
+        return model(input_ids, attention_mask=mask).logits
+
+    before = per_adapter(model, names, fwd)
+    enable_csgmv(model, backend="torch")
+    try:
+        layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        if how == "rescale_adapter_scale":
+            with rescale_adapter_scale(model, 0.3):
+                got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+                expected = stitch(per_adapter(model, names, fwd), names)
+            after = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+            close(after, stitch(before, names), "after the context, the original scale")
+        else:
+            for layer in layers:
+                if how == "set_scale":
+                    layer.set_scale("a1", 0.25)
+                else:
+                    model.set_adapter("a0")
+                    layer.scale_layer(2.0)  # scales the active adapter
+            got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+            expected = stitch(per_adapter(model, names, fwd), names)
+    finally:
+        disable_csgmv(model)
+    assert (expected - stitch(before, names)).abs().max() > CLEAR_MARGIN, "the rescale changed nothing"
+    close(got, expected, f"after {how}")
