@@ -602,3 +602,34 @@ def test_rescaled_adapters_are_restacked(how):
         disable_csgmv(model)
     assert (expected - stitch(before, names)).abs().max() > CLEAR_MARGIN, "the rescale changed nothing"
     close(got, expected, f"after {how}")
+
+
+def test_merge_and_unload_after_enable():
+    """merge_and_unload on an enabled model behaves as in PEFT: the merged base model equals the active adapter's
+    output, and carries no csgmv patch."""
+    from peft_csgmv.layers import is_patched
+
+    model = make("llama")
+    model.set_adapter("a1")
+    input_ids, mask = make_batch(3, 5)
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=mask).logits
+    enable_csgmv(model, backend="torch")
+    merged = model.merge_and_unload()
+    assert not any(is_patched(m) for m in merged.modules())
+    with torch.no_grad():
+        close(merged(input_ids, attention_mask=mask).logits, expected, "merged model")
+
+
+def test_merge_then_unmerge_after_enable():
+    model = make("llama")
+    names = interleaved(4)
+    input_ids, mask = make_batch(4, 5)
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=mask, adapter_names=names).logits
+    enable_csgmv(model, backend="torch")
+    model.merge_adapter()
+    with pytest.raises(ValueError, match="merged adapters"):
+        model(input_ids, attention_mask=mask, adapter_ids=names)
+    model.unmerge_adapter()
+    close(model(input_ids, attention_mask=mask, adapter_ids=names).logits, expected, "after unmerge", torch.float32)
