@@ -73,25 +73,32 @@ def _crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def build_model(name: str, device: torch.device, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_model(name: str, device: torch.device, dtype: torch.dtype, config_path: str | None = None):
+    """Random weights from a built-in Llama size (``name``) or from any causal-LM config (``config_path``: a
+    ``config.json`` or a folder holding one); no weights are downloaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(max_position_embeddings=4096, **MODELS[name])
+    if config_path:
+        config = AutoConfig.from_pretrained(config_path)
+    else:
+        config = LlamaConfig(max_position_embeddings=4096, **MODELS[name])
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = 0
     return model.eval()
 
 
-def add_adapters(model, n: int, ranks: list[int], device: torch.device, fp32_adapters: bool = False):
+def add_adapters(
+    model, n: int, ranks: list[int], device: torch.device, fp32_adapters: bool = False, targets=TARGETS
+):
     from peft import LoraConfig, get_peft_model
 
     peft_model = None
     with torch.device(device):
         for i in range(n):
             r = ranks[i % len(ranks)]
-            cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, init_lora_weights=False)
+            cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
             if peft_model is None:
                 # PEFT keeps adapters in fp32 on a bf16 base unless told otherwise; the default here is the model's
                 # dtype (faster for PEFT, so the stricter baseline).
@@ -104,7 +111,9 @@ def add_adapters(model, n: int, ranks: list[int], device: torch.device, fp32_ada
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="peft-csgmv bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(MODELS), default="1b")
+    p.add_argument("--model", choices=sorted(MODELS), default="1b", help="a built-in Llama size")
+    p.add_argument("--config", default=None, help="any causal-LM config.json (or folder) instead of --model")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated LoRA target modules")
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--ranks", default="16", help="comma-separated ranks, cycled over the adapters (e.g. 8,16,64)")
     p.add_argument("--batch", type=int, default=32)
@@ -129,7 +138,8 @@ def main(argv=None) -> int:
     ranks = [int(r) for r in args.ranks.split(",")]
     distinct = [int(d) for d in args.distinct.split(",") if int(d) <= args.adapters]
     timer = Timer(device)
-    model = build_model(args.model, device, dtype)
+    model = build_model(args.model, device, dtype, args.config)
+    model_label = os.path.basename(os.path.normpath(args.config)) if args.config else args.model
     vocab = model.config.vocab_size
     g = torch.Generator(device="cpu").manual_seed(1)
     input_ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=g).to(device)
@@ -175,7 +185,7 @@ def main(argv=None) -> int:
 
     measure("base model, no LoRA", runner(model))
     t0 = time.perf_counter()
-    pm = add_adapters(model, args.adapters, ranks, device, args.fp32_adapters)
+    pm = add_adapters(model, args.adapters, ranks, device, args.fp32_adapters, args.targets.split(","))
     print(f"loaded {args.adapters} adapters (ranks {ranks}) in {time.perf_counter() - t0:.1f} s", flush=True)
     pm.set_adapter("a0")
     measure("PEFT one adapter", runner(pm))
@@ -199,13 +209,13 @@ def main(argv=None) -> int:
     ref = {r["row"]: r for r in results}
     one = ref["PEFT one adapter"]
     print()
-    header = f"| {args.model} | row | prefill ms | decode-step ms | generate tok/s | decode vs PEFT one | decode vs PEFT names |"
+    header = f"| {model_label} | row | prefill ms | decode-step ms | generate tok/s | decode vs PEFT one | decode vs PEFT names |"
     print(header)
     print("|" + "---|" * 7)
     for r in results:
         mixed = ref.get(r["row"].replace("peft_csgmv", "PEFT adapter_names"))
         vs_names = f"{r['decode_ms'] / mixed['decode_ms']:.3f}" if mixed and mixed is not r else ""
-        print(f"| {args.model} | {r['row']} | {r['prefill_ms']:.1f} | {r['decode_ms']:.2f} | "
+        print(f"| {model_label} | {r['row']} | {r['prefill_ms']:.1f} | {r['decode_ms']:.2f} | "
               f"{r['generate_tok_s']:.1f} | {r['decode_ms'] / one['decode_ms']:.3f} | {vs_names} |")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -214,6 +224,7 @@ def main(argv=None) -> int:
             device=_device_name(device),
             versions={m: __import__(m).__version__ for m in ("torch", "triton", "transformers", "peft")},
             python=sys.version.split()[0],
+            label=model_label,
             args=vars(args),
         )
         with open(args.out, "w") as f:
@@ -221,8 +232,8 @@ def main(argv=None) -> int:
     if args.plot:
         from .plot import plot_decode_vs_distinct
 
-        plot_decode_vs_distinct([dict(meta=dict(args=vars(args), device=_device_name(device)), results=results)],
-                                args.plot)
+        meta = dict(args=vars(args), device=_device_name(device), label=model_label)
+        plot_decode_vs_distinct([dict(meta=meta, results=results)], args.plot)
         print(f"wrote {args.plot}")
     return 0
 

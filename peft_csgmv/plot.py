@@ -22,7 +22,7 @@ def plot_decode_vs_distinct(datasets: list[dict], out: str) -> None:
     fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4), squeeze=False)
     for ax, data in zip(axes[0], datasets):
         rows = {r["row"]: r for r in data["results"]}
-        model = data["meta"]["args"]["model"]
+        model = data["meta"].get("label") or data["meta"]["args"]["model"]
         for prefix, style in (("PEFT adapter_names", "o-"), ("peft_csgmv", "s-")):
             pts = sorted(
                 (int(m.group(1)), r["decode_ms"])
@@ -38,7 +38,7 @@ def plot_decode_vs_distinct(datasets: list[dict], out: str) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("distinct adapters in a batch of %d" % data["meta"]["args"]["batch"])
         ax.set_ylabel("decode step (ms)")
-        ax.set_title(f"{model} Llama, {data['meta']['device']}")
+        ax.set_title(f"{model}, {data['meta']['device']}")
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

@@ -163,3 +163,16 @@ def test_generate_with_device_map(checkout, tmp_path):
     del args[i : i + 2]
     assert main(args) == 0
     assert {r["line"]: r["completion"] for r in _records(out_map)} == {r["line"]: r["completion"] for r in _records(out)}
+
+
+def test_bench_any_config(tmp_path):
+    """``--config`` benchmarks any causal-LM config (here a tiny GPT-2 with its own target modules)."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0).save_pretrained(tmp_path)
+    out = tmp_path / "e2e.json"
+    rc = main(["bench", "--config", str(tmp_path), "--targets", "c_attn,c_proj,c_fc", "--adapters", "2", "--distinct",
+               "1,2", "--batch", "2", "--prompt", "4", "--new-tokens", "1", "--repeats", "1", "--device", "cpu",
+               "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    assert {r["row"] for r in json.loads(out.read_text())["results"]} >= {"peft_csgmv, 2 distinct", "PEFT one adapter"}
