@@ -5,9 +5,11 @@ two kernel launches: ``t = shrink(x, A_stack, plan)``; ``expand(t, B_stack, plan
 active, under ``disable_adapter()``, or when PEFT's own ``adapter_names`` reaches the layer directly, it is PEFT's
 forward, unchanged.
 
-Modules csgmv has no kernel for, but for which PEFT has a mixed-batch path (LoRA on embeddings and convolutions,
-``modules_to_save`` and trainable-token wrappers, and ``lora.Linear`` layers while an adapter with ``lora_bias`` is in
-the batch), get the *PEFT path*: during a csgmv call they receive PEFT's ``adapter_names`` for exactly the rows they
+A patched ``lora.Embedding`` does the same with the embedding-A gather kernel in place of the shrink.
+
+Modules csgmv has no kernel for, but for which PEFT has a mixed-batch path (LoRA on convolutions and on embeddings
+with ``max_norm``, ``modules_to_save`` and trainable-token wrappers, and ``lora.Linear`` layers while an adapter with
+``lora_bias`` is in the batch), get the *PEFT path*: during a csgmv call they receive PEFT's ``adapter_names`` for exactly the rows they
 see, so PEFT applies each row's adapter there. Correct by construction, at PEFT's speed for those few modules.
 """
 
@@ -85,27 +87,35 @@ def use_triton(backend: str, device: torch.device) -> bool:
 
 
 def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: BatchPlan, triton_backend: bool) -> None:
-    """``y[i] += scaling[s] * (x[i] @ A[s]ᵀ) @ B[s]ᵀ`` for every token ``i`` of slot ``s``; ``x``: (T, in), ``y``:
-    (T, out), in place."""
+    """``y[i] += scaling[s] * (x[i] @ A[s]ᵀ) @ B[s]ᵀ`` for every token ``i`` of slot ``s``, in place; ``x``: (T, in)
+    activations, or (T,) token ids for an embedding stack (``A[s][:, x[i]]`` instead of ``x[i] @ A[s]ᵀ``); ``y``:
+    (T, out)."""
     if triton_backend:
         if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
             # Triton launches on the current device; a model spread over GPUs (device_map) has layers elsewhere.
             with torch.cuda.device(x.device):
                 apply_lora(x, y, stack, plan, triton_backend)
             return
-        t = kernels.shrink(x, stack.a, stack.ranks, plan, plan.workspace(1, stack.r_max)[0])
+        t = plan.workspace(1, stack.r_max)[0]
+        if stack.embedding:
+            t = kernels.embedding_shrink(x, stack.a, stack.ranks, plan, t)
+        else:
+            t = kernels.shrink(x, stack.a, stack.ranks, plan, t)
         kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias)
     else:
-        t = kernels.shrink_reference(x, stack.a, stack.ranks_host, plan)
+        shrink = kernels.embedding_shrink_reference if stack.embedding else kernels.shrink_reference
+        t = shrink(x, stack.a, stack.ranks_host, plan)
         kernels.expand_reference(t, stack.b, stack.ranks_host, stack.scalings_host, plan, y, stack.mag, stack.bias)
 
 
-def _csgmv_linear_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The forward of a patched ``lora.Linear`` (``x``: rows × ... × in) or ``lora.Embedding`` (``x``: rows × ...
+    token ids)."""
     ctx = ACTIVE.get()
     stack: LoraStack = self._csgmv_stack
     if ctx is None or ctx.state is not stack_state(self) or self.disable_adapters or "adapter_names" in kwargs:
         return self._csgmv_orig_forward(x, *args, **kwargs)
-    if x.dim() < 2:
+    if x.dim() < (1 if stack.embedding else 2):
         raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
     if self.scaling is not stack.scaling_src:  # rescaled by assignment (peft.helpers.rescale_adapter_scale)
         ctx.state.stack_layer(self, force=True)
@@ -113,7 +123,7 @@ def _csgmv_linear_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     if stack.peft_only and not stack.peft_only.isdisjoint(ctx.requested):
         return self._csgmv_orig_forward(x, *args, adapter_names=ctx.names_for(rows), **kwargs)
     result = self.base_layer(x, *args, **kwargs)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1) if stack.embedding else x.reshape(-1, x.shape[-1])
     plan = ctx.plan_for(rows, x2.shape[0] // rows, x.device)
     if plan.is_empty:
         return result
@@ -165,10 +175,10 @@ def _restack_after(layer: nn.Module, method: str):
 
 
 def patch_layer(layer: nn.Module, stack: "LoraStack", state_ref: Callable[[], "CsgmvState"]) -> None:
-    """Swap a ``lora.Linear``'s ``forward`` for the csgmv forward, and make its rescaling methods refresh the stack
-    (instance attributes; :func:`unpatch_layer` undoes it)."""
+    """Swap a ``lora.Linear``'s or ``lora.Embedding``'s ``forward`` for the csgmv forward, and make its rescaling
+    methods refresh the stack (instance attributes; :func:`unpatch_layer` undoes it)."""
     layer._csgmv_stack = stack
-    _patch(layer, _csgmv_linear_forward, state_ref)
+    _patch(layer, _csgmv_forward, state_ref)
     for method in _RESCALING_METHODS:
         if hasattr(layer, method):
             layer.__dict__[method] = _restack_after(layer, method)

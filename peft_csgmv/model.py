@@ -3,10 +3,10 @@ chunked-SGMV kernels.
 
 What patching does, all of it undone by :func:`disable_csgmv`:
 
-* every PEFT LoRA ``Linear`` layer (``nn.Linear`` or GPT-2 ``Conv1D`` base) gets a :class:`~peft_csgmv.slots.LoraStack`
-  and an instance-level ``forward`` (see :mod:`peft_csgmv.layers`);
-* modules csgmv has no kernel for but PEFT can mix (LoRA embeddings and convolutions, ``modules_to_save`` and
-  trainable-token wrappers) get PEFT's own mixed-batch path during csgmv calls;
+* every PEFT LoRA ``Linear`` layer (``nn.Linear`` or GPT-2 ``Conv1D`` base) and ``Embedding`` layer gets a
+  :class:`~peft_csgmv.slots.LoraStack` and an instance-level ``forward`` (see :mod:`peft_csgmv.layers`);
+* modules csgmv has no kernel for but PEFT can mix (LoRA convolutions, embeddings with ``max_norm``,
+  ``modules_to_save`` and trainable-token wrappers) get PEFT's own mixed-batch path during csgmv calls;
 * the ``PeftModel`` gets instance-level ``forward`` and ``generate`` that accept ``adapter_ids`` (and PEFT's own
   ``adapter_names``), validate them once per call, and publish the per-row slots to the layers through a context
   variable that is reset in ``finally``.
@@ -63,9 +63,16 @@ def _dora_error(name: str, where: str) -> str:
 
 
 def _unsupported_reason(layer: nn.Module, name: str) -> tuple[str, str] | None:
-    """Whether csgmv's kernels can serve adapter ``name`` in a ``lora.Linear`` layer: ``None`` if they can (plain LoRA
-    and DoRA), else ``("peft", why)`` when PEFT's own mixed-batch path can (the layer then takes it while the adapter
-    is in a batch) or ``("error", message)`` when neither can."""
+    """Whether csgmv's kernels can serve adapter ``name`` in a ``lora.Linear`` or ``lora.Embedding`` layer: ``None``
+    if they can (plain LoRA, and DoRA on Linear), else ``("peft", why)`` when PEFT's own mixed-batch path can (the
+    layer then takes it while the adapter is in a batch) or ``("error", message)`` when neither can."""
+    if _is_embedding(layer):
+        if layer.use_dora.get(name, False):
+            return "error", _dora_error(name, "on an Embedding layer")
+        variant = getattr(layer, "lora_variant", {}).get(name)
+        if variant is not None:
+            return "error", f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet"
+        return None
     biased = getattr(layer.lora_B[name], "bias", None) is not None
     if layer.use_dora.get(name, False):
         return ("error", _dora_error(name, "together with `lora_bias=True`")) if biased else None
@@ -75,6 +82,29 @@ def _unsupported_reason(layer: nn.Module, name: str) -> tuple[str, str] | None:
     if biased:
         return "peft", "lora_bias"
     return None
+
+
+def _is_embedding(layer: nn.Module) -> bool:
+    from peft.tuners.lora import Embedding as LoraEmbedding
+
+    return isinstance(layer, LoraEmbedding)
+
+
+def _kernel_layer(layer: nn.Module) -> bool:
+    """A PEFT layer the kernels serve: ``lora.Linear``, or ``lora.Embedding`` without ``max_norm`` (which renormalises
+    looked-up rows; PEFT's own path serves that)."""
+    from peft.tuners.lora import Embedding as LoraEmbedding
+
+    _, _, LoraLinear = _peft_classes()
+    if type(layer) is LoraLinear:
+        return True
+    return type(layer) is LoraEmbedding and layer.get_base_layer().max_norm is None
+
+
+def _embed_scale(layer: nn.Module) -> float:
+    """A scaled embedding's ``embed_scale`` (Gemma), which PEFT applies to the LoRA output too; 1 otherwise."""
+    scale = layer._get_embed_scale() if hasattr(layer, "_get_embed_scale") else None
+    return 1.0 if scale is None else float(scale)
 
 
 def _dora_scale(layer: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,7 +152,7 @@ class CsgmvState:
         # enable_csgmv does, before anything runs. The fingerprint is not updated, so every call refuses until the
         # adapter is deleted again.
         peft_path = _check_modules(model)
-        _, LoraLayer, LoraLinear = _peft_classes()
+        _, LoraLayer, _ = _peft_classes()
         names = list(model.peft_config)
         for gone in [n for n in self.registry.index if n not in names]:
             self.registry.remove(gone)
@@ -140,10 +170,8 @@ class CsgmvState:
             module._csgmv_held = frozenset(_held_adapters(module))
         found: dict[str, nn.Module] = {}
         for mod_name, layer in model.named_modules():
-            if not isinstance(layer, LoraLayer):
-                continue
-            if type(layer) is not LoraLinear:
-                continue  # rejected in _check_model
+            if not isinstance(layer, LoraLayer) or not _kernel_layer(layer):
+                continue  # on PEFT's path, or rejected by _check_modules
             found[mod_name] = layer
             if not is_patched(layer):
                 patch_layer(layer, self._new_stack(layer), weakref.ref(self))
@@ -179,11 +207,11 @@ class CsgmvState:
                     self.unsupported.setdefault(name, message)
                 stack.clear_slot(slot)
                 continue
-            source = layer.lora_A[name]
-            if stack.sources.get(slot) is not source:
-                a, b = adapters[name]
+            a, b = adapters[name]
+            if stack.sources.get(slot) is not a:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
-                stack.set_slot(slot, a, b, layer.scaling[name], source=source, dora=dora)
+                scaling = layer.scaling[name] * (_embed_scale(layer) if stack.embedding else 1.0)
+                stack.set_slot(slot, a, b, scaling, source=a, dora=dora)
         stack.ensure_capacity(self.registry.capacity)
         for slot in range(len(self.registry.names), stack.capacity):
             stack.clear_slot(slot)
@@ -198,8 +226,8 @@ class CsgmvState:
             dtype = weight.dtype
         else:
             dtype = torch.float32
-        ranks = [layer.r[n] for n in layer.lora_A.keys()] or [1]
-        device = weight.device if weight is not None else next(layer.lora_A.parameters()).device
+        ranks = [layer.r[n] for n in layer_adapters(layer)] or [1]
+        device = weight.device if weight is not None else next(layer.parameters()).device
         return LoraStack(
             in_features=layer.in_features,
             out_features=layer.out_features,
@@ -207,6 +235,7 @@ class CsgmvState:
             r_max=max(ranks),
             dtype=dtype,
             device=device,
+            embedding=_is_embedding(layer),
         )
 
     def release(self) -> None:
@@ -293,7 +322,8 @@ _PEFT_MIXED_BATCH_BASES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Con
 
 
 def _check_modules(model) -> dict[str, nn.Module]:
-    """The modules that take PEFT's mixed-batch path (name → module): LoRA on embeddings and convolutions, and
+    """The modules that take PEFT's mixed-batch path (name → module): LoRA on convolutions and on embeddings with
+    ``max_norm``, and
     `modules_to_save` / trainable-token wrappers around the module types PEFT can mix. Raises
     ``NotImplementedError`` naming the first module that holds an adapter neither csgmv nor PEFT's mixed batches can
     serve (MultiheadAttention, ``target_parameters``, quantized or other untested layer types). Modules left empty
@@ -301,18 +331,18 @@ def _check_modules(model) -> dict[str, nn.Module]:
     from peft.tuners.lora import Embedding as LoraEmbedding
     from peft.tuners.lora.layer import _ConvNd
 
-    _, LoraLayer, LoraLinear = _peft_classes()
+    _, LoraLayer, _ = _peft_classes()
     Aux = _auxiliary_wrapper_class()
     peft_path: dict[str, nn.Module] = {}
     for mod_name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and type(module) is not LoraLinear:
+        if isinstance(module, LoraLayer) and not _kernel_layer(module):
             if isinstance(module, (LoraEmbedding, _ConvNd)):
                 peft_path[mod_name] = module
             elif _held_adapters(module):
                 raise NotImplementedError(
                     f"csgmv does not handle the PEFT layer type {type(module).__module__}.{type(module).__name__} "
                     f"(module '{mod_name}') in mixed batches; it handles lora.Linear layers (nn.Linear and "
-                    "transformers Conv1D bases), and LoRA embeddings and convolutions through PEFT's own path."
+                    "transformers Conv1D bases) and embeddings, and LoRA convolutions through PEFT's own path."
                 )
         elif isinstance(module, Aux):
             if isinstance(getattr(module, "original_module", None), _PEFT_MIXED_BATCH_BASES):

@@ -58,7 +58,10 @@ class SlotRegistry:
 
 
 def layer_adapters(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The adapters a PEFT LoRA Linear layer holds: name → (A ``(r, in)``, B ``(out, r)``) weights."""
+    """The adapters a PEFT LoRA Linear or Embedding layer holds: name → (A ``(r, in)``, B ``(out, r)``) weights
+    (for an embedding, ``in`` is the vocabulary: PEFT's ``lora_embedding_A`` / ``lora_embedding_B``)."""
+    if layer.lora_embedding_A:
+        return {name: (layer.lora_embedding_A[name], layer.lora_embedding_B[name]) for name in layer.lora_embedding_A}
     return {name: (layer.lora_A[name].weight, layer.lora_B[name].weight) for name in layer.lora_A.keys()}
 
 
@@ -73,7 +76,9 @@ class LoraStack:
         r_max: int,
         dtype: torch.dtype,
         device: torch.device,
+        embedding: bool = False,
     ) -> None:
+        self.embedding = embedding  # an embedding layer: A is gathered by token id instead of multiplied
         self.in_features = in_features
         self.out_features = out_features
         self.dtype = dtype

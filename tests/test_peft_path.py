@@ -1,5 +1,6 @@
 """Modules csgmv has no kernel for but PEFT can mix per row take PEFT's own mixed-batch path inside a csgmv call:
-LoRA on embeddings and convolutions, `modules_to_save`, trainable tokens, and ``lora_bias`` adapters. Each case is
+LoRA on convolutions, `modules_to_save`, trainable tokens, and ``lora_bias`` adapters (embeddings with ``max_norm``:
+tests/test_embedding.py). Each case is
 compared with every adapter's own stock PEFT run (and PEFT's ``adapter_names`` where it works)."""
 
 from __future__ import annotations
@@ -55,15 +56,6 @@ def _check_forward(model, backend, rows=6, seq=7, peft_mixed_works=True):
     if peft_mixed_works:
         close(got, peft_mixed, "csgmv vs PEFT adapter_names")
     return model
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_embedding_lora(backend):
-    specs = {
-        "a0": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "v_proj"]),
-        "a1": dict(r=8, lora_alpha=4, target_modules=ALL_LINEAR),
-    }
-    _check_forward(make("llama", specs), backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

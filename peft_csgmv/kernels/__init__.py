@@ -1,8 +1,9 @@
 """LoRA kernels over a :class:`~peft_csgmv.plan.BatchPlan`: Triton (``shrink``, ``expand``) and a plain-torch
 reference with the same semantics."""
 
+from .embedding import embedding_shrink
 from .expand import expand
-from .reference import expand_reference, shrink_reference
+from .reference import embedding_shrink_reference, expand_reference, shrink_reference
 from .shrink import max_split_k, shrink
 
-__all__ = ["max_split_k", "shrink", "expand", "shrink_reference", "expand_reference"]
+__all__ = ["embedding_shrink", "embedding_shrink_reference", "max_split_k", "shrink", "expand", "shrink_reference", "expand_reference"]

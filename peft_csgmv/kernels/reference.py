@@ -67,3 +67,20 @@ def expand_reference(
             m, bb = mag[slot].to(acc), bias.to(acc)
             y[rows] = (m * (y[rows].to(acc) - bb + delta) + bb).to(y.dtype)
     return y
+
+
+def embedding_shrink_reference(
+    ids: torch.Tensor, a: torch.Tensor, ranks: Sequence[int], plan: BatchPlan, t: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``ids``: (T,) token ids; ``a``: (S, R, V). Returns ``t``: (T, R) with ``t[rows, :r] = A[slot, :r, ids[rows]]ᵀ``
+    (fp32, fp64 for fp64 ``a``)."""
+    acc = _acc_dtype(a)
+    if t is None:
+        t = torch.zeros((ids.shape[0], a.shape[1]), dtype=acc, device=ids.device)
+    for slot, start, end in plan.runs:
+        r = int(ranks[slot])
+        if r == 0:
+            continue
+        rows = plan.permutation[start:end].long()
+        t[rows, :r] = a[slot, :r][:, ids[rows].long()].T.to(t.dtype)
+    return t

@@ -1,0 +1,97 @@
+"""Chunked embedding shrink: the LoRA ``A`` lookup of an embedding layer for every segment.
+
+Semantics::
+
+    for each segment s with slot = seg_slot[s], r = rank[slot], rows = permutation[seg_indptr[s]:seg_indptr[s+1]]:
+        t[rows, :r] = A[slot, :r, ids[rows]]ᵀ          (PEFT: F.embedding(ids, lora_embedding_A.T); stored in fp32)
+
+``A`` is stacked as for linear layers, ``(S, R, vocab)`` (PEFT's ``lora_embedding_A`` is ``(r, vocab)``); the expand
+kernel then adds ``t @ lora_embedding_B[slot]ᵀ · scaling`` (with a scaled embedding's ``embed_scale`` folded into the
+scaling). Rows in no segment and rank-0 slots are not touched.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..plan import BatchPlan
+from .launch import Launcher
+from .shrink import _block
+
+
+@triton.jit
+def _embedding_shrink_kernel(
+    ids_ptr,  # (T,) int64/int32 token ids
+    a_ptr,  # (S, R, V) stacked embedding A
+    t_ptr,  # (T, R) fp32 output
+    perm_ptr,  # (T,) int32
+    seg_indptr_ptr,  # (num_segments + 1,) int32
+    seg_slot_ptr,  # (num_segments,) int32
+    rank_ptr,  # (S,) int32
+    stride_as,
+    stride_ar,
+    stride_av,
+    stride_tm,
+    stride_tr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    slot = tl.load(seg_slot_ptr + seg)
+    rank = tl.load(rank_ptr + slot)
+    if rank == 0:
+        return
+    start = tl.load(seg_indptr_ptr + seg)
+    length = tl.load(seg_indptr_ptr + seg + 1) - start
+
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < length
+    rows = tl.load(perm_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    ids = tl.load(ids_ptr + rows, mask=m_mask, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask = m_mask[:, None] & (offs_r < rank)[None, :]
+    a = tl.load(
+        a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar + ids[:, None] * stride_av,
+        mask=mask,
+        other=0.0,
+    )
+    tl.store(t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr, a.to(tl.float32), mask=mask)
+
+
+_launch_embedding_shrink = Launcher(_embedding_shrink_kernel)
+
+
+def embedding_shrink(
+    ids: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, plan: BatchPlan, t: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Launch the embedding shrink kernel.
+
+    Args:
+        ids: ``(T,)`` int token ids (any integer dtype, any stride); ``T = plan.num_tokens``.
+        a: ``(S, R, V)`` stacked embedding A weights, fp16/bf16/fp32.
+        ranks: ``(S,)`` int32 rank of each slot.
+        plan: the batch plan on ``ids``' device.
+        t: optional ``(T, R)`` fp32 output buffer.
+
+    Returns:
+        ``t``: ``(T, R)`` fp32; only ``t[rows of segment s, :ranks[slot of s]]`` is written.
+    """
+    (num_tokens,) = ids.shape
+    num_slots, r, _ = a.shape
+    if num_tokens != plan.num_tokens:
+        raise ValueError(f"embedding_shrink: {num_tokens} ids do not fit a plan of {plan.num_tokens} tokens")
+    if t is None:
+        t = torch.empty((num_tokens, r), dtype=torch.float32, device=ids.device)
+    if plan.num_segments:
+        _launch_embedding_shrink(
+            (plan.num_segments, 1, 1),
+            (
+                ids, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
+                a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1),
+            ),
+            BLOCK_M=_block(plan.chunk_size),
+            BLOCK_R=_block(r),
+        )  # fmt: skip
+    return t
