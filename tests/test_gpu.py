@@ -146,3 +146,26 @@ def test_dora_parity_half(arch, dtype):
     finally:
         disable_csgmv(pm)
     assert_close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()) * 2, what=f"{arch} DoRA logits")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_embedding_lora_half(dtype):
+    """Embedding LoRA through the gather kernel, mixed with linear LoRA, in half precision."""
+    model, targets = tiny_model("llama")
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", *targets]),
+        "b": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
+    }
+    pm = add_adapters(model.to(DEV), specs)
+    pm.to(dtype)
+    names = ["a", "__base__", "b", "a", "b"]
+    ids = torch.randint(3, 97, (len(names), 12), device=DEV)
+    mask = torch.ones_like(ids)
+    ref, base = _per_adapter_logits(pm, ids, mask, names)
+    assert (ref - base).abs().max() > 0.05, "the adapters do not change the output"
+    enable_csgmv(pm)
+    try:
+        out = pm(ids, attention_mask=mask, adapter_ids=names).logits.float()
+    finally:
+        disable_csgmv(pm)
+    assert_close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()) * 2, what="embedding LoRA logits")
