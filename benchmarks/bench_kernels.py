@@ -128,8 +128,12 @@ def bench_modules(dtype, gen) -> list[dict]:
         entry = dict(in_f=k, out_f=n, tokens=32)
         with torch.no_grad():
             entry["base_host_us"] = host_time_us(lambda: base.proj(x))
-            pm = get_peft_model(base, LoraConfig(r=16, target_modules=["proj"], init_lora_weights=False),
-                                adapter_name="a0", autocast_adapter_dtype=False)
+            pm = get_peft_model(
+                base,
+                LoraConfig(r=16, target_modules=["proj"], init_lora_weights=False),
+                adapter_name="a0",
+                autocast_adapter_dtype=False,
+            )
             for i in range(1, 32):
                 pm.add_adapter(f"a{i}", LoraConfig(r=16, target_modules=["proj"], init_lora_weights=False))
             pm.to(dtype).eval()
@@ -139,8 +143,9 @@ def bench_modules(dtype, gen) -> list[dict]:
 
             enable_csgmv(pm)
             state = pm._csgmv
-            ctx = CallContext(state=state, row_slots=tuple(range(32)), names=tuple(f"a{i}" for i in range(32)),
-                              arg_name="adapter_ids")
+            ctx = CallContext(
+                state=state, row_slots=tuple(range(32)), names=tuple(f"a{i}" for i in range(32)), arg_name="adapter_ids"
+            )
             token = ACTIVE.set(ctx)
             try:
                 entry["csgmv_host_us"] = host_time_us(lambda: layer(x))
@@ -179,11 +184,11 @@ def main(argv=None) -> int:
     cases = []
     shapes = SHAPES[:2] if args.quick else SHAPES
     for k, n in shapes:
-        for rank in ([16] if args.quick else [8, 16, 64, 128]):
+        for rank in [16] if args.quick else [8, 16, 64, 128]:
             for distinct in [1, 8, 32]:
                 cases.append((k, n, rank, 32, 32, distinct, "uniform"))
         for tokens in [512, 8192]:
-            for rank in ([16] if args.quick else [16, 64]):
+            for rank in [16] if args.quick else [16, 64]:
                 for distinct, dist in [(1, "uniform"), (32, "uniform"), (128, "uniform"), (32, "zipf")]:
                     rows = max(distinct, 32) if tokens >= 4096 else 32
                     cases.append((k, n, rank, tokens, min(rows, tokens), distinct, dist))
@@ -191,22 +196,32 @@ def main(argv=None) -> int:
     for c in cases:
         r = bench_case(*c, dtype=dtype, copy_gbs=args.copy_gbs, gen=gen)
         results.append(r)
-        print(f"{r['in_f']:>5}→{r['out_f']:<5} r{r['rank']:<3} T{r['tokens']:<5} {r['distinct']:>3} {r['dist']:<7} "
-              f"gpu {r['gpu_us']:7.1f} µs  host {r['host_us']:6.1f} µs  {r['gbs']:6.0f} GB/s  "
-              f"{r['vs_floor']:5.2f}× floor", flush=True)
+        print(
+            f"{r['in_f']:>5}→{r['out_f']:<5} r{r['rank']:<3} T{r['tokens']:<5} {r['distinct']:>3} {r['dist']:<7} "
+            f"gpu {r['gpu_us']:7.1f} µs  host {r['host_us']:6.1f} µs  {r['gbs']:6.0f} GB/s  "
+            f"{r['vs_floor']:5.2f}× floor",
+            flush=True,
+        )
     modules = bench_modules(dtype, gen)
     plans = bench_plan()
 
     print("\n| in→out | rank | tokens | distinct | GPU µs | host µs | GB/s | × floor |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['in_f']}→{r['out_f']} | {r['rank']} | {r['tokens']} | {r['distinct']} {r['dist']} | "
-              f"{r['gpu_us']:.1f} | {r['host_us']:.1f} | {r['gbs']:.0f} | {r['vs_floor']:.2f} |")
-    print("\n| module in→out, 32 decode tokens | base Linear host µs | PEFT one adapter host µs | csgmv host µs | csgmv GPU µs |")
+        print(
+            f"| {r['in_f']}→{r['out_f']} | {r['rank']} | {r['tokens']} | {r['distinct']} {r['dist']} | "
+            f"{r['gpu_us']:.1f} | {r['host_us']:.1f} | {r['gbs']:.0f} | {r['vs_floor']:.2f} |"
+        )
+    print(
+        "\n| module in→out, 32 decode tokens | base Linear host µs | PEFT one adapter host µs | csgmv host µs "
+        "| csgmv GPU µs |"
+    )
     print("|---|---|---|---|---|")
     for m in modules:
-        print(f"| {m['in_f']}→{m['out_f']} | {m['base_host_us']:.1f} | {m['peft_one_host_us']:.1f} | "
-              f"{m['csgmv_host_us']:.1f} | {m['csgmv_gpu_us']:.1f} |")
+        print(
+            f"| {m['in_f']}→{m['out_f']} | {m['base_host_us']:.1f} | {m['peft_one_host_us']:.1f} | "
+            f"{m['csgmv_host_us']:.1f} | {m['csgmv_gpu_us']:.1f} |"
+        )
     print("\n| plan rows × tokens | build µs |")
     print("|---|---|")
     for pl in plans:

@@ -37,8 +37,13 @@ def run(args, base, adapters) -> None:
     batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     batch = {k: v.to(model.get_input_embeddings().weight.device) for k, v in batch.items()}
     with torch.no_grad():
-        out = model.generate(**batch, adapter_ids=adapter_ids, max_new_tokens=args.max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            **batch,
+            adapter_ids=adapter_ids,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     for prompt, adapter, seq in zip(prompts, adapter_ids, out):
         text = tokenizer.decode(seq[batch["input_ids"].shape[1] :], skip_special_tokens=True)
         print(f"[{adapter or 'base'}] {prompt!r} -> {text!r}")

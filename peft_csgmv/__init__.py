@@ -1,8 +1,8 @@
 """Fast mixed-adapter LoRA batches for HuggingFace transformers + PEFT.
 
-    model = enable_csgmv(peft_model)
-    out = model.generate(input_ids, attention_mask=mask, adapter_ids=["legal", None, "chat"], max_new_tokens=64)
-    disable_csgmv(model)
+model = enable_csgmv(peft_model)
+out = model.generate(input_ids, attention_mask=mask, adapter_ids=["legal", None, "chat"], max_new_tokens=64)
+disable_csgmv(model)
 """
 
 from .model import disable_csgmv, enable_csgmv, is_csgmv_enabled

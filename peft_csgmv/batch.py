@@ -69,7 +69,9 @@ def read_rows(
             if adapter == BASE:
                 adapter = None
             if adapter is not None and (not isinstance(adapter, str) or adapter not in known):
-                errors.append((n, f"unknown adapter {adapter!r}; loaded: {', '.join(sorted(known))} (or null for base)"))
+                errors.append(
+                    (n, f"unknown adapter {adapter!r}; loaded: {', '.join(sorted(known))} (or null for base)")
+                )
                 continue
             rows.append(Row(line=n, prompt=prompt, adapter=adapter, id=obj.get("id"), has_id="id" in obj))
     return rows, errors
@@ -128,9 +130,7 @@ def generate_rows(
             brows = [rows[i] for i in batch]
             enc = tokenizer([r.prompt for r in brows], return_tensors="pt", padding=True, padding_side="left")
             enc = {k: v.to(device) for k, v in enc.items()}
-            seqs = model.generate(
-                **enc, adapter_ids=[r.adapter for r in brows], pad_token_id=pad_id, **generate_kwargs
-            )
+            seqs = model.generate(**enc, adapter_ids=[r.adapter for r in brows], pad_token_id=pad_id, **generate_kwargs)
             new = seqs[:, enc["input_ids"].shape[1] :].cpu()
             for r, ids in zip(brows, new):
                 ids = ids[ids != pad_id] if pad_id is not None else ids

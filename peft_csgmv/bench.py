@@ -89,9 +89,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, config_path
     return model.eval()
 
 
-def add_adapters(
-    model, n: int, ranks: list[int], device: torch.device, fp32_adapters: bool = False, targets=TARGETS
-):
+def add_adapters(model, n: int, ranks: list[int], device: torch.device, fp32_adapters: bool = False, targets=TARGETS):
     from peft import LoraConfig, get_peft_model
 
     peft_model = None
@@ -109,8 +107,9 @@ def add_adapters(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="peft-csgmv bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="peft-csgmv bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", choices=sorted(MODELS), default="1b", help="a built-in Llama size")
     p.add_argument("--config", default=None, help="any causal-LM config.json (or folder) instead of --model")
     p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated LoRA target modules")
@@ -121,8 +120,12 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--distinct", default="1,8,32")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--peft-generate-repeats", type=int, default=1,
-                   help="generate repeats for PEFT adapter_names rows (they are slow)")
+    p.add_argument(
+        "--peft-generate-repeats",
+        type=int,
+        default=1,
+        help="generate repeats for PEFT adapter_names rows (they are slow)",
+    )
     p.add_argument("--skip-peft-mixed-generate", action="store_true")
     p.add_argument("--fp32-adapters", action="store_true", help="keep adapter weights in fp32 (PEFT's default)")
     p.add_argument("--csgmv-only", action="store_true", help="skip the PEFT adapter_names rows")
@@ -151,13 +154,15 @@ def main(argv=None) -> int:
     def measure(label: str, call, gen_repeats: int | None = None):
         """``call(**kw)`` runs the model (forward or generate) with the row's adapter arguments."""
         with torch.no_grad():
-            prefill = timer(lambda: call("forward", input_ids=input_ids, attention_mask=mask, use_cache=False),
-                            args.repeats)
+            prefill = timer(
+                lambda: call("forward", input_ids=input_ids, attention_mask=mask, use_cache=False), args.repeats
+            )
             out = call("forward", input_ids=input_ids, attention_mask=mask, use_cache=True)
             cache = out.past_key_values
             decode = timer(
-                lambda: call("forward", input_ids=step_ids, attention_mask=step_mask, past_key_values=cache,
-                             use_cache=True),
+                lambda: call(
+                    "forward", input_ids=step_ids, attention_mask=step_mask, past_key_values=cache, use_cache=True
+                ),
                 args.repeats * 2,
                 before=lambda: _crop(cache, args.prompt),
             )
@@ -165,17 +170,25 @@ def main(argv=None) -> int:
             reps = gen_repeats if gen_repeats is not None else max(2, args.repeats // 3)
             if reps > 0:
                 gen_ms = timer(
-                    lambda: call("generate", input_ids=input_ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens),
-                    reps, warmup=1 if reps > 1 else 0,
+                    lambda: call(
+                        "generate",
+                        input_ids=input_ids,
+                        attention_mask=mask,
+                        do_sample=False,
+                        max_new_tokens=args.new_tokens,
+                        min_new_tokens=args.new_tokens,
+                    ),
+                    reps,
+                    warmup=1 if reps > 1 else 0,
                 )
                 tok_s = args.batch * args.new_tokens / (gen_ms / 1e3)
             else:
                 tok_s = float("nan")
         row = dict(row=label, prefill_ms=prefill, decode_ms=decode, generate_tok_s=tok_s)
         results.append(row)
-        print(f"{label:<40} prefill {prefill:9.2f} ms  decode {decode:8.2f} ms  generate {tok_s:9.1f} tok/s",
-              flush=True)
+        print(
+            f"{label:<40} prefill {prefill:9.2f} ms  decode {decode:8.2f} ms  generate {tok_s:9.1f} tok/s", flush=True
+        )
 
     def runner(target, **extra):
         def call(kind, **kw):
@@ -202,21 +215,28 @@ def main(argv=None) -> int:
     enable_csgmv(pm)
     for d in distinct:
         measure(f"peft_csgmv, {d} distinct", runner(pm, adapter_ids=names_for(d)))
-    measure(f"peft_csgmv, {max(distinct)} distinct + 1/4 base rows",
-            runner(pm, adapter_ids=names_for(max(distinct), base_rows=True)))
+    measure(
+        f"peft_csgmv, {max(distinct)} distinct + 1/4 base rows",
+        runner(pm, adapter_ids=names_for(max(distinct), base_rows=True)),
+    )
     disable_csgmv(pm)
 
     ref = {r["row"]: r for r in results}
     one = ref["PEFT one adapter"]
     print()
-    header = f"| {model_label} | row | prefill ms | decode-step ms | generate tok/s | decode vs PEFT one | decode vs PEFT names |"
+    header = (
+        f"| {model_label} | row | prefill ms | decode-step ms | generate tok/s | decode vs PEFT one "
+        "| decode vs PEFT names |"
+    )
     print(header)
     print("|" + "---|" * 7)
     for r in results:
         mixed = ref.get(r["row"].replace("peft_csgmv", "PEFT adapter_names"))
         vs_names = f"{r['decode_ms'] / mixed['decode_ms']:.3f}" if mixed and mixed is not r else ""
-        print(f"| {model_label} | {r['row']} | {r['prefill_ms']:.1f} | {r['decode_ms']:.2f} | "
-              f"{r['generate_tok_s']:.1f} | {r['decode_ms'] / one['decode_ms']:.3f} | {vs_names} |")
+        print(
+            f"| {model_label} | {r['row']} | {r['prefill_ms']:.1f} | {r['decode_ms']:.2f} | "
+            f"{r['generate_tok_s']:.1f} | {r['decode_ms'] / one['decode_ms']:.3f} | {vs_names} |"
+        )
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         meta = dict(

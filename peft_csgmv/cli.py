@@ -46,18 +46,32 @@ def demo(device: str | None = None, seed: int = 0) -> bool:
     input_ids = torch.randint(3, vocab, (batch, length), device=dev)
     mask = torch.ones_like(input_ids)
     mask[1::3, :5] = 0  # some left padding
-    print(f"peft_csgmv demo on {dev} ({dtype}): {len(adapters)} adapters (ranks {list(adapters.values())}), "
-          f"batch {batch} × {length} tokens, rows {names}")
+    print(
+        f"peft_csgmv demo on {dev} ({dtype}): {len(adapters)} adapters (ranks {list(adapters.values())}), "
+        f"batch {batch} × {length} tokens, rows {names}"
+    )
 
     with torch.no_grad():
         ref, t_peft = _timed(lambda: model(input_ids, attention_mask=mask, adapter_names=names).logits, dev)
-        ref_gen = model.generate(input_ids=input_ids, attention_mask=mask, adapter_names=names,
-                                 max_new_tokens=8, do_sample=False, pad_token_id=0)
+        ref_gen = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            adapter_names=names,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
     enable_csgmv(model)
     try:
         out, t_csgmv = _timed(lambda: model(input_ids, attention_mask=mask, adapter_ids=names).logits, dev)
-        gen = model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=names,
-                             max_new_tokens=8, do_sample=False, pad_token_id=0)
+        gen = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            adapter_ids=names,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
     finally:
         disable_csgmv(model)
 
@@ -66,14 +80,18 @@ def demo(device: str | None = None, seed: int = 0) -> bool:
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     same_tokens = torch.equal(gen, ref_gen)
     agree = diff <= tol * max(scale, 1.0)
-    print(f"forward logits: max |csgmv - PEFT| = {diff:.3g} (logits up to {scale:.3g}) -> "
-          f"{'agree' if agree else 'DISAGREE'}")
+    print(
+        f"forward logits: max |csgmv - PEFT| = {diff:.3g} (logits up to {scale:.3g}) -> "
+        f"{'agree' if agree else 'DISAGREE'}"
+    )
     if same_tokens:
         print("greedy generate, 8 new tokens: token-identical")
     else:
         share = (gen == ref_gen).float().mean().item()
-        print(f"greedy generate, 8 new tokens: {share:.0%} of tokens identical ({dtype}: rounding can flip near-ties "
-              "of a random model; in fp32 they are identical)")
+        print(
+            f"greedy generate, 8 new tokens: {share:.0%} of tokens identical ({dtype}: rounding can flip near-ties "
+            "of a random model; in fp32 they are identical)"
+        )
     print(f"forward time: PEFT adapter_names {t_peft * 1e3:.1f} ms, csgmv {t_csgmv * 1e3:.1f} ms")
     return agree and (same_tokens or dtype != torch.float32)
 
@@ -103,8 +121,10 @@ def generate_command(args) -> int:
     todo = [r for r in rows if r.line not in done]
     if errors:
         write_errors(args.output, errors, done)
-    print(f"{len(rows)} rows ({len(rows) - len(todo)} already done), {len(errors)} bad lines; "
-          f"{len(adapters)} adapters", file=sys.stderr)
+    print(
+        f"{len(rows)} rows ({len(rows) - len(todo)} already done), {len(errors)} bad lines; {len(adapters)} adapters",
+        file=sys.stderr,
+    )
     if not todo:
         return 0
     model, tokenizer = load_model(args.base, adapters, args.dtype, args.device_map, args.device, args.backend)
@@ -112,10 +132,14 @@ def generate_command(args) -> int:
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
     if args.do_sample:
         gen.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    stats = generate_rows(model, tokenizer, todo, args.output, batch_size=args.batch_size,
-                          progress=not args.no_progress, **gen)
-    print(f"wrote {stats['rows']} rows, {stats['new_tokens']} new tokens in {stats['seconds']:.1f} s "
-          f"({stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) to {args.output}", file=sys.stderr)
+    stats = generate_rows(
+        model, tokenizer, todo, args.output, batch_size=args.batch_size, progress=not args.no_progress, **gen
+    )
+    print(
+        f"wrote {stats['rows']} rows, {stats['new_tokens']} new tokens in {stats['seconds']:.1f} s "
+        f"({stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) to {args.output}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -127,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
 
     p_gen = sub.add_parser("generate", help="generate for a JSONL file of prompts, each with its own adapter")
     p_gen.add_argument("--base", required=True, help="base model (path or hub id)")
-    p_gen.add_argument("--adapter", action="append", type=_adapter_arg, required=True, metavar="NAME=PATH",
-                       help="a LoRA adapter to load (repeat for more)")
+    p_gen.add_argument(
+        "--adapter",
+        action="append",
+        type=_adapter_arg,
+        required=True,
+        metavar="NAME=PATH",
+        help="a LoRA adapter to load (repeat for more)",
+    )
     p_gen.add_argument("--input", required=True, help='JSONL: {"prompt": ..., "adapter": NAME|null, "id": ...}')
     p_gen.add_argument("--output", required=True, help="JSONL results; an existing file is resumed")
     p_gen.add_argument("--batch-size", type=int, default=16)
@@ -142,14 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto")
     p_gen.add_argument("--device", default=None, help="without --device-map: cuda or cpu (default: cuda if present)")
     p_gen.add_argument("--backend", choices=["auto", "triton", "torch"], default="auto")
-    p_gen.add_argument("--on-error", choices=["stop", "skip"], default="stop",
-                       help="bad input lines: stop before generating (default) or skip them with an error record")
+    p_gen.add_argument(
+        "--on-error",
+        choices=["stop", "skip"],
+        default="stop",
+        help="bad input lines: stop before generating (default) or skip them with an error record",
+    )
     p_gen.add_argument("--prompt-key", default="prompt")
     p_gen.add_argument("--adapter-key", default="adapter")
     p_gen.add_argument("--no-progress", action="store_true")
 
-    sub.add_parser("bench", help="end-to-end benchmark against PEFT (options: peft-csgmv bench --help)",
-                   add_help=False)
+    sub.add_parser("bench", help="end-to-end benchmark against PEFT (options: peft-csgmv bench --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         from .bench import main as bench_main

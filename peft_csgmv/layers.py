@@ -3,14 +3,14 @@
 A patched ``lora.Linear`` runs ``y = base(x)`` and then, when a csgmv call is active, adds every row's own adapter in
 two kernel launches: ``t = shrink(x, A_stack, plan)``; ``expand(t, B_stack, plan, out=y)``. With no csgmv call
 active, under ``disable_adapter()``, or when PEFT's own ``adapter_names`` reaches the layer directly, it is PEFT's
-forward, unchanged.
-
-A patched ``lora.Embedding`` does the same with the embedding-A gather kernel in place of the shrink.
+forward, unchanged. A patched ``lora.Embedding`` does the same with the embedding-A gather kernel in place of the
+shrink.
 
 Modules csgmv has no kernel for, but for which PEFT has a mixed-batch path (LoRA on convolutions and on embeddings
 with ``max_norm``, ``modules_to_save`` and trainable-token wrappers, and ``lora.Linear`` layers while an adapter with
-``lora_bias`` is in the batch), get the *PEFT path*: during a csgmv call they receive PEFT's ``adapter_names`` for exactly the rows they
-see, so PEFT applies each row's adapter there. Correct by construction, at PEFT's speed for those few modules.
+``lora_bias`` is in the batch), get the *PEFT path*: during a csgmv call they receive PEFT's ``adapter_names`` for
+exactly the rows they see, so PEFT applies each row's adapter there. Correct by construction, at PEFT's speed for
+those few modules.
 """
 
 from __future__ import annotations
@@ -190,7 +190,14 @@ def patch_peft_path(module: nn.Module, state_ref: Callable[[], "CsgmvState"]) ->
 
 
 def unpatch_layer(layer: nn.Module) -> None:
-    for attr in ("forward", "_csgmv_orig_forward", "_csgmv_stack", "_csgmv_state_ref", "_csgmv_held", *_RESCALING_METHODS):
+    for attr in (
+        "forward",
+        "_csgmv_orig_forward",
+        "_csgmv_stack",
+        "_csgmv_state_ref",
+        "_csgmv_held",
+        *_RESCALING_METHODS,
+    ):
         layer.__dict__.pop(attr, None)
 
 

@@ -59,7 +59,10 @@ def _auxiliary_wrapper_class():
 
 
 def _dora_error(name: str, where: str) -> str:
-    return f"Cannot pass `{{arg}}` when DoRA is enabled. (adapter '{name}' uses DoRA {where}, which csgmv does not serve yet)"
+    return (
+        f"Cannot pass `{{arg}}` when DoRA is enabled. (adapter '{name}' uses DoRA {where}, which csgmv does not serve "
+        "yet)"
+    )
 
 
 def _unsupported_reason(layer: nn.Module, name: str) -> tuple[str, str] | None:
@@ -71,14 +74,20 @@ def _unsupported_reason(layer: nn.Module, name: str) -> tuple[str, str] | None:
             return "error", _dora_error(name, "on an Embedding layer")
         variant = getattr(layer, "lora_variant", {}).get(name)
         if variant is not None:
-            return "error", f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet"
+            return (
+                "error",
+                f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet",
+            )
         return None
     biased = getattr(layer.lora_B[name], "bias", None) is not None
     if layer.use_dora.get(name, False):
         return ("error", _dora_error(name, "together with `lora_bias=True`")) if biased else None
     variant = getattr(layer, "lora_variant", {}).get(name)
     if variant is not None:
-        return "error", f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet"
+        return (
+            "error",
+            f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet",
+        )
     if biased:
         return "peft", "lora_bias"
     return None
@@ -128,7 +137,7 @@ class CsgmvState:
         self.backend = backend
         self.dtype = dtype
         self.registry = SlotRegistry()
-        self.layers: dict[str, nn.Module] = {}  # module name -> patched lora.Linear layer
+        self.layers: dict[str, nn.Module] = {}  # module name -> lora.Linear / lora.Embedding on the kernels
         self.peft_path: dict[str, nn.Module] = {}  # module name -> module on PEFT's mixed-batch path
         self.unsupported: dict[str, str] = {}  # adapter name -> why csgmv cannot serve it
         self.fingerprint: tuple = ()
@@ -146,11 +155,11 @@ class CsgmvState:
         fingerprint = self._fingerprint(model)
         if fingerprint == self.fingerprint and not force:
             return
-        # An adapter added since enable_csgmv may have brought a module that csgmv cannot serve (a LoRA embedding,
-        # `modules_to_save`, ...). Left alone, such a module would run PEFT's stock forward inside a mixed batch and
-        # apply the *active* adapter to every row (or none at all), i.e. silently wrong output: refuse, as
-        # enable_csgmv does, before anything runs. The fingerprint is not updated, so every call refuses until the
-        # adapter is deleted again.
+        # An adapter added since enable_csgmv may have brought a module that csgmv cannot serve (MultiheadAttention,
+        # `modules_to_save` around a norm, ...). Left alone, such a module would run PEFT's stock forward inside a
+        # mixed batch and apply the *active* adapter to every row (or none at all), i.e. silently wrong output:
+        # refuse, as enable_csgmv does, before anything runs. The fingerprint is not updated, so every call refuses
+        # until the adapter is deleted again.
         peft_path = _check_modules(model)
         _, LoraLayer, _ = _peft_classes()
         names = list(model.peft_config)
@@ -186,7 +195,7 @@ class CsgmvState:
         self.plans.clear()
 
     def stack_layer(self, layer: nn.Module, force: bool = False) -> None:
-        """Bring one patched ``lora.Linear``'s stack in line with its adapters: copy new or replaced ones (all with
+        """Bring one kernel-path layer's stack in line with its adapters: copy new or replaced ones (all with
         ``force``), clear the rest. Also called when PEFT rescales the layer (``set_scale``, ``scale_layer``,
         ``unscale_layer``, or a new ``scaling`` dict as ``peft.helpers.rescale_adapter_scale`` sets)."""
         stack: LoraStack = layer._csgmv_stack
@@ -301,7 +310,9 @@ def _check_model(model) -> None:
     PeftModel, _, _ = _peft_classes()
     if not isinstance(model, PeftModel):
         raise TypeError(f"enable_csgmv expects a peft.PeftModel, got {type(model).__name__}")
-    bad_types = {n: cfg.peft_type for n, cfg in model.peft_config.items() if str(cfg.peft_type) not in ("LORA", "PeftType.LORA")}
+    bad_types = {
+        n: cfg.peft_type for n, cfg in model.peft_config.items() if str(cfg.peft_type) not in ("LORA", "PeftType.LORA")
+    }
     if bad_types:
         raise ValueError(
             "csgmv serves LoRA adapters only; these are not LoRA: "

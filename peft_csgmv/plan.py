@@ -141,9 +141,7 @@ class BatchPlan:
         host = torch.empty(num_tokens + 2 * num_segments + 1, dtype=torch.int32)
         order_t = torch.tensor(order, dtype=torch.int32)
         perm = host[:num_tokens].view(rows, tokens_per_row)
-        torch.add(
-            order_t[:, None] * tokens_per_row, torch.arange(tokens_per_row, dtype=torch.int32)[None, :], out=perm
-        )
+        torch.add(order_t[:, None] * tokens_per_row, torch.arange(tokens_per_row, dtype=torch.int32)[None, :], out=perm)
         indptr = host[num_tokens : num_tokens + num_segments + 1]
         indptr[0] = 0
         if num_segments:

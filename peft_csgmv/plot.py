@@ -1,6 +1,6 @@
 """Plot decode-step time against distinct adapters (PEFT ``adapter_names`` vs peft_csgmv) from bench_e2e JSON files.
 
-    python -m peft_csgmv.plot results/e2e_1b.json results/e2e_8b.json --out docs/decode_vs_distinct.png
+python -m peft_csgmv.plot results/e2e_1b.json results/e2e_8b.json --out docs/decode_vs_distinct.png
 """
 
 from __future__ import annotations

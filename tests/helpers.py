@@ -13,7 +13,9 @@ TOLERANCES = {
 }
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, scale: float = 1.0, what: str = ""):
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, scale: float = 1.0, what: str = ""
+):
     """Compare with the tolerance of ``dtype`` (default: ``actual``'s), scaled by ``scale``; on failure say where and by
     how much."""
     atol, rtol = TOLERANCES[dtype or actual.dtype]

@@ -145,11 +145,17 @@ def test_demo_agrees():
 def test_bench_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     rc = main(["bench", "--model", "tiny", "--adapters", "4", "--distinct", "1,4", "--batch", "4", "--prompt", "8",
-               "--new-tokens", "2", "--repeats", "1", "--device", "cpu", "--out", str(out), "--plot", str(png)])  # fmt: skip
+               "--new-tokens", "2", "--repeats", "1", "--device", "cpu",
+               "--out", str(out), "--plot", str(png)])  # fmt: skip
     assert rc == 0
     data = json.loads(out.read_text())
     rows = {r["row"] for r in data["results"]}
-    assert {"base model, no LoRA", "PEFT one adapter", "PEFT adapter_names, 4 distinct", "peft_csgmv, 4 distinct"} <= rows
+    assert {
+        "base model, no LoRA",
+        "PEFT one adapter",
+        "PEFT adapter_names, 4 distinct",
+        "peft_csgmv, 4 distinct",
+    } <= rows
     assert png.stat().st_size > 1000
 
 
@@ -162,7 +168,9 @@ def test_generate_with_device_map(checkout, tmp_path):
     i = args.index("--device")
     del args[i : i + 2]
     assert main(args) == 0
-    assert {r["line"]: r["completion"] for r in _records(out_map)} == {r["line"]: r["completion"] for r in _records(out)}
+    assert {r["line"]: r["completion"] for r in _records(out_map)} == {
+        r["line"]: r["completion"] for r in _records(out)
+    }
 
 
 def test_bench_any_config(tmp_path):

@@ -21,7 +21,10 @@ def _run(name, monkeypatch, capsys):
 def test_mixed_batch_generate(monkeypatch, capsys):
     out = _run("mixed_batch_generate.py", monkeypatch, capsys)
     assert [line.split("]")[0] for line in out.splitlines() if line.startswith("[")] == [
-        "[legal", "[chat", "[code", "[base"
+        "[legal",
+        "[chat",
+        "[code",
+        "[base",
     ]
 
 

@@ -100,7 +100,10 @@ def test_model_parity_half(arch, dtype, stack_dtype):
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_fp32_greedy_generate_token_identical(arch):
     model, targets = tiny_model(arch)
-    specs = {"a": dict(r=8, lora_alpha=16, target_modules=targets), "b": dict(r=32, lora_alpha=8, target_modules=targets)}
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=targets),
+        "b": dict(r=32, lora_alpha=8, target_modules=targets),
+    }
     pm = add_adapters(model.to(DEV), specs)
     names = ["a", "__base__", "b", "a", "b"]
     ids = torch.randint(3, 97, (len(names), 10), device=DEV)

@@ -61,7 +61,8 @@ def oracle_expand(t, b, ranks, scalings, token_slot, y_before):
 
 
 def written_mask(token_slot, ranks, width):
-    """``(T, width)`` bool: the entries of ``t`` that shrink writes (adapter tokens, columns below their slot's rank)."""
+    """``(T, width)`` bool: the entries of ``t`` that shrink writes (adapter tokens, columns below their slot's
+    rank)."""
     mask = torch.zeros(len(token_slot), width, dtype=torch.bool)
     for i, slot in enumerate(token_slot):
         if slot >= 0:
@@ -190,7 +191,9 @@ def run_and_check_end_to_end(plan, token_slot, ranks, r_max, k, n, dtype, seed=0
     t_exp = oracle_shrink(x, a, ranks, token_slot, torch.full_like(t, SENTINEL))
     check_close(t, t_exp, dtype, what=f"{what} shrink t")
     unwritten = ~written_mask(token_slot, ranks, r_max)
-    assert torch.equal(bits(t[unwritten]), bits(torch.full_like(t[unwritten], SENTINEL))), f"{what}: t written past rank"
+    assert torch.equal(bits(t[unwritten]), bits(torch.full_like(t[unwritten], SENTINEL))), (
+        f"{what}: t written past rank"
+    )
 
     # "t stored in fp32": the oracle's expand consumes the oracle's t rounded to fp32.
     y_exp = oracle_expand(t_exp.float(), b, ranks, scalings, token_slot, y0)

@@ -88,8 +88,11 @@ def test_adapter_config_variants(backend):
         "small": dict(r=2, lora_alpha=3, target_modules=targets),
         "rs": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=targets),
         "pat": dict(
-            r=4, lora_alpha=4, target_modules=targets,
-            rank_pattern={"q_proj": 8, "layers.1.mlp.down_proj": 2}, alpha_pattern={"v_proj": 32},
+            r=4,
+            lora_alpha=4,
+            target_modules=targets,
+            rank_pattern={"q_proj": 8, "layers.1.mlp.down_proj": 2},
+            alpha_pattern={"v_proj": 32},
         ),  # fmt: skip
         "part": dict(r=6, lora_alpha=12, target_modules=["q_proj", "v_proj"], layers_to_transform=[1]),
     }
@@ -255,7 +258,11 @@ def test_kv_cache_decode(backend):
 @pytest.mark.parametrize(
     "arch,backend",
     [
-        ("llama", "torch"), ("llama", "triton"), ("gpt2", "torch"), ("gpt2", "triton"), ("opt", "torch"),
+        ("llama", "torch"),
+        ("llama", "triton"),
+        ("gpt2", "torch"),
+        ("gpt2", "triton"),
+        ("opt", "torch"),
         ("qwen2", "torch"),
     ],  # fmt: skip
 )

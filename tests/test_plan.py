@@ -84,9 +84,7 @@ def test_one_row_one_token():
 
 def test_every_row_same_slot():
     plan = BatchPlan.build([2, 2, 2], tokens_per_row=4)
-    assert_plan(
-        plan, chunk_size=16, permutation=list(range(12)), seg_indptr=[0, 12], seg_slot=[2], runs=[(2, 0, 12)]
-    )
+    assert_plan(plan, chunk_size=16, permutation=list(range(12)), seg_indptr=[0, 12], seg_slot=[2], runs=[(2, 0, 12)])
 
 
 def test_every_row_same_slot_cut_into_chunks():

@@ -6,4 +6,12 @@ from .expand import expand
 from .reference import embedding_shrink_reference, expand_reference, shrink_reference
 from .shrink import max_split_k, shrink
 
-__all__ = ["embedding_shrink", "embedding_shrink_reference", "max_split_k", "shrink", "expand", "shrink_reference", "expand_reference"]
+__all__ = [
+    "embedding_shrink",
+    "embedding_shrink_reference",
+    "max_split_k",
+    "shrink",
+    "expand",
+    "shrink_reference",
+    "expand_reference",
+]

@@ -145,7 +145,9 @@ def shrink(
     num_tokens, k = x.shape
     num_slots, r, k_a = a.shape
     if k_a != k or num_tokens != plan.num_tokens:
-        raise ValueError(f"shrink: x {tuple(x.shape)} does not fit A {tuple(a.shape)} / plan of {plan.num_tokens} tokens")
+        raise ValueError(
+            f"shrink: x {tuple(x.shape)} does not fit A {tuple(a.shape)} / plan of {plan.num_tokens} tokens"
+        )
     block_m = _block(plan.chunk_size)
     block_k = 64 if block_m >= 64 else 128
     if t is not None and t.dim() == 2 or plan.num_segments == 0:
