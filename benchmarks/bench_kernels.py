@@ -89,7 +89,7 @@ def bench_case(k, n, rank, tokens, rows, distinct, dist, dtype, copy_gbs, gen):
     plan = BatchPlan.build(slots, tokens // rows, dev)
     x = torch.randn(plan.num_tokens, k, device=dev, dtype=dtype)
     y = torch.randn(plan.num_tokens, n, device=dev, dtype=dtype)
-    t = plan.workspace(1, rank)[0]  # as the patched layers do
+    t = plan.workspace(rank)  # as the patched layers do
 
     def layer():
         shrink(x, a, ranks, plan, t)

@@ -45,6 +45,14 @@ class CallContext:
 
     def __post_init__(self) -> None:
         self.requested = frozenset(self.names)
+        self._triton: dict = {}
+
+    def triton_on(self, device: torch.device) -> bool:
+        """Whether layers on ``device`` use the Triton kernels in this call (the state's backend choice)."""
+        use = self._triton.get(device)
+        if use is None:
+            use = self._triton[device] = use_triton(self.state.backend, device)
+        return use
 
     def repeat(self, rows: int) -> int:
         """How many consecutive rows of a module input each id covers (``num_beams``, ``num_return_sequences``,
@@ -91,12 +99,13 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
     activations, or (T,) token ids for an embedding stack (``A[s][:, x[i]]`` instead of ``x[i] @ A[s]ᵀ``); ``y``:
     (T, out)."""
     if triton_backend:
-        if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
+        device = x.device
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
             # Triton launches on the current device; a model spread over GPUs (device_map) has layers elsewhere.
-            with torch.cuda.device(x.device):
+            with torch.cuda.device(device):
                 apply_lora(x, y, stack, plan, triton_backend)
             return
-        t = plan.workspace(1, stack.r_max)[0]
+        t = plan.workspace(stack.r_max)
         if stack.embedding:
             t = kernels.embedding_shrink(x, stack.a, stack.ranks, plan, t)
         else:
@@ -111,27 +120,36 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
 def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The forward of a patched ``lora.Linear`` (``x``: rows × ... × in) or ``lora.Embedding`` (``x``: rows × ...
     token ids)."""
+    # This runs once per LoRA layer per forward: attribute lookups are kept to what is needed.
     ctx = ACTIVE.get()
-    stack: LoraStack = self._csgmv_stack
-    if ctx is None or ctx.state is not stack_state(self) or self.disable_adapters or "adapter_names" in kwargs:
-        return self._csgmv_orig_forward(x, *args, **kwargs)
-    if x.dim() < (1 if stack.embedding else 2):
+    state = self.__dict__
+    if (
+        ctx is None
+        or ctx.state is not state["_csgmv_state_ref"]()
+        or self.disable_adapters
+        or "adapter_names" in kwargs
+    ):
+        return state["_csgmv_orig_forward"](x, *args, **kwargs)
+    stack: LoraStack = state["_csgmv_stack"]
+    embedding = stack.embedding
+    if x.dim() < (1 if embedding else 2):
         raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
-    if self.scaling is not stack.scaling_src:  # rescaled by assignment (peft.helpers.rescale_adapter_scale)
+    if state["scaling"] is not stack.scaling_src:  # rescaled by assignment (peft.helpers.rescale_adapter_scale)
         ctx.state.stack_layer(self, force=True)
     rows = x.shape[0]
     if stack.peft_only and not stack.peft_only.isdisjoint(ctx.requested):
-        return self._csgmv_orig_forward(x, *args, adapter_names=ctx.names_for(rows), **kwargs)
-    result = self.base_layer(x, *args, **kwargs)
-    x2 = x.reshape(-1) if stack.embedding else x.reshape(-1, x.shape[-1])
-    plan = ctx.plan_for(rows, x2.shape[0] // rows, x.device)
-    if plan.is_empty:
+        return state["_csgmv_orig_forward"](x, *args, adapter_names=ctx.names_for(rows), **kwargs)
+    result = self._modules["base_layer"](x, *args, **kwargs)
+    x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
+    device = x.device
+    plan = ctx.plan_for(rows, x2.shape[0] // rows, device)
+    if plan.num_segments == 0:
         return result
-    if stack.device != x.device:
-        stack.to(x.device)
+    if stack.device != device:
+        stack.to(device)
     if not result.is_contiguous():
         result = result.contiguous()
-    apply_lora(x2, result.view(-1, result.shape[-1]), stack, plan, ctx.state.triton_on(x.device))
+    apply_lora(x2, result.view(-1, result.shape[-1]), stack, plan, ctx.triton_on(device))
     return result
 
 

@@ -33,7 +33,6 @@ from .layers import (
     patch_layer,
     patch_peft_path,
     unpatch_layer,
-    use_triton,
 )
 from .plan import BatchPlan
 from .slots import LoraStack, SlotRegistry, layer_adapters
@@ -254,9 +253,6 @@ class CsgmvState:
         self.plans.clear()
 
     # -- per call -------------------------------------------------------------------------------------------------
-
-    def triton_on(self, device: torch.device) -> bool:
-        return use_triton(self.backend, device)
 
     def cached_plan(self, row_slots: tuple[int, ...], repeat: int, tokens_per_row: int, device) -> BatchPlan:
         key = (row_slots, repeat, tokens_per_row, device)

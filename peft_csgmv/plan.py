@@ -69,14 +69,14 @@ class BatchPlan:
     runs: tuple[tuple[int, int, int], ...]
     _workspace: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    def workspace(self, planes: int, width: int) -> torch.Tensor:
-        """A ``(planes, num_tokens, width)`` fp32 buffer for the shrink output (``planes`` split-K partials),
-        allocated once per plan and shape and shared by every layer: layers run one after another, and each layer's
-        expand consumes it before the next layer's shrink."""
-        buf = self._workspace.get((planes, width))
+    def workspace(self, width: int) -> torch.Tensor:
+        """A ``(num_tokens, width)`` fp32 buffer for the shrink output, allocated once per plan and width and shared
+        by every layer: layers run one after another, and each layer's expand consumes it before the next layer's
+        shrink."""
+        buf = self._workspace.get(width)
         if buf is None:
-            buf = self._workspace[(planes, width)] = torch.empty(
-                (planes, self.num_tokens, width), dtype=torch.float32, device=self.permutation.device
+            buf = self._workspace[width] = torch.empty(
+                (self.num_tokens, width), dtype=torch.float32, device=self.permutation.device
             )
         return buf
 

@@ -593,3 +593,18 @@ def test_split_k_chosen_for_few_segments():
     expand(t, b, ranks_t, scalings, plan, y)
     t_exp = oracle_shrink(x, a, ranks, token_slot, torch.zeros(plan.num_tokens, r_max))
     check_close(y, oracle_expand(t_exp.float(), b, ranks, scalings, token_slot, y0), torch.float32, what="auto split")
+
+
+def test_launcher_key_separates_what_triton_specializes_on():
+    """The lean launch path reuses a compiled kernel only for arguments Triton would compile identically: same
+    dtypes, same 16-byte alignment of every pointer, same integers, same constexprs."""
+    from peft_csgmv.kernels.launch import Launcher
+
+    launcher = Launcher(kernel=None, num_tensors=2)
+    base = torch.empty(64, dtype=torch.float32)
+    key = launcher._key((base[:16], base[16:32], 7, 16), {"BLOCK": 16})
+    assert key == launcher._key((base[16:32], base[32:48], 7, 16), {"BLOCK": 16})  # other data, same alignment
+    assert key != launcher._key((base[1:17], base[16:32], 7, 16), {"BLOCK": 16})  # misaligned pointer
+    assert key != launcher._key((base[:16].half(), base[16:32], 7, 16), {"BLOCK": 16})  # dtype
+    assert key != launcher._key((base[:16], base[16:32], 8, 16), {"BLOCK": 16})  # an integer
+    assert key != launcher._key((base[:16], base[16:32], 7, 16), {"BLOCK": 32})  # a constexpr

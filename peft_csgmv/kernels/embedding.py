@@ -60,7 +60,7 @@ def _embedding_shrink_kernel(
     tl.store(t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr, a.to(tl.float32), mask=mask)
 
 
-_launch_embedding_shrink = Launcher(_embedding_shrink_kernel)
+_launch_embedding_shrink = Launcher(_embedding_shrink_kernel, num_tensors=7)
 
 
 def embedding_shrink(

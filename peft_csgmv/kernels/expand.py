@@ -98,7 +98,7 @@ def _expand_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_launch_expand = Launcher(_expand_kernel)
+_launch_expand = Launcher(_expand_kernel, num_tensors=10)
 
 
 def expand(
@@ -126,8 +126,11 @@ def expand(
     """
     num_tokens, n = y.shape
     num_slots, n_b, r = b.shape
-    t3 = t if t.dim() == 3 else t.unsqueeze(0)
-    if n_b != n or t3.shape[1:] != (num_tokens, r) or num_tokens != plan.num_tokens:
+    if t.dim() == 2:  # one plane: plane stride 0, no view needed
+        splits, stride_tp, (stride_tm, stride_tr) = 1, 0, t.stride()
+    else:
+        splits, (stride_tp, stride_tm, stride_tr) = t.shape[0], t.stride()
+    if n_b != n or t.shape[-2:] != (num_tokens, r) or num_tokens != plan.num_tokens:
         raise ValueError(
             f"expand: t {tuple(t.shape)}, B {tuple(b.shape)} and y {tuple(y.shape)} do not fit a plan of "
             f"{plan.num_tokens} tokens"
@@ -140,12 +143,14 @@ def expand(
     if not has_dora:
         mag = bias = scalings  # never read
     block_n = 64 if plan.chunk_size >= 64 else 128
+    stride_bs, stride_bn, stride_br = b.stride()
+    stride_ym, stride_yn = y.stride()
     _launch_expand(
         (plan.num_segments, -(-n // block_n), 1),
         (
-            t3, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings, mag, bias,
-            n, t3.shape[0], t3.stride(0), t3.stride(1), t3.stride(2),
-            b.stride(0), b.stride(1), b.stride(2), y.stride(0), y.stride(1), mag.stride(0) if has_dora else 0,
+            t, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings, mag, bias,
+            n, splits, stride_tp, stride_tm, stride_tr, stride_bs, stride_bn, stride_br, stride_ym, stride_yn,
+            mag.stride(0) if has_dora else 0,
         ),
         BLOCK_M=_block(plan.chunk_size),
         BLOCK_N=block_n,

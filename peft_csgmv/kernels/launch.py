@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 try:
     from triton import knobs as _knobs
     from triton.runtime.driver import driver as _driver
@@ -42,23 +40,19 @@ def _interpreting() -> bool:
 class Launcher:
     """Launch one ``@triton.jit`` kernel; see the module docstring."""
 
-    def __init__(self, kernel) -> None:
+    def __init__(self, kernel, num_tensors: int) -> None:
+        """``num_tensors``: how many leading runtime arguments are tensors (the rest are ints)."""
         self.kernel = kernel
+        self.num_tensors = num_tensors
         self.compiled: dict = {}
         self.direct = (
             _knobs is not None and not _interpreting() and os.environ.get("PEFT_CSGMV_TRITON_LAUNCH", "0") != "1"
         )
 
-    @staticmethod
-    def _key(args: tuple, constexprs: tuple) -> tuple:
-        key = [args[0].device.index]
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
-                key.append((arg.dtype, arg.data_ptr() % 16 == 0))
-            else:
-                key.append(arg)
-        key.append(constexprs)
-        return tuple(key)
+    def _key(self, args: tuple, constexprs: dict) -> tuple:
+        n = self.num_tensors
+        tensors = tuple([(a.dtype, a.data_ptr() & 15 == 0) for a in args[:n]])
+        return args[0].get_device(), tensors, args[n:], tuple(constexprs.values())
 
     def __call__(self, grid: tuple[int, int, int], args: tuple, **constexprs) -> None:
         """``args``: the kernel's runtime arguments in signature order; ``constexprs``: its constexpr arguments, which
@@ -66,13 +60,12 @@ class Launcher:
         if not self.direct or _hooks_installed():
             self.kernel[grid](*args, **constexprs)
             return
-        key = self._key(args, tuple(constexprs.items()))
+        key = self._key(args, constexprs)
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.kernel[grid](*args, **constexprs)
             return
-        device = args[0].device.index
-        stream = _driver.active.get_current_stream(device)
+        stream = _driver.active.get_current_stream(key[0])
         try:
             compiled.run(
                 grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,

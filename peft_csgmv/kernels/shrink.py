@@ -16,6 +16,8 @@ the expand kernel sums the planes (``t = Σ_p t[p]``). No atomics and no zero-fi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -83,9 +85,10 @@ def _shrink_kernel(
     tl.store(t_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
-_launch_shrink = Launcher(_shrink_kernel)
+_launch_shrink = Launcher(_shrink_kernel, num_tensors=7)
 
 
+@functools.lru_cache(maxsize=None)
 def _block(n: int) -> int:
     """Tile size for a dimension of ``n`` (at least 16, as ``tl.dot`` needs). Plain Python: Triton's own helpers
     cost microseconds per call on the launch path."""
@@ -159,16 +162,22 @@ def shrink(
         split_k = -(-k // k_per_split)
     if t is None:
         t = torch.empty((split_k, num_tokens, r), dtype=torch.float32, device=x.device)
-    t3 = t if t.dim() == 3 else t.unsqueeze(0)
-    if t3.shape[0] < split_k or t3.shape[1:] != (num_tokens, r):
-        raise ValueError(f"shrink: t {tuple(t.shape)} cannot hold {split_k} splits of ({num_tokens}, {r})")
+    if t.dim() == 2:  # one plane: plane stride 0, no view needed
+        if t.shape != (num_tokens, r):
+            raise ValueError(f"shrink: t {tuple(t.shape)} is not ({num_tokens}, {r})")
+        stride_tp, (stride_tm, stride_tr) = 0, t.stride()
+    else:
+        if t.shape[0] < split_k or t.shape[1:] != (num_tokens, r):
+            raise ValueError(f"shrink: t {tuple(t.shape)} cannot hold {split_k} splits of ({num_tokens}, {r})")
+        stride_tp, stride_tm, stride_tr = t.stride()
     if plan.num_segments:
+        stride_xm, stride_xk = x.stride()
+        stride_as, stride_ar, stride_ak = a.stride()
         _launch_shrink(
             (plan.num_segments, split_k, 1),
             (
-                x, a, t3, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
-                k, k_per_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
-                t3.stride(0), t3.stride(1), t3.stride(2),
+                x, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
+                k, k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_tp, stride_tm, stride_tr,
             ),
             BLOCK_M=block_m,
             BLOCK_R=_block(r),
@@ -177,4 +186,4 @@ def shrink(
         )  # fmt: skip
     if t.dim() == 2:
         return t
-    return t3[0] if split_k == 1 else t3[:split_k]
+    return t[0] if split_k == 1 else t[:split_k]
