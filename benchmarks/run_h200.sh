@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Everything the H200 needs to prove, in one call: GPU tests, kernel benchmark, end-to-end 8B and 1B.
+# Everything the H200 needs to prove, in one call: every test on the GPU, kernel and layer benchmarks, end to end 8B and 1B.
 # Usage (device): OUT=/some/dir bash benchmarks/run_h200.sh [quick]
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-results}
 mkdir -p "$OUT"
-python3 -m pytest tests/test_gpu.py tests/test_kernels.py -q -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
+python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
 python3 benchmarks/bench_kernels.py ${1:+--quick} --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
 grep -A 12 "^| module" "$OUT/kernels.log"
 python3 benchmarks/bench_layer_host.py 2>&1 | grep "^|" | tee "$OUT/layer_host.log"
