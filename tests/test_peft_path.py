@@ -162,3 +162,36 @@ def test_dora_on_embedding_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match=r"Cannot pass `adapter_ids` when DoRA is enabled\."):
         model(input_ids, attention_mask=mask, adapter_ids=["a0", "d"])
     model(input_ids, attention_mask=mask, adapter_ids=["a0", None])  # still usable
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequence_classification_heads(backend):
+    """A LoRA classifier per task (SEQ_CLS: PEFT saves each adapter's own ``score`` head): one mixed batch scores every
+    row with its own adapter and head."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=80,
+        num_key_value_heads=2, num_labels=3, pad_token_id=0,
+    )  # fmt: skip
+    model = None
+    for i, name in enumerate(["a0", "a1"]):
+        config = LoraConfig(task_type="SEQ_CLS", init_lora_weights=False, r=4 + 4 * i, target_modules=ALL_LINEAR)
+        if model is None:
+            model = get_peft_model(LlamaForSequenceClassification(cfg), config, adapter_name=name)
+        else:
+            model.add_adapter(name, config)
+    model = model.eval().to(DEVICE)
+    for i, name in enumerate(["a0", "a1"]):
+        _perturb(model.base_model.model.score.modules_to_save[name].parameters(), seed=20 + i)
+    names = interleaved(6)
+    input_ids, mask = make_batch(6, 7)
+    outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+    assert_adapters_matter(outs)
+    enable_csgmv(model, backend=backend)
+    try:
+        got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+    finally:
+        disable_csgmv(model)
+    close(got, stitch(outs, names), "per-row classifier heads")
