@@ -640,3 +640,33 @@ def test_merge_then_unmerge_after_enable():
         model(input_ids, attention_mask=mask, adapter_ids=names)
     model.unmerge_adapter()
     close(model(input_ids, attention_mask=mask, adapter_ids=names).logits, expected, "after unmerge", torch.float32)
+
+
+def test_plan_built_once_per_shape(monkeypatch):
+    """One plan per call per (rows × tokens) shape, shared by every layer: a forward through 14 LoRA layers builds
+    one; a whole generate call builds one per distinct shape (prefill, lm_head's last position, decode steps), not one
+    per layer or per step; a repeated call with the same ids builds none."""
+    from peft_csgmv.plan import BatchPlan
+
+    builds = []
+    real = BatchPlan.build.__func__
+
+    def counting(cls, *args, **kwargs):
+        builds.append(args[1] if len(args) > 1 else kwargs.get("tokens_per_row"))
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(BatchPlan, "build", classmethod(counting))
+    model = make("llama")
+    names = interleaved(4)
+    input_ids, mask = make_batch(4, 6)
+    enable_csgmv(model, backend="torch")
+    try:
+        model(input_ids, attention_mask=mask, adapter_ids=names)
+        assert builds == [6], builds
+        model(input_ids, attention_mask=mask, adapter_ids=names)
+        assert builds == [6], "a repeated call with the same ids and shape rebuilt its plan"
+        builds.clear()
+        model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=list(reversed(names)), **greedy_kwargs(6))
+        assert builds == [6, 1], builds  # prefill; then lm_head's last position and every decode step share one
+    finally:
+        disable_csgmv(model)
