@@ -51,27 +51,14 @@ def demo(device: str | None = None, seed: int = 0) -> bool:
         f"batch {batch} × {length} tokens, rows {names}"
     )
 
+    greedy = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         ref, t_peft = _timed(lambda: model(input_ids, attention_mask=mask, adapter_names=names).logits, dev)
-        ref_gen = model.generate(
-            input_ids=input_ids,
-            attention_mask=mask,
-            adapter_names=names,
-            max_new_tokens=8,
-            do_sample=False,
-            pad_token_id=0,
-        )
+        ref_gen = model.generate(adapter_names=names, **greedy)
     enable_csgmv(model)
     try:
         out, t_csgmv = _timed(lambda: model(input_ids, attention_mask=mask, adapter_ids=names).logits, dev)
-        gen = model.generate(
-            input_ids=input_ids,
-            attention_mask=mask,
-            adapter_ids=names,
-            max_new_tokens=8,
-            do_sample=False,
-            pad_token_id=0,
-        )
+        gen = model.generate(adapter_ids=names, **greedy)
     finally:
         disable_csgmv(model)
 

@@ -70,6 +70,21 @@ def _per_adapter_logits(pm, ids, mask, names):
     return ref, base
 
 
+def _assert_mixed_batch_matches(pm, names, dtype, stack_dtype=None, what=""):
+    """A mixed batch of ``names`` through csgmv against each row's own stock PEFT run, with ``dtype``'s tolerance."""
+    ids = torch.randint(3, 97, (len(names), 12), device=DEV)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ref, base = _per_adapter_logits(pm, ids, mask, names)
+    assert (ref - base).abs().max() > 0.05, "the adapters do not change the output"
+    enable_csgmv(pm, dtype=stack_dtype)
+    try:
+        out = pm(ids, attention_mask=mask, adapter_ids=names).logits.float()
+    finally:
+        disable_csgmv(pm)
+    assert_close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()) * 2, what=what)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "opt"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("stack_dtype", [None, torch.float32], ids=["stack-base-dtype", "stack-fp32"])
@@ -82,19 +97,7 @@ def test_model_parity_half(arch, dtype, stack_dtype):
     }
     pm = add_adapters(model.to(DEV), specs)
     pm.to(dtype)  # adapters in the model dtype too, as a half-precision deployment would have them
-    names = ["__base__", "a", "b", "c", "a", "__base__"]
-    ids = torch.randint(3, 97, (len(names), 12), device=DEV)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    mask[3, :5] = 0
-    ref, base = _per_adapter_logits(pm, ids, mask, names)
-    assert (ref - base).abs().max() > 0.05, "the adapters do not change the output"
-    enable_csgmv(pm, dtype=stack_dtype)
-    try:
-        out = pm(ids, attention_mask=mask, adapter_ids=names).logits.float()
-    finally:
-        disable_csgmv(pm)
-    assert_close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()) * 2, what=f"{arch} logits")
+    _assert_mixed_batch_matches(pm, ["__base__", "a", "b", "c", "a", "__base__"], dtype, stack_dtype, f"{arch} logits")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -138,17 +141,7 @@ def test_dora_parity_half(arch, dtype):
             if "lora_magnitude_vector" in name:
                 p.mul_(1 + 0.3 * torch.randn_like(p))
     pm.to(dtype)
-    names = ["d", "__base__", "a", "d", "a"]
-    ids = torch.randint(3, 97, (len(names), 12), device=DEV)
-    mask = torch.ones_like(ids)
-    ref, base = _per_adapter_logits(pm, ids, mask, names)
-    assert (ref - base).abs().max() > 0.05, "the adapters do not change the output"
-    enable_csgmv(pm)
-    try:
-        out = pm(ids, attention_mask=mask, adapter_ids=names).logits.float()
-    finally:
-        disable_csgmv(pm)
-    assert_close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()) * 2, what=f"{arch} DoRA logits")
+    _assert_mixed_batch_matches(pm, ["d", "__base__", "a", "d", "a"], dtype, what=f"{arch} DoRA logits")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -161,14 +154,4 @@ def test_embedding_lora_half(dtype):
     }
     pm = add_adapters(model.to(DEV), specs)
     pm.to(dtype)
-    names = ["a", "__base__", "b", "a", "b"]
-    ids = torch.randint(3, 97, (len(names), 12), device=DEV)
-    mask = torch.ones_like(ids)
-    ref, base = _per_adapter_logits(pm, ids, mask, names)
-    assert (ref - base).abs().max() > 0.05, "the adapters do not change the output"
-    enable_csgmv(pm)
-    try:
-        out = pm(ids, attention_mask=mask, adapter_ids=names).logits.float()
-    finally:
-        disable_csgmv(pm)
-    assert_close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()) * 2, what="embedding LoRA logits")
+    _assert_mixed_batch_matches(pm, ["a", "__base__", "b", "a", "b"], dtype, what="embedding LoRA logits")
