@@ -7,10 +7,9 @@ forward, unchanged. A patched ``lora.Embedding`` does the same with the embeddin
 shrink.
 
 Modules csgmv has no kernel for, but for which PEFT has a mixed-batch path (LoRA on convolutions and on embeddings
-with ``max_norm``, ``modules_to_save`` and trainable-token wrappers, and ``lora.Linear`` layers while an adapter with
-``lora_bias`` is in the batch), get the *PEFT path*: during a csgmv call they receive PEFT's ``adapter_names`` for
-exactly the rows they see, so PEFT applies each row's adapter there. Correct by construction, at PEFT's speed for
-those few modules.
+with ``max_norm``, ``modules_to_save`` and trainable-token wrappers), get the *PEFT path*: during a csgmv call they
+receive PEFT's ``adapter_names`` for exactly the rows they see, so PEFT applies each row's adapter there. Correct by
+construction, at PEFT's speed for those few modules.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ class CallContext:
     plans: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.requested = frozenset(self.names)
         self._triton: dict = {}
 
     def triton_on(self, device: torch.device) -> bool:
@@ -110,11 +108,13 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
             t = kernels.embedding_shrink(x, stack.a, stack.ranks, plan, t)
         else:
             t = kernels.shrink(x, stack.a, stack.ranks, plan, t)
-        kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias)
+        kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
     else:
         shrink = kernels.embedding_shrink_reference if stack.embedding else kernels.shrink_reference
         t = shrink(x, stack.a, stack.ranks_host, plan)
-        kernels.expand_reference(t, stack.b, stack.ranks_host, stack.scalings_host, plan, y, stack.mag, stack.bias)
+        kernels.expand_reference(
+            t, stack.b, stack.ranks_host, stack.scalings_host, plan, y, stack.mag, stack.bias, stack.lora_bias
+        )
 
 
 def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -137,8 +137,6 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if state["scaling"] is not stack.scaling_src:  # rescaled by assignment (peft.helpers.rescale_adapter_scale)
         ctx.state.stack_layer(self, force=True)
     rows = x.shape[0]
-    if stack.peft_only and not stack.peft_only.isdisjoint(ctx.requested):
-        return state["_csgmv_orig_forward"](x, *args, adapter_names=ctx.names_for(rows), **kwargs)
     result = self._modules["base_layer"](x, *args, **kwargs)
     x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
     device = x.device

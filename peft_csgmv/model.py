@@ -64,31 +64,19 @@ def _dora_error(name: str, where: str) -> str:
     )
 
 
-def _unsupported_reason(layer: nn.Module, name: str) -> tuple[str, str] | None:
-    """Whether csgmv's kernels can serve adapter ``name`` in a ``lora.Linear`` or ``lora.Embedding`` layer: ``None``
-    if they can (plain LoRA, and DoRA on Linear), else ``("peft", why)`` when PEFT's own mixed-batch path can (the
-    layer then takes it while the adapter is in a batch) or ``("error", message)`` when neither can."""
+def _unsupported_reason(layer: nn.Module, name: str) -> str | None:
+    """Why csgmv's kernels cannot serve adapter ``name`` in a ``lora.Linear`` or ``lora.Embedding`` layer (an error
+    message; ``None`` when they can: plain LoRA, ``lora_bias``, and DoRA on Linear)."""
+    variant = getattr(layer, "lora_variant", {}).get(name)
     if _is_embedding(layer):
         if layer.use_dora.get(name, False):
-            return "error", _dora_error(name, "on an Embedding layer")
-        variant = getattr(layer, "lora_variant", {}).get(name)
-        if variant is not None:
-            return (
-                "error",
-                f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet",
-            )
+            return _dora_error(name, "on an Embedding layer")
+    elif layer.use_dora.get(name, False):
+        if getattr(layer.lora_B[name], "bias", None) is not None:
+            return _dora_error(name, "together with `lora_bias=True`")
         return None
-    biased = getattr(layer.lora_B[name], "bias", None) is not None
-    if layer.use_dora.get(name, False):
-        return ("error", _dora_error(name, "together with `lora_bias=True`")) if biased else None
-    variant = getattr(layer, "lora_variant", {}).get(name)
     if variant is not None:
-        return (
-            "error",
-            f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet",
-        )
-    if biased:
-        return "peft", "lora_bias"
+        return f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet"
     return None
 
 
@@ -201,25 +189,21 @@ class CsgmvState:
         if force:
             stack.sources.clear()
         adapters = layer_adapters(layer)
-        stack.peft_only.clear()
         for slot, name in enumerate(self.registry.names):
             if name is None or name not in adapters:
                 stack.clear_slot(slot)
                 continue
             reason = _unsupported_reason(layer, name)
             if reason is not None:
-                kind, message = reason
-                if kind == "peft":
-                    stack.peft_only.add(name)
-                else:
-                    self.unsupported.setdefault(name, message)
+                self.unsupported.setdefault(name, reason)
                 stack.clear_slot(slot)
                 continue
             a, b = adapters[name]
             if stack.sources.get(slot) is not a:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
                 scaling = layer.scaling[name] * (_embed_scale(layer) if stack.embedding else 1.0)
-                stack.set_slot(slot, a, b, scaling, source=a, dora=dora)
+                lora_bias = None if stack.embedding else getattr(layer.lora_B[name], "bias", None)
+                stack.set_slot(slot, a, b, scaling, source=a, dora=dora, lora_bias=lora_bias)
         stack.ensure_capacity(self.registry.capacity)
         for slot in range(len(self.registry.names), stack.capacity):
             stack.clear_slot(slot)

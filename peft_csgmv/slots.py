@@ -16,7 +16,8 @@ PEFT's own numerics, slower). Host copies of ranks and scalings serve the torch 
 
 DoRA adapters add ``mag``: ``(capacity, out_features)`` fp32, the per-output scale ``magnitude / ‖W + scaling·B·A‖``
 of each slot (1 for plain LoRA slots), and ``bias``: the base layer's bias in fp32 (zeros for none); both exist only
-once a layer holds a DoRA adapter.
+once a layer holds a DoRA adapter. ``lora_bias``: ``(capacity, out_features)`` fp32, each slot's ``lora_B`` bias
+(PEFT's ``lora_bias=True``; zeros elsewhere), once a layer holds such an adapter.
 
 Slots are added and cleared one at a time (``set_slot`` / ``clear_slot``); capacity and ``r_max`` grow by
 reallocation when needed, so loading or deleting one adapter never restacks the others.
@@ -90,9 +91,9 @@ class LoraStack:
         self.ranks_host = [0] * capacity
         self.scalings_host = [0.0] * capacity
         self.sources: dict[int, nn.Module] = {}  # slot -> the lora_A module its weights came from
-        # Adapters of this layer that only PEFT's own mixed-batch path serves (``lora_bias``): while one of them is in
-        # a batch, the layer takes that path for the whole batch.
-        self.peft_only: set[str] = set()
+        self.lora_bias: torch.Tensor | None = (
+            None  # (capacity, out) fp32 lora_B bias, once a lora_bias adapter is stacked
+        )
         self.scaling_src: dict | None = None  # the layer's ``scaling`` dict the stack was built from
         self.mag: torch.Tensor | None = None  # (capacity, out) fp32 DoRA scale, once a DoRA adapter is stacked
         self.bias: torch.Tensor | None = None  # (out,) fp32 base bias, with mag
@@ -122,6 +123,8 @@ class LoraStack:
         if extra > 0:
             if self.mag is not None:
                 self.mag = torch.cat([self.mag, self.mag.new_ones(extra, self.out_features)])
+            if self.lora_bias is not None:
+                self.lora_bias = torch.cat([self.lora_bias, self.lora_bias.new_zeros(extra, self.out_features)])
             self.ranks = torch.cat([self.ranks, self.ranks.new_zeros(extra)])
             self.scalings = torch.cat([self.scalings, self.scalings.new_zeros(extra)])
             self.ranks_host += [0] * extra
@@ -135,9 +138,10 @@ class LoraStack:
         scaling: float,
         source=None,
         dora: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+        lora_bias: torch.Tensor | None = None,
     ) -> None:
         """Copy one adapter's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)`` weights into ``slot``; for DoRA,
-        ``dora = (mag (out,), base bias (out,) or None)``."""
+        ``dora = (mag (out,), base bias (out,) or None)``; ``lora_bias``: ``lora_B``'s bias ``(out,)``, if any."""
         r = lora_a.shape[0]
         if lora_a.shape[1] != self.in_features or lora_b.shape != (self.out_features, r):
             raise ValueError(
@@ -166,6 +170,14 @@ class LoraStack:
                     self.bias.copy_(bias.detach().float())
         elif self.mag is not None:
             self.mag[slot] = 1.0
+        if lora_bias is not None and self.lora_bias is None:
+            self.lora_bias = torch.zeros((self.capacity, self.out_features), dtype=torch.float32, device=self.device)
+        if self.lora_bias is not None:
+            with torch.no_grad():
+                if lora_bias is None:
+                    self.lora_bias[slot] = 0.0
+                else:
+                    self.lora_bias[slot] = lora_bias.detach().to(device=self.device, dtype=torch.float32)
 
     def clear_slot(self, slot: int) -> None:
         """Make ``slot`` a no-op in this layer (rank 0); its weight rows are zeroed."""
@@ -178,6 +190,8 @@ class LoraStack:
             self.scalings[slot] = 0.0
             if self.mag is not None:
                 self.mag[slot] = 1.0
+            if self.lora_bias is not None:
+                self.lora_bias[slot] = 0.0
         self.ranks_host[slot] = 0
         self.scalings_host[slot] = 0.0
         self.sources.pop(slot, None)
@@ -189,4 +203,6 @@ class LoraStack:
         self.ranks, self.scalings = self.ranks.to(device), self.scalings.to(device)
         if self.mag is not None:
             self.mag, self.bias = self.mag.to(device), self.bias.to(device)
+        if self.lora_bias is not None:
+            self.lora_bias = self.lora_bias.to(device)
         return self

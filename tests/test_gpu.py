@@ -155,3 +155,20 @@ def test_embedding_lora_half(dtype):
     pm = add_adapters(model.to(DEV), specs)
     pm.to(dtype)
     _assert_mixed_batch_matches(pm, ["a", "__base__", "b", "a", "b"], dtype, what="embedding LoRA logits")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_lora_bias_half(dtype):
+    """``lora_bias=True`` adapters mixed with plain ones, in half precision."""
+    model, targets = tiny_model("qwen2")
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=targets),
+        "lb": dict(r=4, lora_alpha=8, target_modules=targets, lora_bias=True),
+    }
+    pm = add_adapters(model.to(DEV), specs)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B.lb.bias" in name:
+                p.add_(0.5 * torch.randn_like(p))
+    pm.to(dtype)
+    _assert_mixed_batch_matches(pm, ["lb", "__base__", "a", "lb", "a"], dtype, what="lora_bias logits")

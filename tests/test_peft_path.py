@@ -1,7 +1,6 @@
 """Modules csgmv has no kernel for but PEFT can mix per row take PEFT's own mixed-batch path inside a csgmv call:
-LoRA on convolutions, `modules_to_save`, trainable tokens, and ``lora_bias`` adapters (embeddings with ``max_norm``:
-tests/test_embedding.py). Each case is
-compared with every adapter's own stock PEFT run (and PEFT's ``adapter_names`` where it works)."""
+LoRA on convolutions, `modules_to_save` and trainable tokens (embeddings with ``max_norm``: tests/test_embedding.py).
+Each case is compared with every adapter's own stock PEFT run (and PEFT's ``adapter_names`` where it works)."""
 
 from __future__ import annotations
 
@@ -108,18 +107,6 @@ def test_trainable_tokens(backend):
     # PEFT's own adapter_names path raises KeyError here (a1 holds no trainable tokens); per-adapter runs are the
     # reference.
     _check_forward(model, backend, peft_mixed_works=False)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_lora_bias(backend):
-    """A ``lora_bias`` adapter in the batch sends its layers to PEFT's path; the others keep the kernels."""
-    specs = {
-        "a0": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
-        "a1": dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_bias=True),
-    }
-    model = make("llama", specs)
-    _perturb([p for n, p in model.named_parameters() if "lora_B.a1.bias" in n], seed=7)
-    _check_forward(model, backend)
 
 
 class ConvNet(torch.nn.Module):

@@ -12,6 +12,9 @@ rows, bias excluded::
 
         y[rows] = m[slot] · (y[rows] − bias + (t[rows, :r] @ B[slot, :, :r]ᵀ) · scaling[slot]) + bias
 
+``lora_bias=True`` adapters (``lora_bias`` given): ``lora_B``'s bias of the slot is added before the scaling,
+``(t[rows, :r] @ B[slot, :, :r]ᵀ + lbias[slot]) · scaling[slot]``.
+
 ``t`` is cast to ``B``'s dtype before the product (as PEFT feeds ``lora_A``'s output to ``lora_B`` in the adapter
 dtype). Rows in no segment (base rows) and segments whose slot has rank 0 are left as they are.
 """
@@ -39,6 +42,7 @@ def _expand_kernel(
     scaling_ptr,  # (S,) fp32
     mag_ptr,  # (S, N) fp32 DoRA scale (read only with HAS_DORA)
     bias_ptr,  # (N,) fp32 base-layer bias (read only with HAS_DORA)
+    lbias_ptr,  # (S, N) fp32 lora_B bias per slot (read only with HAS_LORA_BIAS)
     N,
     SPLITS,
     stride_tp,
@@ -50,11 +54,13 @@ def _expand_kernel(
     stride_ym,
     stride_yn,
     stride_ms,
+    stride_lbs,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_DORA: tl.constexpr,
+    HAS_LORA_BIAS: tl.constexpr,
 ):
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -84,7 +90,10 @@ def _expand_kernel(
     t = tl.load(t_ptrs, mask=t_mask, other=0.0)
     for p in range(1, SPLITS):
         t += tl.load(t_ptrs + p * stride_tp, mask=t_mask, other=0.0)
-    acc = tl.dot(t.to(b.dtype), b, input_precision=DOT_PRECISION) * scaling
+    acc = tl.dot(t.to(b.dtype), b, input_precision=DOT_PRECISION)
+    if HAS_LORA_BIAS:
+        acc += tl.load(lbias_ptr + slot.to(tl.int64) * stride_lbs + offs_n, mask=n_mask, other=0.0)[None, :]
+    acc = acc * scaling
 
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]
@@ -98,7 +107,7 @@ def _expand_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_launch_expand = Launcher(_expand_kernel, num_tensors=10)
+_launch_expand = Launcher(_expand_kernel, num_tensors=11)
 
 
 def expand(
@@ -110,6 +119,7 @@ def expand(
     y: torch.Tensor,
     mag: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    lora_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the expand kernel; ``y`` is updated in place and returned.
 
@@ -123,6 +133,8 @@ def expand(
         y: ``(T, N)`` base output, fp16/bf16/fp32, any strides.
         mag: optional ``(S, N)`` fp32 DoRA scale per slot and output feature (1 for plain LoRA slots).
         bias: with ``mag``, the ``(N,)`` fp32 base-layer bias that ``y`` includes (zeros for none).
+        lora_bias: optional ``(S, N)`` fp32 bias of each slot's ``lora_B`` (PEFT's ``lora_bias=True``; zeros for the
+            others), added before the scaling.
     """
     num_tokens, n = y.shape
     num_slots, n_b, r = b.shape
@@ -142,20 +154,26 @@ def expand(
         raise ValueError(f"expand: DoRA needs mag ({num_slots}, {n}) and bias ({n},)")
     if not has_dora:
         mag = bias = scalings  # never read
+    has_lora_bias = lora_bias is not None
+    if has_lora_bias and lora_bias.shape != (num_slots, n):
+        raise ValueError(f"expand: lora_bias must be ({num_slots}, {n}), got {tuple(lora_bias.shape)}")
+    if not has_lora_bias:
+        lora_bias = scalings  # never read
     block_n = 64 if plan.chunk_size >= 64 else 128
     stride_bs, stride_bn, stride_br = b.stride()
     stride_ym, stride_yn = y.stride()
     _launch_expand(
         (plan.num_segments, -(-n // block_n), 1),
         (
-            t, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings, mag, bias,
+            t, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings, mag, bias, lora_bias,
             n, splits, stride_tp, stride_tm, stride_tr, stride_bs, stride_bn, stride_br, stride_ym, stride_yn,
-            mag.stride(0) if has_dora else 0,
+            mag.stride(0) if has_dora else 0, lora_bias.stride(0) if has_lora_bias else 0,
         ),
         BLOCK_M=_block(plan.chunk_size),
         BLOCK_N=block_n,
         BLOCK_R=_block(r),
         DOT_PRECISION="ieee" if b.dtype == torch.float32 else "tf32",
         HAS_DORA=has_dora,
+        HAS_LORA_BIAS=has_lora_bias,
     )  # fmt: skip
     return y

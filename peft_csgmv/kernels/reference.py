@@ -49,9 +49,10 @@ def expand_reference(
     y: torch.Tensor,
     mag: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    lora_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``t``: (T, R) or (P, T, R) split-K planes; ``b``: (S, N, R); ``y``: (T, N) updated in place (one rounding to
-    its dtype) and returned. DoRA: ``mag`` (S, N) and ``bias`` (N,), as in ``expand.py``."""
+    its dtype) and returned. DoRA: ``mag`` (S, N) and ``bias`` (N,); ``lora_bias`` (S, N): as in ``expand.py``."""
     acc = _acc_dtype(t, b, y)
     if t.dim() == 3:
         t = t.sum(0)
@@ -60,7 +61,10 @@ def expand_reference(
         if r == 0:
             continue
         rows = plan.permutation[start:end].long()
-        delta = (t[rows, :r].to(b.dtype).to(acc) @ b[slot, :, :r].to(acc).T) * scalings[slot]
+        delta = t[rows, :r].to(b.dtype).to(acc) @ b[slot, :, :r].to(acc).T
+        if lora_bias is not None:
+            delta = delta + lora_bias[slot].to(acc)
+        delta = delta * scalings[slot]
         if mag is None:
             y[rows] = (y[rows].to(acc) + delta).to(y.dtype)
         else:
