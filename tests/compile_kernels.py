@@ -1,0 +1,75 @@
+"""Compile every kernel variant for the GPU (Hopper, sm_90) ahead of time, without a GPU. Run in a process without
+``TRITON_INTERPRET`` (tests/test_compile.py does). Prints one line per variant; exits non-zero on a compile error,
+77 when this Triton cannot compile for CUDA here (no CUDA backend or no bundled ptxas)."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+
+import triton  # noqa: E402
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:  # pragma: no cover - other Triton layouts
+    print(f"skip: {e}")
+    sys.exit(77)
+
+shrink = importlib.import_module("peft_csgmv.kernels.shrink")
+expand = importlib.import_module("peft_csgmv.kernels.expand")
+embedding = importlib.import_module("peft_csgmv.kernels.embedding")
+
+PTR = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
+INTS = {"perm_ptr": "*i32", "seg_indptr_ptr": "*i32", "seg_slot_ptr": "*i32", "rank_ptr": "*i32"}
+
+
+def compile_variant(kernel, pointer_types: dict, constexprs: dict) -> None:
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    if not compiled.asm.get("cubin"):
+        raise RuntimeError("no cubin produced")
+
+
+def variants():
+    for dtype, block_m in itertools.product(PTR, (16, 128)):
+        types = {"x_ptr": PTR[dtype], "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS}
+        cx = dict(BLOCK_M=block_m, BLOCK_R=64, BLOCK_K=64 if block_m >= 64 else 128)
+        cx["DOT_PRECISION"] = "ieee" if dtype == "fp32" else "tf32"
+        yield f"shrink {dtype} M{block_m}", shrink._shrink_kernel, types, cx
+    for dtype, (dora, lora_bias) in itertools.product(PTR, ((False, False), (True, False), (False, True))):
+        types = {"t_ptr": "*fp32", "b_ptr": PTR[dtype], "y_ptr": PTR[dtype], **INTS}
+        types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32")
+        cx = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+        cx.update(HAS_DORA=dora, HAS_LORA_BIAS=lora_bias)
+        yield f"expand {dtype} dora={dora} lora_bias={lora_bias}", expand._expand_kernel, types, cx
+    for dtype in ("bf16", "fp32"):
+        types = {"ids_ptr": "*i64", "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS}
+        yield f"embedding_shrink {dtype}", embedding._embedding_shrink_kernel, types, dict(BLOCK_M=32, BLOCK_R=16)
+
+
+def main() -> int:
+    for label, kernel, types, cx in variants():
+        try:
+            compile_variant(kernel, types, cx)
+        except (ImportError, FileNotFoundError) as e:
+            print(f"skip: this Triton cannot compile for CUDA here: {e}")
+            return 77
+        except Exception as e:
+            if "ptxas" in str(e).lower() and "not found" in str(e).lower():
+                print(f"skip: {e}")
+                return 77
+            print(f"FAILED {label}: {type(e).__name__}: {e}")
+            return 1
+        print(f"ok {label}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
