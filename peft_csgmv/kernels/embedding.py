@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..plan import BatchPlan
 from .launch import Launcher
-from .shrink import _block
+from .shrink import _block, _segment_rows
 
 
 @triton.jit
@@ -43,12 +43,7 @@ def _embedding_shrink_kernel(
     rank = tl.load(rank_ptr + slot)
     if rank == 0:
         return
-    start = tl.load(seg_indptr_ptr + seg)
-    length = tl.load(seg_indptr_ptr + seg + 1) - start
-
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < length
-    rows = tl.load(perm_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
     ids = tl.load(ids_ptr + rows, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask = m_mask[:, None] & (offs_r < rank)[None, :]

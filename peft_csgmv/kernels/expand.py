@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..plan import BatchPlan
 from .launch import Launcher
-from .shrink import _block
+from .shrink import _block, _segment_rows
 
 
 @triton.jit
@@ -69,12 +69,7 @@ def _expand_kernel(
     if rank == 0:
         return
     scaling = tl.load(scaling_ptr + slot)
-    start = tl.load(seg_indptr_ptr + seg)
-    length = tl.load(seg_indptr_ptr + seg + 1) - start
-
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < length
-    rows = tl.load(perm_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -27,6 +27,17 @@ from .launch import Launcher
 
 
 @triton.jit
+def _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M: tl.constexpr):
+    """The original token indices of segment ``seg`` (``BLOCK_M`` lanes, int64) and the mask of lanes in use."""
+    start = tl.load(seg_indptr_ptr + seg)
+    length = tl.load(seg_indptr_ptr + seg + 1) - start
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < length
+    rows = tl.load(perm_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    return rows, m_mask
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,  # (T, K) activations, any float dtype
     a_ptr,  # (S, R, K) stacked A
@@ -58,12 +69,7 @@ def _shrink_kernel(
         return
     k_start = split * K_PER_SPLIT
     k_len = tl.minimum(K - k_start, K_PER_SPLIT)
-    start = tl.load(seg_indptr_ptr + seg)
-    length = tl.load(seg_indptr_ptr + seg + 1) - start
-
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < length
-    rows = tl.load(perm_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
