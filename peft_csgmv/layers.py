@@ -141,7 +141,7 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
     device = x.device
     plan = ctx.plan_for(rows, x2.shape[0] // rows, device)
-    if plan.num_segments == 0:
+    if plan.is_empty:
         return result
     if stack.device != device:
         stack.to(device)
@@ -154,17 +154,13 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
 def _peft_path_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A module csgmv has no kernel for: during a csgmv call, PEFT's own mixed-batch forward with the rows' names."""
     ctx = ACTIVE.get()
-    if ctx is None or ctx.state is not stack_state(self) or "adapter_names" in kwargs:
+    if ctx is None or ctx.state is not self._csgmv_state_ref() or "adapter_names" in kwargs:
         return self._csgmv_orig_forward(x, *args, **kwargs)
     # Rows whose adapter this module does not hold run its base module, as they do in that adapter's own PEFT run
     # (PEFT's trainable-token and modules_to_save wrappers fail on names they do not hold).
     held = self._csgmv_held
     names = [name if name in held else "__base__" for name in ctx.names_for(x.shape[0])]
     return self._csgmv_orig_forward(x, *args, adapter_names=names, **kwargs)
-
-
-def stack_state(layer: nn.Module) -> "CsgmvState":
-    return layer._csgmv_state_ref()
 
 
 def _patch(module: nn.Module, forward, state_ref: Callable[[], "CsgmvState"]) -> None:

@@ -19,6 +19,14 @@ import torch
 from ..plan import BatchPlan
 
 
+def _active_runs(plan: BatchPlan, ranks: Sequence[int]):
+    """``(slot, rank, original token indices)`` of every run of one slot whose rank in this layer is not 0."""
+    for slot, start, end in plan.runs:
+        r = int(ranks[slot])
+        if r:
+            yield slot, r, plan.permutation[start:end].long()
+
+
 def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
@@ -31,11 +39,7 @@ def shrink_reference(
     acc = _acc_dtype(x, a)
     if t is None:
         t = torch.zeros((x.shape[0], a.shape[1]), dtype=acc, device=x.device)
-    for slot, start, end in plan.runs:
-        r = int(ranks[slot])
-        if r == 0:
-            continue
-        rows = plan.permutation[start:end].long()
+    for slot, r, rows in _active_runs(plan, ranks):
         t[rows, :r] = (x[rows].to(a.dtype).to(acc) @ a[slot, :r].to(acc).T).to(t.dtype)
     return t
 
@@ -56,11 +60,7 @@ def expand_reference(
     acc = _acc_dtype(t, b, y)
     if t.dim() == 3:
         t = t.sum(0)
-    for slot, start, end in plan.runs:
-        r = int(ranks[slot])
-        if r == 0:
-            continue
-        rows = plan.permutation[start:end].long()
+    for slot, r, rows in _active_runs(plan, ranks):
         delta = t[rows, :r].to(b.dtype).to(acc) @ b[slot, :, :r].to(acc).T
         if lora_bias is not None:
             delta = delta + lora_bias[slot].to(acc)
@@ -81,10 +81,6 @@ def embedding_shrink_reference(
     acc = _acc_dtype(a)
     if t is None:
         t = torch.zeros((ids.shape[0], a.shape[1]), dtype=acc, device=ids.device)
-    for slot, start, end in plan.runs:
-        r = int(ranks[slot])
-        if r == 0:
-            continue
-        rows = plan.permutation[start:end].long()
+    for slot, r, rows in _active_runs(plan, ranks):
         t[rows, :r] = a[slot, :r][:, ids[rows].long()].T.to(t.dtype)
     return t
