@@ -21,13 +21,15 @@ dtype). Rows in no segment (base rows) and segments whose slot has rank 0 are le
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ..plan import BatchPlan
 from .launch import Launcher
-from .shrink import _block, _segment_rows
+from .shrink import _block, _segment_rows, _tiles
 
 
 @triton.jit
@@ -105,6 +107,12 @@ def _expand_kernel(
 _launch_expand = Launcher(_expand_kernel, num_tensors=11)
 
 
+@functools.lru_cache(maxsize=None)
+def expand_tiles(block_m: int, n: int, r: int) -> tuple[int, tuple]:
+    """``(BLOCK_N, launch options)`` of the expand kernel for a row tile, output width and max rank."""
+    return (64 if block_m >= 64 else 128), ()
+
+
 def expand(
     t: torch.Tensor,
     b: torch.Tensor,
@@ -115,6 +123,7 @@ def expand(
     mag: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     lora_bias: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Launch the expand kernel; ``y`` is updated in place and returned.
 
@@ -130,6 +139,7 @@ def expand(
         bias: with ``mag``, the ``(N,)`` fp32 base-layer bias that ``y`` includes (zeros for none).
         lora_bias: optional ``(S, N)`` fp32 bias of each slot's ``lora_B`` (PEFT's ``lora_bias=True``; zeros for the
             others), added before the scaling.
+        config: override the tile choice (for tuning): ``block_n``, ``num_warps``, ``num_stages``.
     """
     num_tokens, n = y.shape
     num_slots, n_b, r = b.shape
@@ -154,7 +164,8 @@ def expand(
         raise ValueError(f"expand: lora_bias must be ({num_slots}, {n}), got {tuple(lora_bias.shape)}")
     if not has_lora_bias:
         lora_bias = scalings  # never read
-    block_n = 64 if plan.chunk_size >= 64 else 128
+    block_m = _block(plan.chunk_size)
+    block_n, options = expand_tiles(block_m, n, r) if config is None else _tiles(config, "block_n")
     stride_bs, stride_bn, stride_br = b.stride()
     stride_ym, stride_yn = y.stride()
     _launch_expand(
@@ -164,11 +175,12 @@ def expand(
             n, splits, stride_tp, stride_tm, stride_tr, stride_bs, stride_bn, stride_br, stride_ym, stride_yn,
             mag.stride(0) if has_dora else 0, lora_bias.stride(0) if has_lora_bias else 0,
         ),
-        BLOCK_M=_block(plan.chunk_size),
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_R=_block(r),
         DOT_PRECISION="ieee" if b.dtype == torch.float32 else "tf32",
         HAS_DORA=has_dora,
         HAS_LORA_BIAS=has_lora_bias,
+        options=options,
     )  # fmt: skip
     return y

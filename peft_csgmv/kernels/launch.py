@@ -54,16 +54,17 @@ class Launcher:
         tensors = tuple([(a.dtype, a.data_ptr() & 15 == 0) for a in args[:n]])
         return args[0].get_device(), tensors, args[n:], tuple(constexprs.values())
 
-    def __call__(self, grid: tuple[int, int, int], args: tuple, **constexprs) -> None:
+    def __call__(self, grid: tuple[int, int, int], args: tuple, options: tuple = (), **constexprs) -> None:
         """``args``: the kernel's runtime arguments in signature order; ``constexprs``: its constexpr arguments, which
-        follow them in the signature."""
+        follow them in the signature; ``options``: Triton launch options as ``(name, value)`` pairs (``num_warps``,
+        ``num_stages``), part of the compiled kernel's key but not of its arguments."""
         if not self.direct or _hooks_installed():
-            self.kernel[grid](*args, **constexprs)
+            self.kernel[grid](*args, **constexprs, **dict(options))
             return
-        key = self._key(args, constexprs)
+        key = self._key(args, constexprs) + options
         compiled = self.compiled.get(key)
         if compiled is None:
-            self.compiled[key] = self.kernel[grid](*args, **constexprs)
+            self.compiled[key] = self.kernel[grid](*args, **constexprs, **dict(options))
             return
         stream = _driver.active.get_current_stream(key[0])
         try:
@@ -74,4 +75,4 @@ class Launcher:
         except TypeError:
             # This Triton's launcher takes a different argument list: use its own path from now on.
             self.direct = False
-            self.kernel[grid](*args, **constexprs)
+            self.kernel[grid](*args, **constexprs, **dict(options))

@@ -101,6 +101,17 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def _tiles(config: dict, block: str) -> tuple[int, tuple]:
+    """``(block size, launch options)`` from a tuning override."""
+    return config[block], tuple((k, config[k]) for k in ("num_warps", "num_stages") if k in config)
+
+
+@functools.lru_cache(maxsize=None)
+def shrink_tiles(block_m: int, k: int, r: int) -> tuple[int, tuple]:
+    """``(BLOCK_K, launch options)`` of the shrink kernel for a row tile, input width and max rank."""
+    return (64 if block_m >= 64 else 128), ()
+
+
 _SM_COUNT: dict = {}
 
 
@@ -133,6 +144,7 @@ def shrink(
     plan: BatchPlan,
     t: torch.Tensor | None = None,
     split_k: int | str = 1,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Launch the shrink kernel.
 
@@ -145,6 +157,7 @@ def shrink(
         split_k: number of K splits, or ``"auto"`` for :func:`split_k_for`'s choice (only with ``t`` absent or
             ``(P, T, R)``). The default is 1: on the H200 the automatic split made one-adapter decode slower, so the
             patched layers do not use it until its heuristic is tuned.
+        config: override the tile choice (for tuning): ``block_k``, ``num_warps``, ``num_stages``.
 
     Returns:
         ``t``: fp32, ``(T, R)`` when one split is used, else ``(P, T, R)`` partial products whose sum over ``P`` is
@@ -158,7 +171,7 @@ def shrink(
             f"shrink: x {tuple(x.shape)} does not fit A {tuple(a.shape)} / plan of {plan.num_tokens} tokens"
         )
     block_m = _block(plan.chunk_size)
-    block_k = 64 if block_m >= 64 else 128
+    block_k, options = shrink_tiles(block_m, k, r) if config is None else _tiles(config, "block_k")
     if t is not None and t.dim() == 2 or plan.num_segments == 0:
         split_k = 1
     if split_k == "auto":
@@ -189,6 +202,7 @@ def shrink(
             BLOCK_R=_block(r),
             BLOCK_K=block_k,
             DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            options=options,
         )  # fmt: skip
     if t.dim() == 2:
         return t
