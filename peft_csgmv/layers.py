@@ -103,10 +103,10 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
             with torch.cuda.device(device):
                 apply_lora(x, y, stack, plan, triton_backend)
             return
-        t = plan.workspace(stack.r_max)
         if stack.embedding:
-            t = kernels.embedding_shrink(x, stack.a, stack.ranks, plan, t)
+            t = kernels.embedding_shrink(x, stack.a, stack.ranks, plan, plan.workspace(stack.r_max))
         else:
+            t = plan.workspace(stack.r_max, kernels.shrink_splits(plan, x.shape[1]))
             t = kernels.shrink(x, stack.a, stack.ranks, plan, t)
         kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
     else:

@@ -69,14 +69,15 @@ class BatchPlan:
     runs: tuple[tuple[int, int, int], ...]
     _workspace: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    def workspace(self, width: int) -> torch.Tensor:
-        """A ``(num_tokens, width)`` fp32 buffer for the shrink output, allocated once per plan and width and shared
-        by every layer: layers run one after another, and each layer's expand consumes it before the next layer's
-        shrink."""
-        buf = self._workspace.get(width)
+    def workspace(self, width: int, planes: int = 1) -> torch.Tensor:
+        """A ``(num_tokens, width)`` fp32 buffer for the shrink output (``(planes, num_tokens, width)`` for split-K
+        partial products), allocated once per plan and shape and shared by every layer: layers run one after
+        another, and each layer's expand consumes it before the next layer's shrink."""
+        buf = self._workspace.get((width, planes))
         if buf is None:
-            buf = self._workspace[width] = torch.empty(
-                (self.num_tokens, width), dtype=torch.float32, device=self.permutation.device
+            shape = (self.num_tokens, width) if planes == 1 else (planes, self.num_tokens, width)
+            buf = self._workspace[(width, planes)] = torch.empty(
+                shape, dtype=torch.float32, device=self.permutation.device
             )
         return buf
 

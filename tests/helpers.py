@@ -5,9 +5,12 @@ from __future__ import annotations
 import torch
 
 # One per-dtype tolerance table (absolute, relative) for comparing against stock PEFT / a float64 reference.
+# On the GPU, fp32 results of cuBLAS and of the kernels differ in summation order (cuBLAS splits K too), and through a
+# few layers that reaches ~1.5e-5 on values near 0.4; the CPU runs sum in one order and keep the tighter bound.
+_FP32 = (5e-5, 5e-5) if torch.cuda.is_available() else (1e-5, 1e-5)
 TOLERANCES = {
     torch.float64: (1e-10, 1e-10),
-    torch.float32: (1e-5, 1e-5),
+    torch.float32: _FP32,
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (2e-2, 2e-2),
 }

@@ -573,23 +573,30 @@ def test_split_k_partials_sum_to_oracle(split_k, dtype):
 
 
 def test_split_k_chosen_for_few_segments():
-    """With few segments and a wide input ``split_k="auto"`` splits K (the interpreter poses as a 4-SM GPU), and the
-    result still matches the oracle; the default is one split."""
-    from peft_csgmv.kernels.shrink import split_k_for
+    """With few segments and a wide input the default ``split_k="auto"`` splits K (the interpreter poses as a 4-SM
+    GPU), ``shrink_splits`` says how many planes that makes, and the result still matches the oracle; a 2-D ``t``
+    means one split."""
+    from peft_csgmv.kernels import shrink_splits
 
     plan, token_slot = make_plan("distinct")  # 4 segments
     k, n = 1024, 33
-    splits, k_per_split = split_k_for(plan.num_segments, k, 128, DEVICE)
+    splits = shrink_splits(plan, k)
     if DEVICE.type == "cpu":
-        assert splits == 2 and k_per_split == 512
+        assert splits == 4
+    else:
+        assert splits > 1
+    assert shrink_splits(plan, 128) == 1  # each split keeps at least 128 K elements
     ranks, r_max = [8, 1, 3, 16], 16
     a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, torch.float32, seed=31)
     x = randn(plan.num_tokens, k, dtype=torch.float32, seed=32)
     y = randn(plan.num_tokens, n, dtype=torch.float32, seed=33)
     y0 = y.clone()
-    assert shrink(x, a, ranks_t, plan).dim() == 2
-    t = shrink(x, a, ranks_t, plan, split_k="auto")
-    assert (t.shape[0] if t.dim() == 3 else 1) == splits
+    t2 = torch.empty(plan.num_tokens, r_max, device=DEVICE)
+    assert shrink(x, a, ranks_t, plan, t2) is t2
+    workspace = torch.empty(splits, plan.num_tokens, r_max, device=DEVICE)
+    assert shrink(x, a, ranks_t, plan, workspace) is workspace
+    t = shrink(x, a, ranks_t, plan)
+    assert t.shape == (splits, plan.num_tokens, r_max)
     expand(t, b, ranks_t, scalings, plan, y)
     t_exp = oracle_shrink(x, a, ranks, token_slot, torch.zeros(plan.num_tokens, r_max))
     check_close(y, oracle_expand(t_exp.float(), b, ranks, scalings, token_slot, y0), torch.float32, what="auto split")

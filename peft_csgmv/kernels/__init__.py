@@ -4,13 +4,13 @@ reference with the same semantics."""
 from .embedding import embedding_shrink
 from .expand import expand
 from .reference import embedding_shrink_reference, expand_reference, shrink_reference
-from .shrink import max_split_k, shrink
+from .shrink import shrink, shrink_splits
 
 __all__ = [
     "embedding_shrink",
     "embedding_shrink_reference",
-    "max_split_k",
     "shrink",
+    "shrink_splits",
     "expand",
     "shrink_reference",
     "expand_reference",

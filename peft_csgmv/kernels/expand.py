@@ -108,9 +108,15 @@ _launch_expand = Launcher(_expand_kernel, num_tensors=11)
 
 
 @functools.lru_cache(maxsize=None)
-def expand_tiles(block_m: int, n: int, r: int) -> tuple[int, tuple]:
-    """``(BLOCK_N, launch options)`` of the expand kernel for a row tile, output width and max rank."""
-    return (64 if block_m >= 64 else 128), ()
+def expand_tiles(block_m: int, num_segments: int, r: int) -> tuple[int, tuple]:
+    """``(BLOCK_N, launch options)`` of the expand kernel for a row tile, segment count and max rank.
+
+    From the tile sweep on the H200 (``benchmarks/tune_kernels.py``): prefill tiles (128 rows) want BLOCK_N 128 with
+    8 warps at ranks up to 32 and 4 warps above (10–30% over BLOCK_N 64); decode tiles BLOCK_N 128 when many
+    segments share the grid, 64 when few (within a few percent either way)."""
+    if block_m >= 64:
+        return 128, (("num_warps", 8 if r <= 32 else 4),)
+    return (128 if num_segments >= 8 else 64), (("num_warps", 4),)
 
 
 def expand(
@@ -165,7 +171,7 @@ def expand(
     if not has_lora_bias:
         lora_bias = scalings  # never read
     block_m = _block(plan.chunk_size)
-    block_n, options = expand_tiles(block_m, n, r) if config is None else _tiles(config, "block_n")
+    block_n, options = expand_tiles(block_m, plan.num_segments, r) if config is None else _tiles(config, "block_n")
     stride_bs, stride_bn, stride_br = b.stride()
     stride_ym, stride_yn = y.stride()
     _launch_expand(

@@ -107,9 +107,29 @@ def _tiles(config: dict, block: str) -> tuple[int, tuple]:
 
 
 @functools.lru_cache(maxsize=None)
-def shrink_tiles(block_m: int, k: int, r: int) -> tuple[int, tuple]:
-    """``(BLOCK_K, launch options)`` of the shrink kernel for a row tile, input width and max rank."""
-    return (64 if block_m >= 64 else 128), ()
+def shrink_tiles(block_m: int, num_segments: int, k: int, device: torch.device) -> tuple[int, int, int, tuple]:
+    """``(BLOCK_K, split_k, k_per_split, launch options)`` of the shrink kernel for a row tile, segment count and input
+    width: the automatic choice (``split_k="auto"``), which the patched layers use.
+
+    From the tile sweep on the H200 (``benchmarks/tune_kernels.py``, bf16, all real layer shapes, ranks 16 and 64):
+    a shrink program reads its rows of ``x`` and the slot's ``A`` once, so a grid of one program per segment leaves
+    most SMs idle (64 programs for 8192 prefill tokens, 2–32 in decode). Splitting K until there are about 1.2
+    programs per SM (prefill tiles) or 4 per SM (decode tiles, which do little work each) made the shrink 1.5× faster
+    in prefill and 2–7× faster in decode; each split keeps at least 128 K elements. Prefill tiles: BLOCK_K 128 for
+    inputs of 4096 and more (64 below), 4 warps, 3 stages; decode tiles: BLOCK_K 64, 2 warps when there are 8
+    segments or more (else 4), 3 stages.
+    """
+    sms = _sm_count(device)
+    if block_m >= 64:
+        block_k = 128 if k >= 4096 else 64
+        target, options = sms * 6 // 5, (("num_warps", 4), ("num_stages", 3))
+    else:
+        block_k = 64
+        target, options = sms * 4, (("num_warps", 2 if num_segments >= 8 else 4), ("num_stages", 3))
+    want = max(1, min(16, target // max(num_segments, 1), k // 128))
+    split = 1 << (want.bit_length() - 1)  # a power of two, rounded down
+    k_per_split = -(-(-(-k // split)) // block_k) * block_k
+    return block_k, -(-k // k_per_split), k_per_split, options
 
 
 _SM_COUNT: dict = {}
@@ -124,17 +144,9 @@ def _sm_count(device: torch.device) -> int:
     return n
 
 
-def max_split_k(num_segments: int, device: torch.device) -> int:
-    """The most K splits a plan of ``num_segments`` segments uses (about two programs per SM wanted)."""
-    return max(1, -(-2 * _sm_count(device) // max(num_segments, 1)))
-
-
-def split_k_for(num_segments: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:
-    """``(split_k, k_per_split)``: split the K range when the segments alone would leave most of the GPU idle,
-    keeping at least 256 K elements per split."""
-    split = max(1, min(max_split_k(num_segments, device), k // 256))
-    k_per_split = -(-(-(-k // split)) // block_k) * block_k
-    return -(-k // k_per_split), k_per_split
+def shrink_splits(plan: BatchPlan, k: int) -> int:
+    """How many K splits (planes of the shrink output) ``split_k="auto"`` uses for ``plan`` and input width ``k``."""
+    return shrink_tiles(_block(plan.chunk_size), plan.num_segments, k, plan.permutation.device)[1]
 
 
 def shrink(
@@ -143,7 +155,7 @@ def shrink(
     ranks: torch.Tensor,
     plan: BatchPlan,
     t: torch.Tensor | None = None,
-    split_k: int | str = 1,
+    split_k: int | str = "auto",
     config: dict | None = None,
 ) -> torch.Tensor:
     """Launch the shrink kernel.
@@ -153,10 +165,9 @@ def shrink(
         a: ``(S, R, K)`` stacked A weights (slot-major), fp16/bf16/fp32; ``x`` is cast to this dtype for the product.
         ranks: ``(S,)`` int32, the rank of each slot (``0`` = the slot does nothing in this layer).
         plan: the batch plan (permutation, segments, slot per segment) on ``x``'s device.
-        t: optional fp32 output buffer, ``(T, R)`` or ``(P, T, R)`` with ``P >= split_k``.
-        split_k: number of K splits, or ``"auto"`` for :func:`split_k_for`'s choice (only with ``t`` absent or
-            ``(P, T, R)``). The default is 1: on the H200 the automatic split made one-adapter decode slower, so the
-            patched layers do not use it until its heuristic is tuned.
+        t: optional fp32 output buffer, ``(T, R)`` (then one split is used) or ``(P, T, R)`` with ``P >= split_k``.
+        split_k: number of K splits, or ``"auto"`` (the default) for :func:`shrink_tiles`' choice by segment count
+            and input width; :func:`shrink_splits` says how many planes that is.
         config: override the tile choice (for tuning): ``block_k``, ``num_warps``, ``num_stages``.
 
     Returns:
@@ -171,16 +182,19 @@ def shrink(
             f"shrink: x {tuple(x.shape)} does not fit A {tuple(a.shape)} / plan of {plan.num_tokens} tokens"
         )
     block_m = _block(plan.chunk_size)
-    block_k, options = shrink_tiles(block_m, k, r) if config is None else _tiles(config, "block_k")
+    block_k, auto_split, k_per_split, options = shrink_tiles(block_m, plan.num_segments, k, x.device)
+    if config is not None:
+        block_k, options = _tiles(config, "block_k")
     if t is not None and t.dim() == 2 or plan.num_segments == 0:
         split_k = 1
-    if split_k == "auto":
-        split_k, k_per_split = split_k_for(plan.num_segments, k, block_k, x.device)
-    else:
+    elif split_k == "auto":
+        split_k = auto_split
+    if split_k != auto_split or config is not None:
         k_per_split = -(-(-(-k // split_k)) // block_k) * block_k
         split_k = -(-k // k_per_split)
     if t is None:
-        t = torch.empty((split_k, num_tokens, r), dtype=torch.float32, device=x.device)
+        shape = (num_tokens, r) if split_k == 1 else (split_k, num_tokens, r)
+        t = torch.empty(shape, dtype=torch.float32, device=x.device)
     if t.dim() == 2:  # one plane: plane stride 0, no view needed
         if t.shape != (num_tokens, r):
             raise ValueError(f"shrink: t {tuple(t.shape)} is not ({num_tokens}, {r})")
@@ -204,6 +218,6 @@ def shrink(
             DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             options=options,
         )  # fmt: skip
-    if t.dim() == 2:
+    if t.dim() == 2 or t.shape[0] == split_k:
         return t
     return t[0] if split_k == 1 else t[:split_k]
