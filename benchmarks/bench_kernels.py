@@ -20,13 +20,14 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from peft_csgmv import BatchPlan  # noqa: E402
-from peft_csgmv.kernels import expand, shrink  # noqa: E402
+from peft_csgmv.kernels import BoundLayer, expand, shrink, shrink_splits  # noqa: E402
 
 SHAPES = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048), (4096, 4096), (4096, 1024), (4096, 14336),
           (14336, 4096)]  # fmt: skip
@@ -89,7 +90,7 @@ def bench_case(k, n, rank, tokens, rows, distinct, dist, dtype, copy_gbs, gen):
     plan = BatchPlan.build(slots, tokens // rows, dev)
     x = torch.randn(plan.num_tokens, k, device=dev, dtype=dtype)
     y = torch.randn(plan.num_tokens, n, device=dev, dtype=dtype)
-    t = plan.workspace(rank)  # as the patched layers do
+    t = plan.workspace(rank, shrink_splits(plan, k))  # as the patched layers do
 
     def layer():
         shrink(x, a, ranks, plan, t)
@@ -97,12 +98,16 @@ def bench_case(k, n, rank, tokens, rows, distinct, dist, dtype, copy_gbs, gen):
 
     gpu_us = graph_time_us(layer)
     host_us = host_time_us(layer)
+    stack = types.SimpleNamespace(a=a, b=b, ranks=ranks, scalings=scal, mag=None, bias=None, lora_bias=None)
+    bound = BoundLayer.bind(x, y, t, stack, plan)
+    bound_host_us = host_time_us(lambda: bound(x, y)) if bound is not None else float("nan")
     used = len(set(slots))
     elt = x.element_size()
     nbytes = plan.num_tokens * (k + 2 * n) * elt + used * rank * (k + n) * elt
     floor_us = nbytes / (copy_gbs * 1e3)
     return dict(in_f=k, out_f=n, rank=rank, tokens=plan.num_tokens, distinct=distinct, used=used, dist=dist,
-                gpu_us=gpu_us, host_us=host_us, gbs=nbytes / gpu_us / 1e3, floor_us=floor_us,
+                gpu_us=gpu_us, host_us=host_us, bound_host_us=bound_host_us, splits=shrink_splits(plan, k),
+                gbs=nbytes / gpu_us / 1e3, floor_us=floor_us,
                 vs_floor=gpu_us / floor_us, segments=plan.num_segments)  # fmt: skip
 
 
@@ -178,17 +183,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--copy-gbs", type=float, default=4300.0)
     p.add_argument("--quick", action="store_true", help="a few cases only")
+    p.add_argument("--ranks", default=None, help="comma-separated ranks (default 8,16,64,128 decode; 16,64 prefill)")
     args = p.parse_args(argv)
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     cases = []
     shapes = SHAPES[:2] if args.quick else SHAPES
     for k, n in shapes:
-        for rank in [16] if args.quick else [8, 16, 64, 128]:
+        ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
+        for rank in [16] if args.quick else ranks or [8, 16, 64, 128]:
             for distinct in [1, 8, 32]:
                 cases.append((k, n, rank, 32, 32, distinct, "uniform"))
         for tokens in [512, 8192]:
-            for rank in [16] if args.quick else [16, 64]:
+            for rank in [16] if args.quick else ranks or [16, 64]:
                 for distinct, dist in [(1, "uniform"), (32, "uniform"), (128, "uniform"), (32, "zipf")]:
                     rows = max(distinct, 32) if tokens >= 4096 else 32
                     cases.append((k, n, rank, tokens, min(rows, tokens), distinct, dist))
@@ -198,19 +205,22 @@ def main(argv=None) -> int:
         results.append(r)
         print(
             f"{r['in_f']:>5}→{r['out_f']:<5} r{r['rank']:<3} T{r['tokens']:<5} {r['distinct']:>3} {r['dist']:<7} "
-            f"gpu {r['gpu_us']:7.1f} µs  host {r['host_us']:6.1f} µs  {r['gbs']:6.0f} GB/s  "
+            f"gpu {r['gpu_us']:7.1f} µs  host {r['host_us']:6.1f} / bound {r['bound_host_us']:5.1f} µs  "
+            f"{r['gbs']:6.0f} GB/s  "
             f"{r['vs_floor']:5.2f}× floor",
             flush=True,
         )
     modules = bench_modules(dtype, gen)
     plans = bench_plan()
 
-    print("\n| in→out | rank | tokens | distinct | GPU µs | host µs | GB/s | × floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| in→out | rank | tokens | distinct | K splits | GPU µs | host µs (checked) | host µs (bound) | GB/s "
+          "| × floor |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['in_f']}→{r['out_f']} | {r['rank']} | {r['tokens']} | {r['distinct']} {r['dist']} | "
-            f"{r['gpu_us']:.1f} | {r['host_us']:.1f} | {r['gbs']:.0f} | {r['vs_floor']:.2f} |"
+            f"| {r['in_f']}→{r['out_f']} | {r['rank']} | {r['tokens']} | {r['distinct']} {r['dist']} | {r['splits']} | "
+            f"{r['gpu_us']:.1f} | {r['host_us']:.1f} | {r['bound_host_us']:.1f} | {r['gbs']:.0f} | "
+            f"{r['vs_floor']:.2f} |"
         )
     print(
         "\n| module in→out, 32 decode tokens | base Linear host µs | PEFT one adapter host µs | csgmv host µs "

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=5000)
     args = p.parse_args(argv)
     if args.stub_launch:
-        launch.Launcher.__call__ = lambda self, grid, a, **kw: None
+        launch.Launcher.__call__ = lambda self, grid, a, c, o=(): None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = get_peft_model(

@@ -1,15 +1,43 @@
 #!/usr/bin/env bash
-# Everything the H200 needs to prove, in one call: every test on the GPU, kernel and layer benchmarks, end to end 8B and 1B.
-# Usage (device): OUT=/some/dir bash benchmarks/run_h200.sh [quick]
+# What the H200 proves, by stage; each stage fits one device call with others.
+# Usage (device): OUT=/some/dir bash benchmarks/run_h200.sh [stage ...]
+#   tests    every test file on the GPU (test_gpu.py adds bf16/fp16 cases)      -> gpu_tests.log
+#   kernels  kernel benchmark, all layer shapes, ranks 16 and 64                 -> kernels.json, kernels.log
+#   tune     tile sweep of both kernels                                           -> tune.json, tune.log
+#   layer    host time of one whole patched layer                                 -> layer_host.log
+#   e2e      end to end, 8B and 1B, r=16, 1/8/32 distinct, PEFT rows included    -> e2e_8b.json, e2e_1b.json
+#   ranks    end to end, 1B, r=64 and mixed ranks 8/16/64 (PEFT one adapter vs csgmv) -> e2e_1b_r64.json, ...
+# With no stage given: tests kernels layer e2e ranks (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-results}
 mkdir -p "$OUT"
-python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
-python3 benchmarks/bench_kernels.py ${1:+--quick} --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
-grep -A 12 "^| module" "$OUT/kernels.log"
-python3 benchmarks/bench_layer_host.py 2>&1 | grep "^|" | tee "$OUT/layer_host.log"
-python3 benchmarks/bench_e2e.py --model 8b --repeats 5 --out "$OUT/e2e_8b.json" 2>&1 | grep -v -i warn > "$OUT/e2e_8b.log"
-grep "^| 8b" "$OUT/e2e_8b.log"
-python3 benchmarks/bench_e2e.py --model 1b --repeats 5 --out "$OUT/e2e_1b.json" 2>&1 | grep -v -i warn > "$OUT/e2e_1b.log"
-grep "^| 1b" "$OUT/e2e_1b.log"
+for stage in ${*:-tests kernels layer e2e ranks}; do
+  echo "== $stage $(date -u +%T)"
+  case $stage in
+    tests)
+      python3 -m pytest tests -q -p no:cacheprovider -rf --tb=short > "$OUT/gpu_tests.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15 ;;
+    kernels)
+      python3 benchmarks/bench_kernels.py --ranks 16,64 --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
+      grep -A 12 "^| module" "$OUT/kernels.log" ;;
+    tune)
+      python3 benchmarks/tune_kernels.py --budget-s 170 --out "$OUT/tune.json" > "$OUT/tune.log" 2>&1
+      tail -3 "$OUT/tune.log" ;;
+    layer)
+      python3 benchmarks/bench_layer_host.py 2>&1 | grep "^|" | tee "$OUT/layer_host.log" ;;
+    e2e)
+      for m in 8b 1b; do
+        python3 benchmarks/bench_e2e.py --model $m --repeats 5 --out "$OUT/e2e_$m.json" 2>&1 | grep -v -i warn \
+          > "$OUT/e2e_$m.log"
+        grep "^| $m" "$OUT/e2e_$m.log"
+      done ;;
+    ranks)
+      for r in 64 8,16,64; do
+        tag=$(echo $r | tr , -)
+        python3 benchmarks/bench_e2e.py --model 1b --ranks $r --csgmv-only --repeats 5 \
+          --out "$OUT/e2e_1b_r$tag.json" 2>&1 | grep "^| 1b" | tee "$OUT/e2e_1b_r$tag.log"
+      done ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done

@@ -106,9 +106,18 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
         if stack.embedding:
             t = kernels.embedding_shrink(x, stack.a, stack.ranks, plan, plan.workspace(stack.r_max))
         else:
+            bound = plan.bound.get(stack)
+            if bound is not None and bound.fits(x, y, stack):
+                try:
+                    bound(x, y)
+                    return
+                except TypeError:  # this Triton's compiled-kernel launcher takes other arguments: Triton's path
+                    kernels.disable_direct_launch()
             t = plan.workspace(stack.r_max, kernels.shrink_splits(plan, x.shape[1]))
             t = kernels.shrink(x, stack.a, stack.ranks, plan, t)
         kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
+        if not stack.embedding:
+            plan.bound[stack] = kernels.BoundLayer.bind(x, y, t, stack, plan)
     else:
         shrink = kernels.embedding_shrink_reference if stack.embedding else kernels.shrink_reference
         t = shrink(x, stack.a, stack.ranks_host, plan)

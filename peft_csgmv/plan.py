@@ -68,6 +68,8 @@ class BatchPlan:
     seg_slot: torch.Tensor
     runs: tuple[tuple[int, int, int], ...]
     _workspace: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # Each layer's launches bound to this plan (LoraStack -> kernels.BoundLayer or None), filled by the layers.
+    bound: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def workspace(self, width: int, planes: int = 1) -> torch.Tensor:
         """A ``(num_tokens, width)`` fp32 buffer for the shrink output (``(planes, num_tokens, width)`` for split-K

@@ -86,7 +86,6 @@ def embedding_shrink(
                 ids, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
                 a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1),
             ),
-            BLOCK_M=_block(plan.chunk_size),
-            BLOCK_R=_block(r),
+            dict(BLOCK_M=_block(plan.chunk_size), BLOCK_R=_block(r)),
         )  # fmt: skip
     return t

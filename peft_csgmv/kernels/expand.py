@@ -119,6 +119,34 @@ def expand_tiles(block_m: int, num_segments: int, r: int) -> tuple[int, tuple]:
     return (128 if num_segments >= 8 else 64), (("num_warps", 4),)
 
 
+def expand_launch_args(
+    t, b, ranks, scalings, plan, y, mag, bias, lora_bias, has_dora, has_lora_bias, block_n, options
+) -> tuple:
+    """``(grid, args, constexprs, options)`` of one expand launch (checked arguments; unused ``mag``/``bias``/
+    ``lora_bias`` are any fp32 tensor)."""
+    if t.dim() == 2:  # one plane: plane stride 0, no view needed
+        splits, stride_tp, (stride_tm, stride_tr) = 1, 0, t.stride()
+    else:
+        splits, (stride_tp, stride_tm, stride_tr) = t.shape[0], t.stride()
+    n = y.shape[1]
+    stride_bs, stride_bn, stride_br = b.stride()
+    stride_ym, stride_yn = y.stride()
+    args = (
+        t, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings, mag, bias, lora_bias,
+        n, splits, stride_tp, stride_tm, stride_tr, stride_bs, stride_bn, stride_br, stride_ym, stride_yn,
+        mag.stride(0) if has_dora else 0, lora_bias.stride(0) if has_lora_bias else 0,
+    )  # fmt: skip
+    constexprs = dict(
+        BLOCK_M=_block(plan.chunk_size),
+        BLOCK_N=block_n,
+        BLOCK_R=_block(b.shape[2]),
+        DOT_PRECISION="ieee" if b.dtype == torch.float32 else "tf32",
+        HAS_DORA=has_dora,
+        HAS_LORA_BIAS=has_lora_bias,
+    )
+    return (plan.num_segments, -(-n // block_n), 1), args, constexprs, options
+
+
 def expand(
     t: torch.Tensor,
     b: torch.Tensor,
@@ -149,10 +177,6 @@ def expand(
     """
     num_tokens, n = y.shape
     num_slots, n_b, r = b.shape
-    if t.dim() == 2:  # one plane: plane stride 0, no view needed
-        splits, stride_tp, (stride_tm, stride_tr) = 1, 0, t.stride()
-    else:
-        splits, (stride_tp, stride_tm, stride_tr) = t.shape[0], t.stride()
     if n_b != n or t.shape[-2:] != (num_tokens, r) or num_tokens != plan.num_tokens:
         raise ValueError(
             f"expand: t {tuple(t.shape)}, B {tuple(b.shape)} and y {tuple(y.shape)} do not fit a plan of "
@@ -172,21 +196,8 @@ def expand(
         lora_bias = scalings  # never read
     block_m = _block(plan.chunk_size)
     block_n, options = expand_tiles(block_m, plan.num_segments, r) if config is None else _tiles(config, "block_n")
-    stride_bs, stride_bn, stride_br = b.stride()
-    stride_ym, stride_yn = y.stride()
     _launch_expand(
-        (plan.num_segments, -(-n // block_n), 1),
-        (
-            t, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings, mag, bias, lora_bias,
-            n, splits, stride_tp, stride_tm, stride_tr, stride_bs, stride_bn, stride_br, stride_ym, stride_yn,
-            mag.stride(0) if has_dora else 0, lora_bias.stride(0) if has_lora_bias else 0,
-        ),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_R=_block(r),
-        DOT_PRECISION="ieee" if b.dtype == torch.float32 else "tf32",
-        HAS_DORA=has_dora,
-        HAS_LORA_BIAS=has_lora_bias,
-        options=options,
+        *expand_launch_args(t, b, ranks, scalings, plan, y, mag, bias, lora_bias, has_dora, has_lora_bias, block_n,
+                            options)
     )  # fmt: skip
     return y

@@ -54,7 +54,14 @@ class Launcher:
         tensors = tuple([(a.dtype, a.data_ptr() & 15 == 0) for a in args[:n]])
         return args[0].get_device(), tensors, args[n:], tuple(constexprs.values())
 
-    def __call__(self, grid: tuple[int, int, int], args: tuple, options: tuple = (), **constexprs) -> None:
+    def compiled_for(self, args: tuple, constexprs: dict, options: tuple = ()):
+        """The compiled kernel a direct launch with these arguments would use, or ``None`` (not launched yet, or the
+        direct path is off)."""
+        if not self.direct or _hooks_installed():
+            return None
+        return self.compiled.get(self._key(args, constexprs) + options)
+
+    def __call__(self, grid: tuple[int, int, int], args: tuple, constexprs: dict, options: tuple = ()) -> None:
         """``args``: the kernel's runtime arguments in signature order; ``constexprs``: its constexpr arguments, which
         follow them in the signature; ``options``: Triton launch options as ``(name, value)`` pairs (``num_warps``,
         ``num_stages``), part of the compiled kernel's key but not of its arguments."""

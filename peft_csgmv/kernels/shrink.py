@@ -149,6 +149,28 @@ def shrink_splits(plan: BatchPlan, k: int) -> int:
     return shrink_tiles(_block(plan.chunk_size), plan.num_segments, k, plan.permutation.device)[1]
 
 
+def shrink_launch_args(x, a, ranks, plan, t, split_k, k_per_split, block_k, options) -> tuple:
+    """``(grid, args, constexprs, options)`` of one shrink launch (checked arguments; ``t`` 2-D or 3-D)."""
+    k = x.shape[1]
+    if t.dim() == 2:  # one plane: plane stride 0, no view needed
+        stride_tp, (stride_tm, stride_tr) = 0, t.stride()
+    else:
+        stride_tp, stride_tm, stride_tr = t.stride()
+    stride_xm, stride_xk = x.stride()
+    stride_as, stride_ar, stride_ak = a.stride()
+    args = (
+        x, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
+        k, k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_tp, stride_tm, stride_tr,
+    )  # fmt: skip
+    constexprs = dict(
+        BLOCK_M=_block(plan.chunk_size),
+        BLOCK_R=_block(a.shape[1]),
+        BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+    )
+    return (plan.num_segments, split_k, 1), args, constexprs, options
+
+
 def shrink(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -195,29 +217,13 @@ def shrink(
     if t is None:
         shape = (num_tokens, r) if split_k == 1 else (split_k, num_tokens, r)
         t = torch.empty(shape, dtype=torch.float32, device=x.device)
-    if t.dim() == 2:  # one plane: plane stride 0, no view needed
+    if t.dim() == 2:
         if t.shape != (num_tokens, r):
             raise ValueError(f"shrink: t {tuple(t.shape)} is not ({num_tokens}, {r})")
-        stride_tp, (stride_tm, stride_tr) = 0, t.stride()
-    else:
-        if t.shape[0] < split_k or t.shape[1:] != (num_tokens, r):
-            raise ValueError(f"shrink: t {tuple(t.shape)} cannot hold {split_k} splits of ({num_tokens}, {r})")
-        stride_tp, stride_tm, stride_tr = t.stride()
+    elif t.shape[0] < split_k or t.shape[1:] != (num_tokens, r):
+        raise ValueError(f"shrink: t {tuple(t.shape)} cannot hold {split_k} splits of ({num_tokens}, {r})")
     if plan.num_segments:
-        stride_xm, stride_xk = x.stride()
-        stride_as, stride_ar, stride_ak = a.stride()
-        _launch_shrink(
-            (plan.num_segments, split_k, 1),
-            (
-                x, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
-                k, k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_tp, stride_tm, stride_tr,
-            ),
-            BLOCK_M=block_m,
-            BLOCK_R=_block(r),
-            BLOCK_K=block_k,
-            DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            options=options,
-        )  # fmt: skip
+        _launch_shrink(*shrink_launch_args(x, a, ranks, plan, t, split_k, k_per_split, block_k, options))
     if t.dim() == 2 or t.shape[0] == split_k:
         return t
     return t[0] if split_k == 1 else t[:split_k]

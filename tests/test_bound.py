@@ -1,0 +1,133 @@
+"""The bound per-layer launches (kernels/bound.py) pass exactly what the checked launch path passes.
+
+The direct launch path only exists for compiled kernels on a GPU; here the launchers get a stand-in compiled kernel
+that records every launch, so the argument lists of both paths can be compared on the CPU. The GPU tests run the real
+thing (every decode step after the first goes through the bound launches).
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import peft_csgmv.layers as csgmv_layers
+from peft_csgmv import disable_csgmv, enable_csgmv
+from peft_csgmv.kernels import launch
+from peft_csgmv.layers import ACTIVE, CallContext
+
+shrink_mod = importlib.import_module("peft_csgmv.kernels.shrink")
+expand_mod = importlib.import_module("peft_csgmv.kernels.expand")
+
+
+class Recorder:
+    """Stands in for a ``@triton.jit`` kernel and the compiled kernels it returns: records each launch."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        def first_launch(*args, **kwargs):
+            self.log.append((self.name, "triton", grid, args, tuple(kwargs.items())))
+            return types.SimpleNamespace(run=self.run, function=f"{self.name}-fn", packed_metadata=f"{self.name}-meta")
+
+        return first_launch
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        assert (function, metadata, stream) == (f"{self.name}-fn", f"{self.name}-meta", "stream")
+        self.log.append((self.name, "direct", (gx, gy, gz), args, ()))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    log: list = []
+    monkeypatch.setattr(launch, "_interpreting", lambda: False)
+    monkeypatch.setattr(
+        launch, "_driver", types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda d: "stream"))
+    )
+    monkeypatch.setattr(csgmv_layers, "use_triton", lambda backend, device: True)
+    for mod, attr in ((shrink_mod, "_launch_shrink"), (expand_mod, "_launch_expand")):
+        launcher = launch.Launcher(Recorder(attr.removeprefix("_launch_"), log), getattr(mod, attr).num_tensors)
+        launcher.direct = True
+        monkeypatch.setattr(mod, attr, launcher)
+    import peft_csgmv.kernels.bound as bound_mod
+
+    monkeypatch.setattr(bound_mod, "_launch_shrink", shrink_mod._launch_shrink)
+    monkeypatch.setattr(bound_mod, "_launch_expand", expand_mod._launch_expand)
+    return log
+
+
+class OneLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(40, 24, bias=False)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is b
+    return a == b
+
+
+def _assert_same_launch(got, expected):
+    assert got[0] == expected[0] and got[2] == expected[2], f"{got[0]} grid {got[2]} != {expected[0]} {expected[2]}"
+    args, want = got[3], expected[3]
+    assert len(args) == len(want), f"{got[0]}: {len(args)} arguments, the checked path passes {len(want)}"
+    for i, (a, b) in enumerate(zip(args, want)):
+        assert _same(a, b), f"{got[0]} argument {i}: {a!r} != {b!r}"
+
+
+def test_bound_launches_match_the_checked_path(recorded):
+    torch.manual_seed(0)
+    model = get_peft_model(OneLayer(), LoraConfig(r=4, target_modules=["proj"], init_lora_weights=False), "a0")
+    model.add_adapter("a1", LoraConfig(r=8, target_modules=["proj"], init_lora_weights=False))
+    model.eval()
+    layer = model.base_model.model.proj
+    enable_csgmv(model, backend="triton")
+    names = ("a0", "a1", "a0", "a1")
+    slots = tuple(model._csgmv.registry.index[n] for n in names)
+    x = torch.randn(4, 1, 40)
+    token = ACTIVE.set(CallContext(state=model._csgmv, row_slots=slots, names=names, arg_name="adapter_ids"))
+    try:
+        with torch.no_grad():
+            layer(x)  # first call: Triton compiles (recorded as "triton"), then the launches are bound to the plan
+            assert [(e[0], e[1]) for e in recorded] == [("shrink", "triton"), ("expand", "triton")]
+            plan = next(iter(model._csgmv.plans.values()))
+            bound = plan.bound[layer._csgmv_stack]
+            assert bound is not None
+
+            recorded.clear()
+            layer(x)  # bound launches
+            via_bound = list(recorded)
+            recorded.clear()
+            plan.bound.clear()
+            layer(x)  # the checked path through the launchers' direct launch
+            via_checked = list(recorded)
+            assert [(e[0], e[1]) for e in via_bound] == [("shrink", "direct"), ("expand", "direct")]
+            assert [(e[0], e[1]) for e in via_checked] == [("shrink", "direct"), ("expand", "direct")]
+            # x and y are new tensors each call: compare everything else by identity / value.
+            for got, expected in zip(via_bound, via_checked):
+                got_args = tuple(None if isinstance(a, torch.Tensor) and a.shape[0] == 4 else a for a in got[3])
+                want_args = tuple(None if isinstance(a, torch.Tensor) and a.shape[0] == 4 else a for a in expected[3])
+                _assert_same_launch((*got[:3], got_args), (*expected[:3], want_args))
+
+            # A misaligned x would compile differently: the binding does not fit, the checked path runs.
+            stack = layer._csgmv_stack
+            bound = plan.bound[stack]
+            wide = torch.randn(4 * 41 + 1)[1:].view(4, 41)[:, :40]
+            assert wide.data_ptr() % 16 and not bound.fits(wide, torch.empty(4, 24), stack)
+            assert bound.fits(torch.randn(4, 40), torch.empty(4, 24), stack)
+            # A reallocated stack (a new adapter of a larger rank) does not fit either.
+            model.add_adapter("a2", LoraConfig(r=16, target_modules=["proj"], init_lora_weights=False))
+            model._csgmv.sync(model)
+            assert layer._csgmv_stack.a is not bound.tensors[0]
+            assert not bound.fits(torch.randn(4, 40), torch.empty(4, 24), layer._csgmv_stack)
+    finally:
+        ACTIVE.reset(token)
+        disable_csgmv(model)
