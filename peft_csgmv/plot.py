@@ -23,14 +23,14 @@ def plot_decode_vs_distinct(datasets: list[dict], out: str) -> None:
     for ax, data in zip(axes[0], datasets):
         rows = {r["row"]: r for r in data["results"]}
         model = data["meta"].get("label") or data["meta"]["args"]["model"]
-        for prefix, style in (("PEFT adapter_names", "o-"), ("peft_csgmv", "s-")):
+        for prefix, style, color in (("PEFT adapter_names", "o-", "C0"), ("peft_csgmv", "s-", "C1")):
             pts = sorted(
                 (int(m.group(1)), r["decode_ms"])
                 for name, r in rows.items()
                 if (m := re.fullmatch(re.escape(prefix) + r", (\d+) distinct", name))
             )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=prefix)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=prefix)
         for name, style in (("base model, no LoRA", ":"), ("PEFT one adapter", "--")):
             if name in rows:
                 ax.axhline(rows[name]["decode_ms"], linestyle=style, color="gray", label=name)
@@ -38,7 +38,8 @@ def plot_decode_vs_distinct(datasets: list[dict], out: str) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("distinct adapters in a batch of %d" % data["meta"]["args"]["batch"])
         ax.set_ylabel("decode step (ms)")
-        ax.set_title(f"{model}, {data['meta']['device']}")
+        date = data["meta"].get("date", "")[:16].replace("T", " ")
+        ax.set_title(f"{model}, {data['meta']['device']}, {date}", fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
