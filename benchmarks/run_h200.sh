@@ -5,14 +5,15 @@
 #   kernels  kernel benchmark, all layer shapes, ranks 16 and 64                 -> kernels.json, kernels.log
 #   tune     tile sweep of both kernels                                           -> tune.json, tune.log
 #   layer    host time of one whole patched layer                                 -> layer_host.log
-#   e2e      end to end, 8B and 1B, r=16, 1/8/32 distinct, PEFT rows included    -> e2e_8b.json, e2e_1b.json
+#   e2e-8b   end to end, 8B, r=16, 1/8/32 distinct, PEFT rows included (~7 min)  -> e2e_8b.json
+#   e2e-1b   the same for 1B (~4 min)                                               -> e2e_1b.json
 #   ranks    end to end, 1B, r=64 and mixed ranks 8/16/64 (PEFT one adapter vs csgmv) -> e2e_1b_r64.json, ...
-# With no stage given: tests kernels layer e2e ranks (more than one 10-minute call; split them).
+# With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-results}
 mkdir -p "$OUT"
-for stage in ${*:-tests kernels layer e2e ranks}; do
+for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
   echo "== $stage $(date -u +%T)"
   case $stage in
     tests)
@@ -26,12 +27,11 @@ for stage in ${*:-tests kernels layer e2e ranks}; do
       tail -3 "$OUT/tune.log" ;;
     layer)
       python3 benchmarks/bench_layer_host.py 2>&1 | grep "^|" | tee "$OUT/layer_host.log" ;;
-    e2e)
-      for m in 8b 1b; do
-        python3 benchmarks/bench_e2e.py --model $m --repeats 5 --out "$OUT/e2e_$m.json" 2>&1 | grep -v -i warn \
-          > "$OUT/e2e_$m.log"
-        grep "^| $m" "$OUT/e2e_$m.log"
-      done ;;
+    e2e-8b|e2e-1b)
+      m=${stage#e2e-}
+      python3 benchmarks/bench_e2e.py --model $m --repeats 5 --out "$OUT/e2e_$m.json" 2>&1 | grep -v -i warn \
+        > "$OUT/e2e_$m.log"
+      grep "^| $m" "$OUT/e2e_$m.log" ;;
     ranks)
       for r in 64 8,16,64; do
         tag=$(echo $r | tr , -)
