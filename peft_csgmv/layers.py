@@ -107,10 +107,10 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
             t = kernels.embedding_shrink(x, stack.a, stack.ranks, plan, plan.workspace(stack.r_max))
         else:
             bound = plan.bound.get(stack)
-            if bound is not None and bound.fits(x, y, stack):
+            if bound is not None:
                 try:
-                    bound(x, y)
-                    return
+                    if bound.run_if_fits(x, y, stack):
+                        return
                 except TypeError:  # this Triton's compiled-kernel launcher takes other arguments: Triton's path
                     kernels.disable_direct_launch()
             t = plan.workspace(stack.r_max, kernels.shrink_splits(plan, x.shape[1]))

@@ -7,7 +7,9 @@ filled in, so a call costs two compiled-kernel launches and a handful of identit
 tiles, strides and launch-cache keys. It is built after the layer's first call with a plan (which went through
 :func:`~peft_csgmv.kernels.shrink` and :func:`~peft_csgmv.kernels.expand`, compiling what was needed) and used only
 while :meth:`BoundLayer.fits` holds: same stack tensors, and ``x``/``y`` with the dtype, strides and 16-byte alignment
-the kernels were specialized for.
+the kernels were specialized for. Every tensor argument is passed as its device address (an int), which Triton's
+launcher takes as it is; a tensor would cost a ``data_ptr()`` call and a driver query of the pointer per argument per
+launch. The binding keeps the tensors behind those addresses alive.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ from .expand import _launch_expand, expand_launch_args, expand_tiles
 from .shrink import _block, _launch_shrink, shrink_launch_args, shrink_tiles
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    return t.dtype, t.stride(), t.data_ptr() & 15 == 0
+def _ptrs(args) -> tuple:
+    """Tensors as their device addresses: Triton's launcher takes an int as it is, where a tensor costs a
+    ``data_ptr()`` call and a driver query of the pointer on every launch."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 class BoundLayer:
     """A patched layer's shrink + expand for one plan; see the module docstring."""
 
     __slots__ = (
-        "tensors", "x_layout", "y_layout", "device", "t", "b",
-        "s_run", "s_grid", "s_fn", "s_meta", "s_tail", "e_run", "e_grid", "e_fn", "e_meta", "e_tail",
+        "tensors", "x_dtype", "x_stride", "x_aligned", "y_dtype", "y_stride", "y_aligned", "device", "t",
+        "s_run", "s_grid", "s_fn", "s_meta", "s_tail", "e_run", "e_grid", "e_fn", "e_meta", "e_head", "e_tail",
     )  # fmt: skip
 
     @classmethod
@@ -58,19 +62,20 @@ class BoundLayer:
         if shrink_k is None or expand_k is None:
             return None
         self = cls()
+        # The tensors behind the addresses below stay referenced here (and by the plan) while the binding lives.
         self.tensors = (stack.a, stack.b, stack.ranks, stack.scalings, stack.mag, stack.bias, stack.lora_bias)
-        self.x_layout, self.y_layout = _layout(x), _layout(y)
+        self.t = t
+        self.x_dtype, self.x_stride, self.x_aligned = x.dtype, x.stride(), x.data_ptr() & 15 == 0
+        self.y_dtype, self.y_stride, self.y_aligned = y.dtype, y.stride(), y.data_ptr() & 15 == 0
         self.device = x.get_device()
-        self.t, self.b = t, stack.b
         self.s_run, self.s_grid, self.s_fn = shrink_k.run, s_grid, shrink_k.function
-        self.s_meta, self.s_tail = shrink_k.packed_metadata, (*s_args[1:], *s_cx.values())
+        self.s_meta, self.s_tail = shrink_k.packed_metadata, _ptrs((*s_args[1:], *s_cx.values()))
         self.e_run, self.e_grid, self.e_fn = expand_k.run, e_grid, expand_k.function
-        self.e_meta, self.e_tail = expand_k.packed_metadata, (*e_args[3:], *e_cx.values())
+        self.e_meta, self.e_head = expand_k.packed_metadata, _ptrs(e_args[:2])
+        self.e_tail = _ptrs((*e_args[3:], *e_cx.values()))
         return self
 
-    def fits(self, x: torch.Tensor, y: torch.Tensor, stack) -> bool:
-        """Whether this binding launches exactly what ``shrink``/``expand`` would for these arguments now."""
-        s = stack
+    def _stack_fits(self, s) -> bool:
         a, b, ranks, scalings, mag, bias, lora_bias = self.tensors
         return (
             s.a is a
@@ -80,12 +85,44 @@ class BoundLayer:
             and s.mag is mag
             and s.bias is bias
             and s.lora_bias is lora_bias
-            and _layout(x) == self.x_layout
-            and _layout(y) == self.y_layout
+        )
+
+    def fits(self, x: torch.Tensor, y: torch.Tensor, stack) -> bool:
+        """Whether this binding launches exactly what ``shrink``/``expand`` would for these arguments now."""
+        return (
+            self._stack_fits(stack)
+            and x.dtype is self.x_dtype
+            and y.dtype is self.y_dtype
+            and x.stride() == self.x_stride
+            and y.stride() == self.y_stride
+            and (x.data_ptr() & 15 == 0) is self.x_aligned
+            and (y.data_ptr() & 15 == 0) is self.y_aligned
             and not launch._hooks_installed()
         )
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Launch both kernels (the caller has checked :meth:`fits`)."""
+        self._launch(x.data_ptr(), y.data_ptr())
+
+    def run_if_fits(self, x: torch.Tensor, y: torch.Tensor, stack) -> bool:
+        """:meth:`fits` and, if so, the launches, reading each address once; ``False`` when it does not fit."""
+        if not (
+            self._stack_fits(stack)
+            and x.dtype is self.x_dtype
+            and y.dtype is self.y_dtype
+            and x.stride() == self.x_stride
+            and y.stride() == self.y_stride
+        ):
+            return False
+        x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
+        if (x_ptr & 15 == 0) is not self.x_aligned or (y_ptr & 15 == 0) is not self.y_aligned:
+            return False
+        if launch._hooks_installed():
+            return False
+        self._launch(x_ptr, y_ptr)
+        return True
+
+    def _launch(self, x_ptr: int, y_ptr: int) -> None:
         stream = launch._driver.active.get_current_stream(self.device)
-        self.s_run(*self.s_grid, stream, self.s_fn, self.s_meta, None, None, None, x, *self.s_tail)
-        self.e_run(*self.e_grid, stream, self.e_fn, self.e_meta, None, None, None, self.t, self.b, y, *self.e_tail)
+        self.s_run(*self.s_grid, stream, self.s_fn, self.s_meta, None, None, None, x_ptr, *self.s_tail)
+        self.e_run(*self.e_grid, stream, self.e_fn, self.e_meta, None, None, None, *self.e_head, y_ptr, *self.e_tail)
