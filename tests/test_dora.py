@@ -68,3 +68,43 @@ def test_dora_greedy_generate_token_identical():
     finally:
         disable_csgmv(model)
     assert torch.equal(got, stitch(outs, names))
+
+
+def test_split_k_layers_with_dora_and_lora_bias():
+    """Layers wide enough that the shrink splits K (partial planes in the plan's workspace, summed by expand), with
+    plain, DoRA and ``lora_bias`` adapters in one batch through the Triton kernels: parity with per-adapter runs."""
+    import transformers as tf
+    from helpers import DEVICE, add_adapters
+
+    from peft_csgmv.kernels import shrink_splits
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=97, hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    targets = ["q_proj", "o_proj", "down_proj"]
+    specs = {
+        "a0": dict(r=4, lora_alpha=8, target_modules=targets),
+        "d0": dict(r=8, lora_alpha=16, target_modules=targets, use_dora=True),
+        "b0": dict(r=4, lora_alpha=4, target_modules=targets, lora_bias=True),
+    }
+    model = add_adapters(tf.LlamaForCausalLM(cfg), specs).to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name or "lora_B.b0.bias" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g).to(p.device))
+    names = interleaved(6, adapters=("a0", "d0", "b0"))
+    input_ids, mask = make_batch(6, 5)
+    outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+    assert_adapters_matter(outs)
+    enable_csgmv(model, backend="triton")
+    try:
+        got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+        plans = list(model._csgmv.plans.values())
+        assert plans and all(shrink_splits(p, 256) > 1 for p in plans), "the layers did not split K"
+        assert any(planes > 1 for p in plans for (_, planes) in p._workspace), "no split-K workspace was used"
+    finally:
+        disable_csgmv(model)
+    close(got, stitch(outs, names), "split-K layers with DoRA and lora_bias")
