@@ -152,8 +152,10 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     plan = ctx.plan_for(rows, x2.shape[0] // rows, device)
     if plan.is_empty:
         return result
-    if stack.device != device:
+    if stack.device != device:  # the model was moved after enabling: follow it
         stack.to(device)
+        for cached in ctx.state.plans.values():  # bindings to the old tensors would keep them alive
+            cached.bound.pop(stack, None)
     if not result.is_contiguous():
         result = result.contiguous()
     apply_lora(x2, result.view(-1, result.shape[-1]), stack, plan, ctx.triton_on(device))

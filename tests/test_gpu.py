@@ -172,3 +172,52 @@ def test_lora_bias_half(dtype):
                 p.add_(0.5 * torch.randn_like(p))
     pm.to(dtype)
     _assert_mixed_batch_matches(pm, ["lb", "__base__", "a", "lb", "a"], dtype, what="lora_bias logits")
+
+
+def test_bound_launches_on_later_calls():
+    """The second call with the same ids goes through the bound launches (device addresses, prepared argument
+    lists): every patched layer has a binding, and the output is bit-identical to the first call's and matches
+    per-adapter PEFT runs."""
+    from helpers import close, interleaved, make, make_batch, per_adapter, stitch
+
+    model = make("llama")
+    names = interleaved(6)
+    input_ids, mask = make_batch(6, 7)
+    outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model)
+    try:
+        first = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+        plans = list(model._csgmv.plans.values())
+        bound = [b for p in plans for b in p.bound.values()]
+        assert bound and all(b is not None for b in bound), "no bound launches after the first call"
+        second = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+    finally:
+        disable_csgmv(model)
+    assert torch.equal(first, second)
+    close(second, stitch(outs, names), "bound launches vs per-adapter runs")
+
+
+def test_model_moved_after_enable():
+    """Moving the model between devices after enable_csgmv: the stacks follow on the next call, the result still
+    matches, and no binding keeps the old device's stack tensors alive."""
+    from helpers import close, interleaved, make, make_batch
+
+    model = make("llama")
+    names = interleaved(5)
+    input_ids, mask = make_batch(5, 6)
+    enable_csgmv(model)
+    try:
+        on_gpu = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+        model(input_ids, attention_mask=mask, adapter_ids=names)  # bound launches exist now
+        model.to("cpu")
+        on_cpu = model(input_ids.cpu(), attention_mask=mask.cpu(), adapter_ids=names).logits
+        for plan in model._csgmv.plans.values():
+            for binding in plan.bound.values():
+                if binding is not None:
+                    assert all(t is None or t.device.type == "cpu" for t in binding.tensors)
+        model.to(DEV)
+        back = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+    finally:
+        disable_csgmv(model)
+    close(on_cpu, on_gpu.cpu(), "after moving to the CPU")
+    close(back, on_gpu, "after moving back")
