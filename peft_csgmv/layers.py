@@ -126,6 +126,18 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
         )
 
 
+_module_globals = nn.modules.module
+
+
+def _global_hooks() -> bool:
+    """Whether any global module hook is registered (``torch.nn.modules.module.register_module_forward_*_hook``)."""
+    g = _module_globals
+    return bool(
+        g._global_forward_pre_hooks or g._global_forward_hooks or g._global_backward_hooks
+        or g._global_backward_pre_hooks
+    )  # fmt: skip
+
+
 def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The forward of a patched ``lora.Linear`` (``x``: rows × ... × in) or ``lora.Embedding`` (``x``: rows × ...
     token ids)."""
@@ -146,7 +158,11 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if state["scaling"] is not stack.scaling_src:  # rescaled by assignment (peft.helpers.rescale_adapter_scale)
         ctx.state.stack_layer(self, force=True)
     rows = x.shape[0]
-    result = self._modules["base_layer"](x, *args, **kwargs)
+    base = self._modules["base_layer"]
+    if base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or _global_hooks():
+        result = base(x, *args, **kwargs)
+    else:  # nothing for Module.__call__ to run around forward: skip its few microseconds per layer
+        result = base.forward(x, *args, **kwargs)
     x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
     device = x.device
     plan = ctx.plan_for(rows, x2.shape[0] // rows, device)

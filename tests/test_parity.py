@@ -701,3 +701,35 @@ def test_lora_bias(backend, kernel_calls):
     assert kernel_calls, "the kernels did not run"
     close(got, stitch(outs, names), "lora_bias vs per-adapter runs")
     close(got, peft_mixed, "lora_bias vs PEFT adapter_names")
+
+
+def test_hooks_on_base_layers_still_run():
+    """A patched layer calls its base layer's ``forward`` directly when nothing is hooked around it; a forward hook
+    on the base layer (or a global one) makes it go through ``Module.__call__`` so the hook runs, as in stock PEFT."""
+    model = make("llama")
+    names = interleaved(4)
+    input_ids, mask = make_batch(4, 5)
+    base_q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    seen = []
+    enable_csgmv(model, backend="torch")
+    try:
+        expected = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+        handle = base_q.register_forward_hook(lambda mod, inp, out: seen.append(out.shape) or out * 2)
+        try:
+            doubled = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+        finally:
+            handle.remove()
+        assert seen == [torch.Size([4, 5, 48])], "the base layer's forward hook did not run"
+        assert not torch.allclose(doubled, expected), "the hook's output change was lost"
+        calls = []
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda mod, inp: calls.append(mod) if mod is base_q else None
+        )
+        try:
+            again = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+        finally:
+            handle.remove()
+        assert calls == [base_q], "a global forward pre-hook did not see the base layer"
+        assert torch.equal(again, expected)
+    finally:
+        disable_csgmv(model)
