@@ -92,6 +92,10 @@ def use_triton(backend: str, device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+# plan.bound values besides a BoundLayer: used once (bind on the next use) / the launches cannot be bound here.
+_SEEN, _UNBINDABLE = "seen", "unbindable"
+
+
 def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: BatchPlan, triton_backend: bool) -> None:
     """``y[i] += scaling[s] * (x[i] @ A[s]ᵀ) @ B[s]ᵀ`` for every token ``i`` of slot ``s``, in place; ``x``: (T, in)
     activations, or (T,) token ids for an embedding stack (``A[s][:, x[i]]`` instead of ``x[i] @ A[s]ᵀ``); ``y``:
@@ -107,7 +111,7 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
             t = kernels.embedding_shrink(x, stack.a, stack.ranks, plan, plan.workspace(stack.r_max))
         else:
             bound = plan.bound.get(stack)
-            if bound is not None:
+            if bound.__class__ is kernels.BoundLayer:
                 try:
                     if bound.run_if_fits(x, y, stack):
                         return
@@ -117,7 +121,11 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
             t = kernels.shrink(x, stack.a, stack.ranks, plan, t)
         kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
         if not stack.embedding:
-            plan.bound[stack] = kernels.BoundLayer.bind(x, y, t, stack, plan)
+            # Bind on a plan's second use: a plan used once (ids that change every call) never pays for binding.
+            if bound is None:
+                plan.bound[stack] = _SEEN
+            elif bound is not _UNBINDABLE:
+                plan.bound[stack] = kernels.BoundLayer.bind(x, y, t, stack, plan) or _UNBINDABLE
     else:
         shrink = kernels.embedding_shrink_reference if stack.embedding else kernels.shrink_reference
         t = shrink(x, stack.a, stack.ranks_host, plan)

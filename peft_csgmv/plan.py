@@ -68,7 +68,8 @@ class BatchPlan:
     seg_slot: torch.Tensor
     runs: tuple[tuple[int, int, int], ...]
     _workspace: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    # Each layer's launches bound to this plan (LoraStack -> kernels.BoundLayer or None), filled by the layers.
+    # Each layer's launches bound to this plan, filled by the layers: LoraStack -> kernels.BoundLayer, or a marker
+    # (used once: bind on the next use; or cannot bind), see layers.apply_lora.
     bound: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def workspace(self, width: int, planes: int = 1) -> torch.Tensor:

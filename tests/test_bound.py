@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 
 import peft_csgmv.layers as csgmv_layers
 from peft_csgmv import disable_csgmv, enable_csgmv
-from peft_csgmv.kernels import launch
+from peft_csgmv.kernels import BoundLayer, launch
 from peft_csgmv.layers import ACTIVE, CallContext
 
 shrink_mod = importlib.import_module("peft_csgmv.kernels.shrink")
@@ -98,11 +98,14 @@ def test_bound_launches_match_the_checked_path(recorded):
     token = ACTIVE.set(CallContext(state=model._csgmv, row_slots=slots, names=names, arg_name="adapter_ids"))
     try:
         with torch.no_grad():
-            layer(x)  # first call: Triton compiles (recorded as "triton"), then the launches are bound to the plan
+            layer(x)  # first call: Triton compiles (recorded as "triton"); a plan used once is not bound
             assert [(e[0], e[1]) for e in recorded] == [("shrink", "triton"), ("expand", "triton")]
             plan = next(iter(model._csgmv.plans.values()))
-            bound = plan.bound[layer._csgmv_stack]
-            assert bound is not None
+            assert not isinstance(plan.bound[layer._csgmv_stack], BoundLayer)
+            recorded.clear()
+            layer(x)  # second call: the checked path's direct launch, then the launches are bound to the plan
+            assert [(e[0], e[1]) for e in recorded] == [("shrink", "direct"), ("expand", "direct")]
+            assert isinstance(plan.bound[layer._csgmv_stack], BoundLayer)
 
             recorded.clear()
             layer(x)  # bound launches
@@ -111,6 +114,7 @@ def test_bound_launches_match_the_checked_path(recorded):
             plan.bound.clear()
             layer(x)  # the checked path through the launchers' direct launch
             via_checked = list(recorded)
+            layer(x)  # binds again
             assert [(e[0], e[1]) for e in via_bound] == [("shrink", "direct"), ("expand", "direct")]
             assert [(e[0], e[1]) for e in via_checked] == [("shrink", "direct"), ("expand", "direct")]
             # The bound launches pass every tensor as its address; x (shrink argument 0) and y (expand argument 2)

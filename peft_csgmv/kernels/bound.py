@@ -4,12 +4,13 @@ Within one plan (one forward, or all decode steps of a ``generate``), a layer's 
 call to call only in ``x`` and ``y``: the stacks, the plan's tensors, the workspace, every integer and every tile
 choice are the same. :class:`BoundLayer` keeps the two compiled kernels and their argument lists with everything else
 filled in, so a call costs two compiled-kernel launches and a handful of identity checks instead of re-deriving the
-tiles, strides and launch-cache keys. It is built after the layer's first call with a plan (which went through
-:func:`~peft_csgmv.kernels.shrink` and :func:`~peft_csgmv.kernels.expand`, compiling what was needed) and used only
-while :meth:`BoundLayer.fits` holds: same stack tensors, and ``x``/``y`` with the dtype, strides and 16-byte alignment
-the kernels were specialized for. Every tensor argument is passed as its device address (an int), which Triton's
-launcher takes as it is; a tensor would cost a ``data_ptr()`` call and a driver query of the pointer per argument per
-launch. The binding keeps the tensors behind those addresses alive.
+tiles, strides and launch-cache keys. The layers build it on a plan's second use (a plan used once, as when the ids
+change every call, never pays for it), right after that call went through :func:`~peft_csgmv.kernels.shrink` and
+:func:`~peft_csgmv.kernels.expand`, and use it while :meth:`BoundLayer.fits` holds: same stack tensors, and
+``x``/``y`` with the dtype, strides and 16-byte alignment the kernels were specialized for. Every tensor argument is
+passed as its device address (an int), which Triton's launcher takes as it is; a tensor would cost a ``data_ptr()``
+call and a driver query of the pointer per argument per launch. The binding keeps the tensors behind those addresses
+alive.
 """
 
 from __future__ import annotations
