@@ -26,6 +26,7 @@ and copied to the device in one non-blocking transfer, so building a plan never 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Sequence
 
 import torch
@@ -141,16 +142,16 @@ class BatchPlan:
             i = j
 
         num_segments = len(seg_slot)
-        # One host buffer, one transfer: [permutation | seg_indptr | seg_slot].
-        host = torch.empty(num_tokens + 2 * num_segments + 1, dtype=torch.int32)
-        order_t = torch.tensor(order, dtype=torch.int32)
-        perm = host[:num_tokens].view(rows, tokens_per_row)
-        torch.add(order_t[:, None] * tokens_per_row, torch.arange(tokens_per_row, dtype=torch.int32)[None, :], out=perm)
-        indptr = host[num_tokens : num_tokens + num_segments + 1]
-        indptr[0] = 0
-        if num_segments:
-            torch.cumsum(torch.tensor(seg_lens, dtype=torch.int32), 0, out=indptr[1:])
-            host[num_tokens + num_segments + 1 :] = torch.tensor(seg_slot, dtype=torch.int32)
+        # One host buffer, one transfer: [permutation | seg_indptr | seg_slot]. Built from Python lists (a tensor op
+        # costs microseconds of overhead; a plan is built on every call with new ids); only a long permutation is
+        # expanded with tensor ops.
+        tail = [*itertools.accumulate(seg_lens, initial=0), *seg_slot]
+        if tokens_per_row == 1:
+            host = torch.tensor(order + tail, dtype=torch.int32)
+        else:
+            order_t = torch.tensor(order, dtype=torch.int32)[:, None] * tokens_per_row
+            perm = (order_t + torch.arange(tokens_per_row, dtype=torch.int32)).view(-1)
+            host = torch.cat([perm, torch.tensor(tail, dtype=torch.int32)])
 
         device = torch.device(device)
         if device.type == "cuda":
