@@ -256,11 +256,23 @@ def main(argv=None) -> int:
     # in one round of every row instead of all of one row.
     gen_reps = max(2, args.repeats // 3) if args.rounds == 1 else max(1, max(2, args.repeats // 3) // args.rounds)
     fast_rows = [f"peft_csgmv, {d} distinct" for d in distinct]
+    setup: dict = {}
     for rnd in range(args.rounds):
         if args.rounds > 1:
             print(f"-- round {rnd + 1} of {args.rounds}", flush=True)
         measure("PEFT one adapter", runner(pm), gen_repeats=gen_reps)
+        t0 = time.perf_counter()
         enable_csgmv(pm)
+        if rnd == 0:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            setup["enable_s"] = time.perf_counter() - t0
+            setup["stack_mib"] = sum(layer._csgmv_stack.nbytes for layer in pm._csgmv.layers.values()) / 2**20
+            print(
+                f"enable_csgmv: {setup['enable_s']:.2f} s, stacks {setup['stack_mib']:.0f} MiB "
+                f"({len(pm._csgmv.layers)} layers)",
+                flush=True,
+            )
         try:
             for d, label in zip(distinct, fast_rows):
                 measure(label, runner(pm, adapter_ids=names_for(d)), gen_repeats=gen_reps)
@@ -298,6 +310,7 @@ def main(argv=None) -> int:
             python=sys.version.split()[0],
             label=model_label,
             args=vars(args),
+            **setup,
         )
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=2)

@@ -106,6 +106,12 @@ class LoraStack:
     def r_max(self) -> int:
         return self.a.shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory held by this stack."""
+        tensors = (self.a, self.b, self.ranks, self.scalings, self.mag, self.bias, self.lora_bias)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def ensure_capacity(self, capacity: int) -> None:
         """Make room for slots ``0 .. capacity-1`` (new slots have rank 0)."""
         self._grow(capacity, 0)
