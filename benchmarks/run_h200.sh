@@ -23,7 +23,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 benchmarks/bench_kernels.py --ranks 16,64 --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
       grep -A 12 "^| module" "$OUT/kernels.log" ;;
     tune)
-      python3 benchmarks/tune_kernels.py --budget-s 170 --out "$OUT/tune.json" > "$OUT/tune.log" 2>&1
+      python3 benchmarks/tune_kernels.py --budget-s 240 --out "$OUT/tune.json" > "$OUT/tune.log" 2>&1
       tail -3 "$OUT/tune.log" ;;
     layer)
       python3 benchmarks/bench_layer_host.py 2>&1 | grep "^|" | tee "$OUT/layer_host.log" ;;

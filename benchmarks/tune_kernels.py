@@ -34,11 +34,18 @@ def cases(quick: bool):
         for tokens, rows, distinct in [(8192, 32, 32), (8192, 32, 1), (8192, 128, 128), (512, 32, 32), (32, 32, 32),
                                        (32, 32, 1)]:  # fmt: skip
             for k, n in shapes:
-                yield dict(in_f=k, out_f=n, rank=r, tokens=tokens, rows=rows, distinct=distinct)
+                yield dict(in_f=k, out_f=n, rank=r, tokens=tokens, rows=rows, distinct=distinct, chunk=None)
+    if not quick:
+        # Short segments in 128-row tiles (128 adapters over 8192 tokens: runs of 64; 32 over 512: runs of 16):
+        # the same cases with the plan's chunk (the kernels' row tile) matched to the run length.
+        for r in [16, 64]:
+            for tokens, rows, distinct, chunk in [(8192, 128, 128, 64), (512, 32, 32, 16)]:
+                for k, n in shapes:
+                    yield dict(in_f=k, out_f=n, rank=r, tokens=tokens, rows=rows, distinct=distinct, chunk=chunk)
 
 
-def shrink_configs(tokens: int):
-    if tokens >= 512:
+def shrink_configs(chunk: int):
+    if chunk >= 64:
         space = itertools.product([32, 64, 128], [4, 8], [2, 3, 4], [1, 2, 4])
     else:
         space = itertools.product([64, 128, 256], [2, 4], [2, 3], [1, 2, 4, 8, 16])
@@ -46,8 +53,8 @@ def shrink_configs(tokens: int):
         yield dict(block_k=bk, num_warps=w, num_stages=st), sk
 
 
-def expand_configs(tokens: int):
-    for bn, w in itertools.product([32, 64, 128, 256], [4, 8] if tokens >= 512 else [2, 4]):
+def expand_configs(chunk: int):
+    for bn, w in itertools.product([32, 64, 128, 256], [4, 8] if chunk >= 64 else [2, 4]):
         yield dict(block_n=bn, num_warps=w)
 
 
@@ -60,15 +67,15 @@ def time_case(c: dict, dtype, gen) -> dict:
     b = torch.randn(num_slots, n, r, device=dev, dtype=dtype) / r**0.5
     ranks = torch.full((num_slots,), r, dtype=torch.int32, device=dev)
     scal = torch.ones(num_slots, dtype=torch.float32, device=dev)
-    plan = BatchPlan.build(slots, c["tokens"] // c["rows"], dev)
+    plan = BatchPlan.build(slots, c["tokens"] // c["rows"], dev, chunk_size=c["chunk"])
     x = torch.randn(plan.num_tokens, k, device=dev, dtype=dtype)
     y = torch.randn(plan.num_tokens, n, device=dev, dtype=dtype)
     t = torch.zeros(16, plan.num_tokens, r, device=dev, dtype=torch.float32)
-    out = dict(c, segments=plan.num_segments, chunk=plan.chunk_size)
+    out = dict(c, segments=plan.num_segments, chunk=plan.chunk_size)  # the chunk in use
     out["shrink_default"] = graph_time_us(lambda: shrink(x, a, ranks, plan, t[0]))
     out["expand_default"] = graph_time_us(lambda: expand(t[0], b, ranks, scal, plan, y))
     out["shrink"] = []
-    for cfg, sk in shrink_configs(c["tokens"]):
+    for cfg, sk in shrink_configs(plan.chunk_size):
         try:
             us = graph_time_us(lambda: shrink(x, a, ranks, plan, t, split_k=sk, config=cfg), iters=10, replays=5)
         except Exception as e:  # out of shared memory and the like
@@ -76,7 +83,7 @@ def time_case(c: dict, dtype, gen) -> dict:
             print(f"  shrink {cfg} split {sk}: {type(e).__name__}", flush=True)
         out["shrink"].append(dict(cfg, split_k=sk, us=us))
     out["expand"] = []
-    for cfg in expand_configs(c["tokens"]):
+    for cfg in expand_configs(plan.chunk_size):
         try:
             us = graph_time_us(lambda: expand(t[0], b, ranks, scal, plan, y, config=cfg), iters=10, replays=5)
         except Exception as e:
