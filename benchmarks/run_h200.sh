@@ -7,6 +7,7 @@
 #   layer    host time of one whole patched layer                                 -> layer_host.log
 #   e2e-8b   end to end, 8B, r=16, 1/8/32 distinct, PEFT rows included (~7 min)  -> e2e_8b.json
 #   e2e-1b   the same for 1B (~4 min)                                               -> e2e_1b.json
+#   graph    probe: one 1B decode step captured in a CUDA graph vs eager          -> graph_decode_1b.json
 #   ranks    end to end, 1B, r=64 and mixed ranks 8/16/64 (PEFT one adapter vs csgmv) -> e2e_1b_r64.json, ...
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
@@ -32,6 +33,9 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 benchmarks/bench_e2e.py --model $m --repeats 5 --out "$OUT/e2e_$m.json" 2>&1 | grep -v -i warn \
         > "$OUT/e2e_$m.log"
       grep "^| $m" "$OUT/e2e_$m.log" ;;
+    graph)
+      python3 benchmarks/graph_decode.py --model 1b --out "$OUT/graph_decode_1b.json" 2>&1 | grep "^|" \
+        | tee "$OUT/graph_decode_1b.log" ;;
     ranks)
       for r in 64 8,16,64; do
         tag=$(echo $r | tr , -)
