@@ -41,7 +41,9 @@ def row_slots(rows: int, distinct: int, dist: str, gen: torch.Generator) -> list
     return torch.multinomial(w, rows, replacement=True, generator=gen).tolist()
 
 
-def graph_time_us(fn, iters: int = 20, replays: int = 20) -> float:
+def capture_graph(fn, iters: int = 1):
+    """``fn`` warmed up on a side stream, then ``iters`` calls of it captured in a CUDA graph, replayed once.
+    Returns the graph and the last captured call's result (its tensors are the graph's outputs)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -51,9 +53,14 @@ def graph_time_us(fn, iters: int = 20, replays: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(iters):
-            fn()
+            out = fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph, out
+
+
+def graph_time_us(fn, iters: int = 20, replays: int = 20) -> float:
+    graph, _ = capture_graph(fn, iters)
     times = []
     for _ in range(replays):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

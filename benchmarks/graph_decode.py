@@ -16,35 +16,16 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_kernels import capture_graph  # noqa: E402
+
 from peft_csgmv import enable_csgmv  # noqa: E402
-from peft_csgmv.bench import MODELS, add_adapters, build_model  # noqa: E402
-
-
-def _time_ms(fn, repeats: int, cuda: bool) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from peft_csgmv.bench import MODELS, Timer, add_adapters, build_model  # noqa: E402
 
 
 def measure(label: str, model, batch: int, prompt: int, device: torch.device, repeats: int, **extra) -> dict:
@@ -52,6 +33,7 @@ def measure(label: str, model, batch: int, prompt: int, device: torch.device, re
     from transformers import StaticCache
 
     cuda = device.type == "cuda"
+    timer = Timer(device)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, vocab, (batch, prompt), generator=g).to(device)
@@ -66,23 +48,13 @@ def measure(label: str, model, batch: int, prompt: int, device: torch.device, re
             return model(input_ids=step_ids, past_key_values=cache, cache_position=position, **extra).logits
 
         eager_logits = step().clone()
-        row["eager_ms"] = _time_ms(step, repeats, cuda)
+        row["eager_ms"] = timer(step, repeats, warmup=3)
         if not cuda:
             return row
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                graph_logits = step()
-            graph.replay()
-            torch.cuda.synchronize()
+            graph, graph_logits = capture_graph(step)
             row["replay_max_diff"] = (graph_logits.float() - eager_logits.float()).abs().max().item()
-            row["replay_ms"] = _time_ms(graph.replay, repeats, cuda)
+            row["replay_ms"] = timer(graph.replay, repeats, warmup=3)
         except Exception as e:  # the probe's answer, not a crash
             row["capture_error"] = f"{type(e).__name__}: {e}"[:500]
     return row
