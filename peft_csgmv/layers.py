@@ -109,23 +109,23 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
             return
         if stack.embedding:
             t = kernels.embedding_shrink(x, stack.a, stack.ranks, plan, plan.workspace(stack.r_max))
-        else:
-            bound = plan.bound.get(stack)
-            if bound.__class__ is kernels.BoundLayer:
-                try:
-                    if bound.run_if_fits(x, y, stack):
-                        return
-                except TypeError:  # this Triton's compiled-kernel launcher takes other arguments: Triton's path
-                    kernels.disable_direct_launch()
-            t = plan.workspace(stack.r_max, kernels.shrink_splits(plan, x.shape[1]))
-            t = kernels.shrink(x, stack.a, stack.ranks, plan, t)
+            kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
+            return
+        bound = plan.bound.get(stack)
+        if bound.__class__ is kernels.BoundLayer:
+            try:
+                if bound.run_if_fits(x, y, stack):
+                    return
+            except TypeError:  # this Triton's compiled-kernel launcher takes other arguments: Triton's path
+                kernels.disable_direct_launch()
+        t = plan.workspace(stack.r_max, kernels.shrink_splits(plan, x.shape[1]))
+        t = kernels.shrink(x, stack.a, stack.ranks, plan, t)
         kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
-        if not stack.embedding:
-            # Bind on a plan's second use: a plan used once (ids that change every call) never pays for binding.
-            if bound is None:
-                plan.bound[stack] = _SEEN
-            elif bound is not _UNBINDABLE:
-                plan.bound[stack] = kernels.BoundLayer.bind(x, y, t, stack, plan) or _UNBINDABLE
+        # Bind on a plan's second use: a plan used once (ids that change every call) never pays for binding.
+        if bound is None:
+            plan.bound[stack] = _SEEN
+        elif bound is not _UNBINDABLE:
+            plan.bound[stack] = kernels.BoundLayer.bind(x, y, t, stack, plan) or _UNBINDABLE
     else:
         shrink = kernels.embedding_shrink_reference if stack.embedding else kernels.shrink_reference
         t = shrink(x, stack.a, stack.ranks_host, plan)

@@ -88,18 +88,21 @@ class BoundLayer:
             and s.lora_bias is lora_bias
         )
 
-    def fits(self, x: torch.Tensor, y: torch.Tensor, stack) -> bool:
-        """Whether this binding launches exactly what ``shrink``/``expand`` would for these arguments now."""
+    def _fits(self, x: torch.Tensor, y: torch.Tensor, stack, x_ptr: int, y_ptr: int) -> bool:
         return (
             self._stack_fits(stack)
             and x.dtype is self.x_dtype
             and y.dtype is self.y_dtype
             and x.stride() == self.x_stride
             and y.stride() == self.y_stride
-            and (x.data_ptr() & 15 == 0) is self.x_aligned
-            and (y.data_ptr() & 15 == 0) is self.y_aligned
+            and (x_ptr & 15 == 0) is self.x_aligned
+            and (y_ptr & 15 == 0) is self.y_aligned
             and not launch._hooks_installed()
         )
+
+    def fits(self, x: torch.Tensor, y: torch.Tensor, stack) -> bool:
+        """Whether this binding launches exactly what ``shrink``/``expand`` would for these arguments now."""
+        return self._fits(x, y, stack, x.data_ptr(), y.data_ptr())
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Launch both kernels (the caller has checked :meth:`fits`)."""
@@ -107,18 +110,8 @@ class BoundLayer:
 
     def run_if_fits(self, x: torch.Tensor, y: torch.Tensor, stack) -> bool:
         """:meth:`fits` and, if so, the launches, reading each address once; ``False`` when it does not fit."""
-        if not (
-            self._stack_fits(stack)
-            and x.dtype is self.x_dtype
-            and y.dtype is self.y_dtype
-            and x.stride() == self.x_stride
-            and y.stride() == self.y_stride
-        ):
-            return False
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
-        if (x_ptr & 15 == 0) is not self.x_aligned or (y_ptr & 15 == 0) is not self.y_aligned:
-            return False
-        if launch._hooks_installed():
+        if not self._fits(x, y, stack, x_ptr, y_ptr):
             return False
         self._launch(x_ptr, y_ptr)
         return True
