@@ -44,7 +44,16 @@ def measure(label: str, model, batch: int, prompt: int, device: torch.device, re
         model(input_ids=input_ids, past_key_values=cache, cache_position=torch.arange(prompt, device=device), **extra)
         position = torch.tensor([prompt], device=device)
 
+        # Some transformers versions keep the cache's write position in the cache (a tensor advanced in place on
+        # every update) rather than taking it from ``cache_position``: put it back before each timed step, inside
+        # the step so that a captured graph does the same.
+        counters = [
+            t for t in (getattr(layer, "cumulative_length", None) for layer in cache.layers) if torch.is_tensor(t)
+        ]
+
         def step():
+            for t in counters:
+                t.fill_(prompt)
             return model(input_ids=step_ids, past_key_values=cache, cache_position=position, **extra).logits
 
         eager_logits = step().clone()

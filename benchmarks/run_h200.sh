@@ -32,10 +32,13 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       m=${stage#e2e-}
       python3 benchmarks/bench_e2e.py --model $m --repeats 5 --out "$OUT/e2e_$m.json" 2>&1 | grep -v -i warn \
         > "$OUT/e2e_$m.log"
-      grep "^| $m" "$OUT/e2e_$m.log" ;;
+      grep "^| $m" "$OUT/e2e_$m.log" || tail -25 "$OUT/e2e_$m.log" ;;
     graph)
-      python3 benchmarks/graph_decode.py --model 1b --out "$OUT/graph_decode_1b.json" 2>&1 | grep "^|" \
-        | tee "$OUT/graph_decode_1b.log" ;;
+      python3 benchmarks/graph_decode.py --model 1b --out "$OUT/graph_decode_1b.json" > "$OUT/graph_decode_1b.log" 2>&1
+      grep "^|" "$OUT/graph_decode_1b.log" || {  # a device-side assert: rerun synchronously to place it
+        CUDA_LAUNCH_BLOCKING=1 python3 benchmarks/graph_decode.py --model 1b --repeats 2 \
+          > "$OUT/graph_decode_1b_sync.log" 2>&1
+        grep -v Warn "$OUT/graph_decode_1b_sync.log" | grep -B2 -A2 "File" | tail -40; } ;;
     ranks)
       for r in 64 8,16,64; do
         tag=$(echo $r | tr , -)
