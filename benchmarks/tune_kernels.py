@@ -36,10 +36,10 @@ def cases(quick: bool):
             for k, n in shapes:
                 yield dict(in_f=k, out_f=n, rank=r, tokens=tokens, rows=rows, distinct=distinct, chunk=None)
     if not quick:
-        # Short segments in 128-row tiles (128 adapters over 8192 tokens: runs of 64; 32 over 512: runs of 16):
-        # the same cases with the plan's chunk (the kernels' row tile) matched to the run length.
+        # Short runs (128 adapters over 8192 tokens: runs of 64; 32 over 512: runs of 16), which the plan's chunk
+        # follows (64 and 16), again in 128-row tiles: the measure of what following the runs gains.
         for r in [16, 64]:
-            for tokens, rows, distinct, chunk in [(8192, 128, 128, 64), (512, 32, 32, 16)]:
+            for tokens, rows, distinct, chunk in [(8192, 128, 128, 128), (512, 32, 32, 128)]:
                 for k, n in shapes:
                     yield dict(in_f=k, out_f=n, rank=r, tokens=tokens, rows=rows, distinct=distinct, chunk=chunk)
 

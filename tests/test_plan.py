@@ -135,10 +135,13 @@ CHUNK_BOUNDARY_CASES = [
     pytest.param(32, 1, None, 16, [0, 16, 32], id="len32-default16"),
     pytest.param(16, 8, None, 16, [0, 16], id="len16-2rows-of-8"),
     pytest.param(64, 1, None, 32, [0, 32, 64], id="len64-default32"),
-    pytest.param(65, 1, None, 32, [0, 32, 64, 65], id="len65-default32"),
+    # 65 tokens in 32-row tiles would mask 31 of 96 rows: the chunk drops to 16 (15 of 80)
+    pytest.param(65, 1, None, 16, [0, 16, 32, 48, 64, 65], id="len65-follows-run16"),
     pytest.param(96, 32, None, 32, [0, 32, 64, 96], id="len96-3rows-of-32"),
     pytest.param(256, 1, None, 128, [0, 128, 256], id="len256-default128"),
-    pytest.param(257, 257, None, 128, [0, 128, 256, 257], id="len257-1row-default128"),
+    # 257 tokens in 128-row tiles would mask 127 of 384 rows: 64 (63 of 320)
+    pytest.param(257, 257, None, 64, [0, 64, 128, 192, 256, 257], id="len257-1row-follows-run64"),
+    pytest.param(300, 300, None, 128, [0, 128, 256, 300], id="len300-1row-default128"),
     pytest.param(4, 2, 4, 4, [0, 4], id="len4-chunk4"),
     pytest.param(5, 1, 4, 4, [0, 4, 5], id="len5-chunk4"),
     pytest.param(8, 2, 4, 4, [0, 4, 8], id="len8-chunk4"),
@@ -195,11 +198,39 @@ def test_min_chunk_size_is_small_batch_chunk():
 
 @pytest.mark.parametrize("num_tokens, chunk", [(63, 16), (64, 32), (255, 32), (256, 128)], ids=lambda v: str(v))
 def test_build_uses_chunk_size_for_total_tokens(num_tokens, chunk):
-    # The default chunk follows the total token count, base tokens included.
-    row_slots = [0] + [-1] * (num_tokens - 1)
-    plan = BatchPlan.build(row_slots, tokens_per_row=1)
+    # The batch-size chunk follows the total token count, base tokens included; one run as long as the batch
+    # leaves it there.
+    plan = BatchPlan.build([0], tokens_per_row=num_tokens)
     assert plan.chunk_size == chunk
-    assert plan.runs == ((0, 0, 1),)
+    assert plan.runs == ((0, 0, num_tokens),)
+
+
+@pytest.mark.parametrize(
+    "run_lengths, num_tokens, chunk",
+    [
+        ([8192], 8192, 128),  # one long run: the batch-size chunk
+        ([256] * 32, 8192, 128),  # 32 prompts of 256: whole tiles
+        ([64] * 128, 8192, 64),  # 128 runs of 64: a 128-row tile would be half masked
+        ([16] * 32, 512, 16),  # 32 runs of 16
+        ([100] * 3, 300, 128),  # 28 masked rows of 128: under a quarter
+        ([40] * 4, 160, 16),  # 32 → 24 masked of 64 (37%); 16 → 8 of 48
+        ([1], 256, 16),  # one adapter token among base tokens
+        ([], 256, 128),  # no runs (all base): nothing to follow
+        ([1] * 32, 32, 16),  # decode: the smallest chunk already
+    ],
+    ids=lambda v: str(v)[:20],
+)
+def test_chunk_follows_run_lengths(run_lengths, num_tokens, chunk):
+    assert chunk_size_for(num_tokens, run_lengths) == chunk
+
+
+def test_build_chunk_follows_runs():
+    # 128 rows of 64 tokens, two rows per adapter (64 runs of 128) and then one row per adapter (64 runs of 64).
+    assert BatchPlan.build([i // 2 for i in range(128)], tokens_per_row=64).chunk_size == 128
+    plan = BatchPlan.build(list(range(128)), tokens_per_row=64)
+    assert plan.chunk_size == 64
+    assert plan.num_segments == 128
+    assert plan.seg_indptr.tolist() == list(range(0, 8193, 64))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -241,7 +272,8 @@ def test_plan_properties(row_slots, tokens_per_row, chunk_size):
 
     # shapes, dtypes, chunk
     assert plan.num_tokens == num_tokens
-    assert plan.chunk_size == (chunk_size if chunk_size is not None else chunk_size_for(num_tokens))
+    run_lengths = [end - start for _, start, end in plan.runs]
+    assert plan.chunk_size == (chunk_size if chunk_size is not None else chunk_size_for(num_tokens, run_lengths))
     assert plan.permutation.shape == (num_tokens,)
     assert plan.seg_indptr.shape == (plan.num_segments + 1,)
     assert plan.seg_slot.shape == (plan.num_segments,)

@@ -111,11 +111,14 @@ _launch_expand = Launcher(_expand_kernel, num_tensors=11)
 def expand_tiles(block_m: int, num_segments: int, r: int) -> tuple[int, tuple]:
     """``(BLOCK_N, launch options)`` of the expand kernel for a row tile, segment count and max rank.
 
-    From the tile sweep on the H200 (``benchmarks/tune_kernels.py``): prefill tiles (128 rows) want BLOCK_N 128 with
-    8 warps at ranks up to 32 and 4 warps above (10–30% over BLOCK_N 64); decode tiles BLOCK_N 128 when many
-    segments share the grid, 64 when few (within a few percent either way)."""
-    if block_m >= 64:
+    From the tile sweep on the H200 (``benchmarks/tune_kernels.py``): prefill tiles of 128 rows want BLOCK_N 128 with
+    8 warps at ranks up to 32 and 4 warps above (10–30% over BLOCK_N 64); tiles of 64 rows (short runs) the other
+    way round, 4 warps up to rank 32 and 8 above (~10%); decode tiles BLOCK_N 128 when many segments share the grid,
+    64 when few (within a few percent either way)."""
+    if block_m >= 128:
         return 128, (("num_warps", 8 if r <= 32 else 4),)
+    if block_m == 64:
+        return 128, (("num_warps", 4 if r <= 32 else 8),)
     return (128 if num_segments >= 8 else 64), (("num_warps", 4),)
 
 
