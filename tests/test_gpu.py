@@ -28,20 +28,23 @@ def _stack(num_slots, ranks, k, n, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize(
-    "k,n,ranks,row_slots,tpr",
+    "k,n,ranks,row_slots,tpr,chunk",
     [
-        (2048, 2048, [16] * 32, list(range(32)), 1),  # decode, 32 distinct
-        (2048, 8192, [8, 16, 64, 128], [0, 1, 2, 3, -1, 0, 2, 1], 1),  # decode, mixed ranks, base rows
-        (8192, 2048, [16, 64], [0, 1, 1, -1], 129),  # prefill, chunk 128 with remainder
-        (4096, 14336, [16] * 8, [0] * 16, 64),  # prefill, one adapter
-        (2049, 431, [1, 3, 0, 17], [0, 1, 2, 3, 0, -1], 33),  # odd dims, rank 0 slot
+        (2048, 2048, [16] * 32, list(range(32)), 1, 16),  # decode, 32 distinct
+        (2048, 8192, [8, 16, 64, 128], [0, 1, 2, 3, -1, 0, 2, 1], 1, 16),  # decode, mixed ranks, base rows
+        (8192, 2048, [16, 64], [0, 1, 1, -1], 250, 128),  # prefill, chunk 128 with remainder
+        (4096, 14336, [16] * 8, [0] * 16, 64, 128),  # prefill, one adapter
+        (2048, 4096, [16, 64] * 8, list(range(16)), 64, 64),  # prefill, 16 runs of 64: 64-row tiles
+        (4096, 2048, [16, 64] * 16, list(range(32)), 16, 16),  # prefill, 32 runs of 16: 16-row tiles
+        (2049, 431, [1, 3, 0, 17], [0, 1, 2, 3, 0, -1], 33, 16),  # odd dims, rank 0 slot
     ],
-    ids=["decode32", "mixed-ranks", "prefill-chunk", "prefill-one", "odd"],
+    ids=["decode32", "mixed-ranks", "prefill-chunk", "prefill-one", "prefill-runs64", "prefill-runs16", "odd"],
 )
-def test_kernels_vs_float64(dtype, k, n, ranks, row_slots, tpr):
+def test_kernels_vs_float64(dtype, k, n, ranks, row_slots, tpr, chunk):
     torch.manual_seed(0)
     a, b, r, scal = _stack(len(ranks), ranks, k, n, dtype)
     plan = BatchPlan.build(row_slots, tpr, DEV)
+    assert plan.chunk_size == chunk
     x = torch.randn(plan.num_tokens, k, device=DEV).to(dtype)
     y = torch.randn(plan.num_tokens, n, device=DEV).to(dtype)
     y0 = y.clone()
