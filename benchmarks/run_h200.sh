@@ -8,6 +8,7 @@
 #   e2e-8b   end to end, 8B, r=16, 1/8/32 distinct, PEFT rows included (~7 min)  -> e2e_8b.json
 #   e2e-1b   the same for 1B (~4 min)                                               -> e2e_1b.json
 #   graph    probe: one decode step (1B, 8B) captured in a CUDA graph vs eager  -> graph_decode_{1b,8b}.json
+#   profile  cProfile of eager 1B decode steps: base, PEFT one adapter, csgmv     -> profile_decode_1b.txt
 #   ranks    end to end, 1B, r=64 and mixed ranks 8/16/64 (PEFT one adapter vs csgmv) -> e2e_1b_r64.json, ...
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
@@ -38,6 +39,9 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         python3 benchmarks/graph_decode.py --model $m --out "$OUT/graph_decode_$m.json" > "$OUT/graph_decode_$m.log" 2>&1
         grep "^|" "$OUT/graph_decode_$m.log" || tail -25 "$OUT/graph_decode_$m.log"
       done ;;
+    profile)
+      python3 benchmarks/profile_decode.py --model 1b --out "$OUT/profile_decode_1b.txt" 2>&1 | grep -v -i warn \
+        | head -60 ;;
     ranks)
       for r in 64 8,16,64; do
         tag=$(echo $r | tr , -)
