@@ -63,17 +63,19 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             prof.runcall(steps, args.steps)
             profiled = (time.perf_counter() - t0) / args.steps * 1e3
-        s = io.StringIO()
-        stats = pstats.Stats(prof, stream=s)
-        stats.sort_stats("tottime").print_stats(args.top)
+
+        def listing(order: str) -> str:
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats(order).print_stats(args.top)
+            return s.getvalue()
+
         head = f"== {label}: {plain:.2f} ms per step ({profiled:.2f} ms under cProfile)"
+        by_own = listing("tottime")
         print(head, flush=True)
-        lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
+        lines = [ln for ln in by_own.splitlines() if ln.strip()]
         start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls"))
         print("\n".join(lines[start : start + 1 + 15]), flush=True)
-        report.write(head + "\n" + s.getvalue() + "\n")
-        stats.sort_stats("cumulative").print_stats(args.top)
-        report.write(s.getvalue().split(head)[-1] + "\n")
+        report.write(head + "\n" + by_own + "\n" + listing("cumulative") + "\n")
 
     profile("base model, no LoRA", model)
     pm = add_adapters(model, 32, [16], device)
