@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_kernels import capture_graph  # noqa: E402
 
 from peft_csgmv import enable_csgmv  # noqa: E402
-from peft_csgmv.bench import MODELS, Timer, add_adapters, build_model  # noqa: E402
+from peft_csgmv.bench import MODELS, Timer, add_adapters, build_model, device_and_dtype  # noqa: E402
 
 
 def measure(label: str, model, batch: int, prompt: int, device: torch.device, repeats: int, **extra) -> dict:
@@ -79,8 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_and_dtype(args.device)
     model = build_model(args.model, device, dtype)
     rows = [measure("base model, no LoRA", model, args.batch, args.prompt, device, args.repeats)]
     pm = add_adapters(model, args.adapters, [16], device)

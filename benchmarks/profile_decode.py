@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from peft_csgmv import enable_csgmv  # noqa: E402
-from peft_csgmv.bench import MODELS, _crop, add_adapters, build_model  # noqa: E402
+from peft_csgmv.bench import MODELS, _crop, add_adapters, build_model, device_and_dtype  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -35,8 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_and_dtype(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     model = build_model(args.model, device, dtype)
     g = torch.Generator().manual_seed(1)

@@ -106,6 +106,12 @@ def _crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
+def device_and_dtype(name: str | None) -> tuple[torch.device, torch.dtype]:
+    """The benchmarks' device (``name``, else CUDA when there is one) and model dtype: bf16 on CUDA, fp32 on the CPU."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def build_model(name: str, device: torch.device, dtype: torch.dtype, config_path: str | None = None):
     """Random weights from a built-in Llama size (``name``) or from any causal-LM config (``config_path``: a
     ``config.json`` or a folder holding one); no weights are downloaded."""
@@ -175,8 +181,7 @@ def main(argv=None) -> int:
 
     from . import disable_csgmv, enable_csgmv
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_and_dtype(args.device)
     ranks = [int(r) for r in args.ranks.split(",")]
     distinct = [int(d) for d in args.distinct.split(",") if int(d) <= args.adapters]
     timer = Timer(device)
