@@ -52,9 +52,10 @@ def chunk_size_for(num_tokens: int, run_lengths: Sequence[int] = ()) -> int:
         chunk = 32
     else:
         return MIN_CHUNK_SIZE
+    used = sum(run_lengths)
     while chunk > MIN_CHUNK_SIZE and run_lengths:
         covered = sum(-(-n // chunk) for n in run_lengths) * chunk
-        if 4 * (covered - sum(run_lengths)) <= covered:
+        if 4 * (covered - used) <= covered:
             break
         chunk //= 2
     return chunk
