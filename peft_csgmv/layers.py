@@ -1,15 +1,17 @@
 """The patched forwards of PEFT modules.
 
-A patched ``lora.Linear`` runs ``y = base(x)`` and then, when a csgmv call is active, adds every row's own adapter in
-two kernel launches: ``t = shrink(x, A_stack, plan)``; ``expand(t, B_stack, plan, out=y)``. With no csgmv call
-active, under ``disable_adapter()``, or when PEFT's own ``adapter_names`` reaches the layer directly, it is PEFT's
-forward, unchanged. A patched ``lora.Embedding`` does the same with the embedding-A gather kernel in place of the
-shrink.
+A patched ``lora.Linear`` (or bitsandbytes 4-bit / 8-bit LoRA layer) runs ``y = base(x)`` and then, when a csgmv call
+is active, adds every row's own adapter in two kernel launches: ``t = shrink(x, A_stack, plan)``;
+``expand(t, B_stack, plan, out=y)``. With no csgmv call active, under ``disable_adapter()``, or when PEFT's own
+``adapter_names`` reaches the layer directly, it is PEFT's forward, unchanged. A patched ``lora.Embedding`` does the
+same with the embedding-A gather kernel in place of the shrink. Adapters the kernels do not serve in a layer (LoRA
+variants such as aLoRA) have rank 0 in its stack; when a call asks for one, ``y`` comes from PEFT's own mixed-batch
+forward of the layer with those rows' names (the other rows as ``"__base__"``), and the kernels add the rest.
 
-Modules csgmv has no kernel for, but for which PEFT has a mixed-batch path (LoRA on convolutions and on embeddings
-with ``max_norm``, ``modules_to_save`` and trainable-token wrappers), get the *PEFT path*: during a csgmv call they
-receive PEFT's ``adapter_names`` for exactly the rows they see, so PEFT applies each row's adapter there. Correct by
-construction, at PEFT's speed for those few modules.
+Every other PEFT tuner layer and auxiliary wrapper (the modules PEFT's own ``adapter_names`` hooks reach) gets the
+*PEFT path*: during a csgmv call it receives PEFT's ``adapter_names`` for exactly the rows it sees, so PEFT applies
+each row's adapter there, or raises what PEFT raises for that module. PEFT's results, at PEFT's speed, for those
+modules only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 
 from . import kernels
 from .plan import BatchPlan
+from .slots import weights_device
 
 if TYPE_CHECKING:
     from .model import CsgmvState
@@ -40,10 +43,12 @@ class CallContext:
     row_slots: tuple[int, ...]  # slot of each input row, -1 for base rows
     names: tuple[str, ...]  # adapter name of each input row in PEFT's spelling ("__base__" for base rows)
     arg_name: str  # "adapter_ids" or "adapter_names", for error messages
+    alora_offsets: list | None = None  # PEFT's aLoRA offsets of the call's rows, for the layers' PEFT path
     plans: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._triton: dict = {}
+        self.name_set = frozenset(self.names)
 
     def triton_on(self, device: torch.device) -> bool:
         """Whether layers on ``device`` use the Triton kernels in this call (the state's backend choice)."""
@@ -64,9 +69,18 @@ class CallContext:
         return rows // n
 
     def names_for(self, rows: int) -> list[str]:
-        """PEFT's ``adapter_names`` for a module input of ``rows`` rows."""
-        k = self.repeat(rows)
-        return [name for name in self.names for _ in range(k)]
+        """PEFT's ``adapter_names`` for a module input of ``rows`` rows (each name repeated for its rows); the call's
+        names as they are when ``rows`` is no whole multiple of them, as PEFT's hooks pass them (PEFT's module then
+        raises its own error)."""
+        n = len(self.names)
+        if rows % n:
+            return list(self.names)
+        k = rows // n
+        return [name for name in self.names for _ in range(k)] if k > 1 else list(self.names)
+
+    def variant_kwargs(self) -> dict:
+        """The per-call arguments PEFT's hooks give every LoRA layer besides ``adapter_names``."""
+        return {} if self.alora_offsets is None else {"alora_offsets": self.alora_offsets}
 
     def plan_for(self, rows: int, tokens_per_row: int, device: torch.device) -> BatchPlan:
         """The plan for a layer input of ``rows × tokens_per_row`` tokens on ``device``; built by the first layer
@@ -96,19 +110,23 @@ def use_triton(backend: str, device: torch.device) -> bool:
 _SEEN, _UNBINDABLE = "seen", "unbindable"
 
 
-def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: BatchPlan, triton_backend: bool) -> None:
+def apply_lora(
+    x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: BatchPlan, triton_backend: bool, embed_scale=None
+) -> None:
     """``y[i] += scaling[s] * (x[i] @ A[s]ᵀ) @ B[s]ᵀ`` for every token ``i`` of slot ``s``, in place; ``x``: (T, in)
-    activations, or (T,) token ids for an embedding stack (``A[s][:, x[i]]`` instead of ``x[i] @ A[s]ᵀ``); ``y``:
-    (T, out)."""
+    activations, or (T,) token ids for an embedding stack (``A[s][:, x[i]]`` instead of ``x[i] @ A[s]ᵀ``, times
+    ``embed_scale`` where given: a scaled embedding's factor, read per call as PEFT does); ``y``: (T, out)."""
     if triton_backend:
         device = x.device
         if device.type == "cuda" and device.index != torch.cuda.current_device():
             # Triton launches on the current device; a model spread over GPUs (device_map) has layers elsewhere.
             with torch.cuda.device(device):
-                apply_lora(x, y, stack, plan, triton_backend)
+                apply_lora(x, y, stack, plan, triton_backend, embed_scale=embed_scale)
             return
         if stack.embedding:
             t = kernels.embedding_shrink(x, stack.a, stack.ranks, plan, plan.workspace(stack.r_max))
+            if embed_scale is not None:
+                t.mul_(embed_scale)
             kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
             return
         bound = plan.bound.get(stack)
@@ -129,6 +147,8 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, stack: "LoraStack", plan: Batch
     else:
         shrink = kernels.embedding_shrink_reference if stack.embedding else kernels.shrink_reference
         t = shrink(x, stack.a, stack.ranks_host, plan)
+        if embed_scale is not None:
+            t.mul_(embed_scale)
         kernels.expand_reference(
             t, stack.b, stack.ranks_host, stack.scalings_host, plan, y, stack.mag, stack.bias, stack.lora_bias
         )
@@ -147,7 +167,7 @@ def _global_hooks() -> bool:
 
 
 def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The forward of a patched ``lora.Linear`` (``x``: rows × ... × in) or ``lora.Embedding`` (``x``: rows × ...
+    """The forward of a patched kernel layer (``x``: rows × ... × in) or ``lora.Embedding`` (``x``: rows × ...
     token ids)."""
     # This runs once per LoRA layer per forward: attribute lookups are kept to what is needed.
     ctx = ACTIVE.get()
@@ -163,39 +183,66 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     embedding = stack.embedding
     if x.dim() < (1 if embedding else 2):
         raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
+    rows = x.shape[0]
+    device = x.device
+    if stack.device != device and not _follow_weights(self, stack, ctx.state, device):
+        # The input is not where the layer's weights are: PEFT's own path decides (its result, or its error), and
+        # the stack stays where the weights are.
+        return state["_csgmv_orig_forward"](x, *args, adapter_names=ctx.names_for(rows), **kwargs)
     if state["scaling"] is not stack.scaling_src:  # rescaled by assignment (peft.helpers.rescale_adapter_scale)
         ctx.state.stack_layer(self, force=True)
-    rows = x.shape[0]
-    base = self._modules["base_layer"]
-    if base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or _global_hooks():
-        result = base(x, *args, **kwargs)
-    else:  # nothing for Module.__call__ to run around forward: skip its few microseconds per layer
-        result = base.forward(x, *args, **kwargs)
+    peft_rows = state["_csgmv_peft"]
+    if peft_rows and not peft_rows.isdisjoint(ctx.name_set):
+        # Adapters the kernels do not serve here: PEFT's mixed-batch forward for their rows (base output included).
+        names = [n if n in peft_rows else "__base__" for n in ctx.names_for(rows)]
+        result = state["_csgmv_orig_forward"](x, *args, adapter_names=names, **ctx.variant_kwargs(), **kwargs)
+    else:
+        base = self._modules["base_layer"]
+        if base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or _global_hooks():
+            result = base(x, *args, **kwargs)
+        else:  # nothing for Module.__call__ to run around forward: skip its few microseconds per layer
+            result = base.forward(x, *args, **kwargs)
     x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
-    device = x.device
     plan = ctx.plan_for(rows, x2.shape[0] // rows, device)
     if plan.is_empty:
         return result
-    if stack.device != device:  # the model was moved after enabling: follow it
-        stack.to(device)
-        for cached in ctx.state.plans.values():  # bindings to the old tensors would keep them alive
-            cached.bound.pop(stack, None)
     if not result.is_contiguous():
         result = result.contiguous()
-    apply_lora(x2, result.view(-1, result.shape[-1]), stack, plan, ctx.triton_on(device))
+    embed_scale = None
+    if embedding:
+        embed_scale = self._get_embed_scale() if hasattr(self, "_get_embed_scale") else None
+        if embed_scale is not None:
+            embed_scale = embed_scale.to(torch.float32)
+    apply_lora(x2, result.view(-1, result.shape[-1]), stack, plan, ctx.triton_on(device), embed_scale=embed_scale)
     return result
 
 
-def _peft_path_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """A module csgmv has no kernel for: during a csgmv call, PEFT's own mixed-batch forward with the rows' names."""
+def _follow_weights(layer: nn.Module, stack: "LoraStack", state: "CsgmvState", device: torch.device) -> bool:
+    """The stack is not on the input's ``device``: if the layer's weights are (the model was moved after enabling),
+    move the stack there and drop bindings to its old tensors; ``False`` when the input is somewhere else."""
+    if weights_device(layer) != device:
+        return False
+    stack.to(device)
+    for cached in state.plans.values():  # bindings to the old tensors would keep them alive
+        cached.bound.pop(stack, None)
+    return True
+
+
+def _peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
+    """A module csgmv has no kernel for: during a csgmv call, PEFT's own mixed-batch forward with the rows' names
+    (and, for LoRA layers, the call's other per-call arguments, as PEFT's hooks pass them)."""
     ctx = ACTIVE.get()
     if ctx is None or ctx.state is not self._csgmv_state_ref() or "adapter_names" in kwargs:
-        return self._csgmv_orig_forward(x, *args, **kwargs)
+        return self._csgmv_orig_forward(*args, **kwargs)
+    x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    names = ctx.names_for(len(x)) if isinstance(x, torch.Tensor) and x.dim() else list(ctx.names)
     # Rows whose adapter this module does not hold run its base module, as they do in that adapter's own PEFT run
     # (PEFT's trainable-token and modules_to_save wrappers fail on names they do not hold).
     held = self._csgmv_held
-    names = [name if name in held else "__base__" for name in ctx.names_for(x.shape[0])]
-    return self._csgmv_orig_forward(x, *args, adapter_names=names, **kwargs)
+    names = [name if name in held else "__base__" for name in names]
+    if hasattr(self, "lora_A"):
+        kwargs.update(ctx.variant_kwargs())
+    return self._csgmv_orig_forward(*args, adapter_names=names, **kwargs)
 
 
 def _patch(module: nn.Module, forward, state_ref: Callable[[], "CsgmvState"]) -> None:
@@ -243,6 +290,7 @@ def unpatch_layer(layer: nn.Module) -> None:
         "_csgmv_stack",
         "_csgmv_state_ref",
         "_csgmv_held",
+        "_csgmv_peft",
         *_RESCALING_METHODS,
     ):
         layer.__dict__.pop(attr, None)

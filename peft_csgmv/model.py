@@ -5,8 +5,13 @@ What patching does, all of it undone by :func:`disable_csgmv`:
 
 * every PEFT LoRA ``Linear`` layer (``nn.Linear`` or GPT-2 ``Conv1D`` base) and ``Embedding`` layer gets a
   :class:`~peft_csgmv.slots.LoraStack` and an instance-level ``forward`` (see :mod:`peft_csgmv.layers`);
-* modules csgmv has no kernel for but PEFT can mix (LoRA convolutions, embeddings with ``max_norm``,
-  ``modules_to_save`` and trainable-token wrappers) get PEFT's own mixed-batch path during csgmv calls;
+* every other PEFT tuner layer and auxiliary wrapper (LoRA convolutions, embeddings with ``max_norm``,
+  MultiheadAttention, ``target_parameters``, other quantized layers, ``modules_to_save`` and trainable-token wrappers)
+  gets PEFT's own mixed-batch path during csgmv calls: PEFT's results there, and PEFT's errors where PEFT refuses;
+* adapters the kernels do not serve in a kernel layer (LoRA variants such as aLoRA) run through PEFT's mixed-batch
+  forward of that layer, for their rows only;
+* a model whose adapters are not LoRA (RoAd, GLoRA, ...) has no kernels to run: its calls with ids go to PEFT's own
+  ``adapter_names`` path whole;
 * the ``PeftModel`` gets instance-level ``forward`` and ``generate`` that accept ``adapter_ids`` (and PEFT's own
   ``adapter_names``), validate them once per call, and publish the per-row slots to the layers through a context
   variable that is reset in ``finally``.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 import weakref
 from typing import Any, Iterator, Sequence
 
@@ -35,9 +41,10 @@ from .layers import (
     unpatch_layer,
 )
 from .plan import BatchPlan
-from .slots import LoraStack, SlotRegistry, layer_adapters
+from .slots import LoraStack, SlotRegistry, layer_adapters, weights_device
 
-BASE_NAMES = (None, "__base__")
+BASE = "__base__"
+BASE_NAMES = (None, BASE)
 _PLAN_CACHE_SIZE = 64
 
 
@@ -57,26 +64,22 @@ def _auxiliary_wrapper_class():
     return AuxiliaryTrainingWrapper
 
 
-def _dora_error(name: str, where: str) -> str:
-    return (
-        f"Cannot pass `{{arg}}` when DoRA is enabled. (adapter '{name}' uses DoRA {where}, which csgmv does not serve "
-        "yet)"
-    )
+# PEFT's own message when a DoRA adapter is asked for in a layer whose mixed-batch path refuses DoRA.
+PEFT_DORA_ERROR = "Cannot pass `{arg}` when DoRA is enabled."
 
 
-def _unsupported_reason(layer: nn.Module, name: str) -> str | None:
-    """Why csgmv's kernels cannot serve adapter ``name`` in a ``lora.Linear`` or ``lora.Embedding`` layer (an error
-    message; ``None`` when they can: plain LoRA, ``lora_bias``, and DoRA on Linear)."""
-    variant = getattr(layer, "lora_variant", {}).get(name)
-    if _is_embedding(layer):
-        if layer.use_dora.get(name, False):
-            return _dora_error(name, "on an Embedding layer")
-    elif layer.use_dora.get(name, False):
+def _kernel_reason(layer: nn.Module, name: str) -> str | None:
+    """Why csgmv's kernels cannot serve adapter ``name`` in a kernel layer (``None`` when they can: plain LoRA,
+    ``lora_bias``, and DoRA on Linear). Such an adapter's rows run through PEFT's mixed-batch forward of the layer."""
+    if layer.use_dora.get(name, False):
+        if _is_embedding(layer):
+            return "DoRA on an Embedding layer"
         if getattr(layer.lora_B[name], "bias", None) is not None:
-            return _dora_error(name, "together with `lora_bias=True`")
+            return "DoRA together with `lora_bias=True`"
         return None
+    variant = getattr(layer, "lora_variant", {}).get(name)
     if variant is not None:
-        return f"adapter '{name}' uses the LoRA variant {type(variant).__name__}, which csgmv does not serve yet"
+        return f"the LoRA variant {type(variant).__name__}"
     return None
 
 
@@ -86,21 +89,29 @@ def _is_embedding(layer: nn.Module) -> bool:
     return isinstance(layer, LoraEmbedding)
 
 
+def _kernel_layer_types() -> tuple[type, ...]:
+    """The PEFT layer classes the kernels serve: ``lora.Linear`` (``nn.Linear`` and GPT-2 ``Conv1D`` bases), and
+    bitsandbytes' 4-bit and 8-bit LoRA layers where bitsandbytes is installed (``y = base(x)`` from bitsandbytes, then
+    the kernels)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    types: tuple[type, ...] = (LoraLinear,)
+    try:
+        from peft.tuners.lora import bnb as lora_bnb
+    except ImportError:
+        return types
+    return types + tuple(getattr(lora_bnb, n) for n in ("Linear8bitLt", "Linear4bit") if hasattr(lora_bnb, n))
+
+
 def _kernel_layer(layer: nn.Module) -> bool:
-    """A PEFT layer the kernels serve: ``lora.Linear``, or ``lora.Embedding`` without ``max_norm`` (which renormalises
-    looked-up rows; PEFT's own path serves that)."""
+    """A PEFT layer the kernels serve: one of :func:`_kernel_layer_types` (exactly: subclasses may change the
+    math), or ``lora.Embedding`` without ``max_norm`` (which renormalises looked-up rows; PEFT's own path serves
+    that)."""
     from peft.tuners.lora import Embedding as LoraEmbedding
 
-    _, _, LoraLinear = _peft_classes()
-    if type(layer) is LoraLinear:
+    if type(layer) in _kernel_layer_types():
         return True
     return type(layer) is LoraEmbedding and layer.get_base_layer().max_norm is None
-
-
-def _embed_scale(layer: nn.Module) -> float:
-    """A scaled embedding's ``embed_scale`` (Gemma), which PEFT applies to the LoRA output too; 1 otherwise."""
-    scale = layer._get_embed_scale() if hasattr(layer, "_get_embed_scale") else None
-    return 1.0 if scale is None else float(scale)
 
 
 def _dora_scale(layer: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -126,7 +137,10 @@ class CsgmvState:
         self.registry = SlotRegistry()
         self.layers: dict[str, nn.Module] = {}  # module name -> lora.Linear / lora.Embedding on the kernels
         self.peft_path: dict[str, nn.Module] = {}  # module name -> module on PEFT's mixed-batch path
-        self.unsupported: dict[str, str] = {}  # adapter name -> why csgmv cannot serve it
+        self.peft_only: str | None = None  # why calls with ids go to PEFT whole (adapters that are not LoRA)
+        self.known: frozenset[str] = frozenset()  # the adapter names PEFT accepts in `adapter_names`
+        self.dora_refused: set[str] = set()  # DoRA adapters held by a layer whose PEFT path refuses DoRA
+        self.reported: set[str] = set()  # modules already named in the PEFT-path warning
         self.fingerprint: tuple = ()
         self.configs: list = []  # keeps the fingerprinted config objects alive, so their ids stay unique
         self.plans: collections.OrderedDict = collections.OrderedDict()
@@ -138,76 +152,103 @@ class CsgmvState:
 
     def sync(self, model, force: bool = False) -> None:
         """Bring slots and stacks in line with the adapters PEFT holds now. Only what changed is (re)stacked: new
-        LoRA layers are patched, new adapters get a slot, deleted ones free theirs, replaced ones are copied again."""
+        LoRA layers are patched, new adapters get a slot, deleted ones free theirs, replaced ones are copied again.
+        Every other PEFT tuner layer and auxiliary wrapper gets PEFT's mixed-batch path (the modules PEFT's own
+        ``adapter_names`` hooks reach), so a module csgmv has no kernel for gives PEFT's result, or PEFT's error."""
         fingerprint = self._fingerprint(model)
         if fingerprint == self.fingerprint and not force:
             return
-        # An adapter added since enable_csgmv may have brought a module that csgmv cannot serve (MultiheadAttention,
-        # `modules_to_save` around a norm, ...). Left alone, such a module would run PEFT's stock forward inside a
-        # mixed batch and apply the *active* adapter to every row (or none at all), i.e. silently wrong output:
-        # refuse, as enable_csgmv does, before anything runs. The fingerprint is not updated, so every call refuses
-        # until the adapter is deleted again.
-        peft_path = _check_modules(model)
-        _, LoraLayer, _ = _peft_classes()
-        names = list(model.peft_config)
-        for gone in [n for n in self.registry.index if n not in names]:
-            self.registry.remove(gone)
-        for name in names:
-            self.registry.add(name)
-
-        self.unsupported = {}
-        for mod_name, module in peft_path.items():
-            if isinstance(module, LoraLayer):
-                for name in _held_adapters(module):
-                    if module.use_dora.get(name, False):
-                        self.unsupported.setdefault(name, _dora_error(name, f"on a {type(module).__name__} layer"))
-            if not is_patched(module):
-                patch_peft_path(module, weakref.ref(self))
-            module._csgmv_held = frozenset(_held_adapters(module))
+        self.peft_only = _not_lora(model)
         found: dict[str, nn.Module] = {}
-        for mod_name, layer in model.named_modules():
-            if not isinstance(layer, LoraLayer) or not _kernel_layer(layer):
-                continue  # on PEFT's path, or rejected by _check_modules
-            found[mod_name] = layer
-            if not is_patched(layer):
-                patch_layer(layer, self._new_stack(layer), weakref.ref(self))
-            self.stack_layer(layer, force)
+        peft_path: dict[str, nn.Module] = {}
+        known: set[str] = set()
+        self.dora_refused = set()
+        if self.peft_only is None:
+            _, LoraLayer, _ = _peft_classes()
+            Aux = _auxiliary_wrapper_class()
+            names = list(model.peft_config)
+            for gone in [n for n in self.registry.index if n not in names]:
+                self.registry.remove(gone)
+            for name in names:
+                self.registry.add(name)
+            for mod_name, module in model.named_modules():
+                if isinstance(module, LoraLayer):
+                    # The names PEFT's own check accepts: those some LoRA layer holds.
+                    known.update(module.lora_A.keys(), module.lora_embedding_A.keys())
+                    if _kernel_layer(module):
+                        found[mod_name] = module
+                        continue
+                    self.dora_refused.update(n for n in _held_adapters(module) if module.use_dora.get(n, False))
+                    peft_path[mod_name] = module
+                elif isinstance(module, Aux):
+                    peft_path[mod_name] = module
+            for module in peft_path.values():
+                if not is_patched(module):
+                    patch_peft_path(module, weakref.ref(self))
+                module._csgmv_held = frozenset(_held_adapters(module))
+            for layer in found.values():
+                if not is_patched(layer):
+                    patch_layer(layer, self._new_stack(layer), weakref.ref(self))
+                self.stack_layer(layer, force)
         for old, new in ((self.layers, found), (self.peft_path, peft_path)):
             for mod_name, module in old.items():
                 if new.get(mod_name) is not module:
                     unpatch_layer(module)
-        self.layers, self.peft_path = found, peft_path
+        self.layers, self.peft_path, self.known = found, peft_path, frozenset(known)
         self.fingerprint = fingerprint
         self.configs = list(model.peft_config.values())
         self.plans.clear()
+        self._report(model)
+
+    def _report(self, model) -> None:
+        """Warn once about what runs at PEFT's speed: a whole non-LoRA model, or modules on PEFT's path."""
+        if self.peft_only is not None:
+            if "" not in self.reported:
+                self.reported.add("")
+                warnings.warn(f"csgmv: {self.peft_only}; calls with ids run PEFT's own mixed-batch path", stacklevel=3)
+            return
+        slow = [n for n, m in self.peft_path.items() if n not in self.reported and _held_adapters(m)]
+        slow += [n for n, layer in self.layers.items() if n not in self.reported and layer._csgmv_peft]
+        if slow:
+            self.reported.update(slow)
+            shown = ", ".join(slow[:6]) + (f" and {len(slow) - 6} more" if len(slow) > 6 else "")
+            warnings.warn(
+                f"csgmv: {len(slow)} module(s) run (some of) their adapters through PEFT's own mixed-batch path, at "
+                f"PEFT's speed: {shown}",
+                stacklevel=3,
+            )
 
     def stack_layer(self, layer: nn.Module, force: bool = False) -> None:
         """Bring one kernel-path layer's stack in line with its adapters: copy new or replaced ones (all with
-        ``force``), clear the rest. Also called when PEFT rescales the layer (``set_scale``, ``scale_layer``,
-        ``unscale_layer``, or a new ``scaling`` dict as ``peft.helpers.rescale_adapter_scale`` sets)."""
+        ``force``), clear the rest. Adapters the kernels do not serve here get rank 0 in the stack and are named in
+        the layer's ``_csgmv_peft``: their rows run through PEFT's forward of this layer. Also called when PEFT
+        rescales the layer (``set_scale``, ``scale_layer``, ``unscale_layer``, or a new ``scaling`` dict as
+        ``peft.helpers.rescale_adapter_scale`` sets)."""
         stack: LoraStack = layer._csgmv_stack
         if force:
             stack.sources.clear()
         adapters = layer_adapters(layer)
+        peft_rows = set()
         for slot, name in enumerate(self.registry.names):
             if name is None or name not in adapters:
                 stack.clear_slot(slot)
                 continue
-            reason = _unsupported_reason(layer, name)
-            if reason is not None:
-                self.unsupported.setdefault(name, reason)
+            if _kernel_reason(layer, name) is not None:
+                peft_rows.add(name)
+                if layer.use_dora.get(name, False):
+                    self.dora_refused.add(name)
                 stack.clear_slot(slot)
                 continue
             a, b = adapters[name]
             if stack.sources.get(slot) is not a:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
-                scaling = layer.scaling[name] * (_embed_scale(layer) if stack.embedding else 1.0)
                 lora_bias = None if stack.embedding else getattr(layer.lora_B[name], "bias", None)
-                stack.set_slot(slot, a, b, scaling, source=a, dora=dora, lora_bias=lora_bias)
+                stack.set_slot(slot, a, b, layer.scaling[name], source=a, dora=dora, lora_bias=lora_bias)
         stack.ensure_capacity(self.registry.capacity)
         for slot in range(len(self.registry.names), stack.capacity):
             stack.clear_slot(slot)
         stack.scaling_src = layer.scaling
+        layer._csgmv_peft = frozenset(peft_rows)
 
     def _new_stack(self, layer: nn.Module) -> LoraStack:
         base = layer.get_base_layer()
@@ -216,10 +257,10 @@ class CsgmvState:
             dtype = self.dtype
         elif weight is not None and weight.dtype.is_floating_point:
             dtype = weight.dtype
-        else:
-            dtype = torch.float32
+        else:  # a quantized base (bitsandbytes): the adapters' own dtype
+            dtype = next(iter(layer_adapters(layer).values()), (torch.empty(0),))[0].dtype
         ranks = [layer.r[n] for n in layer_adapters(layer)] or [1]
-        device = weight.device if weight is not None else next(layer.parameters()).device
+        device = weights_device(layer)
         return LoraStack(
             in_features=layer.in_features,
             out_features=layer.out_features,
@@ -252,53 +293,57 @@ class CsgmvState:
         return plan
 
     def resolve(self, model, ids: Sequence[str | None], arg: str, batch_size: int | None) -> tuple[int, ...]:
-        """Validate ``ids`` for this call and map them to slots (``-1`` for base rows). Raises before anything runs."""
-        if isinstance(ids, str) or not isinstance(ids, (list, tuple)):
-            raise TypeError(f"Got {arg} of type {type(ids)}, expected a list of str.")
-        bad = [i for i in ids if i is not None and not isinstance(i, str)]
-        if bad:
-            raise TypeError(f"`{arg}` must hold adapter names (str) or None for base rows; got {bad[0]!r}")
-        if len(ids) == 0:
-            raise ValueError(f"`{arg}` is empty; give one adapter name (or None / '__base__') per input row")
+        """Validate ``ids`` for this call and map them to slots (``-1`` for base rows). Raises before anything runs;
+        the checks and messages are PEFT's (``adapter_names`` reads as ``arg``)."""
+        _check_ids(ids, arg)
         if model.training:
             raise ValueError(f"Cannot pass `{arg}` when the model is in training mode.")
         self.sync(model)
-        known = set(self.registry.index) | set(self.unsupported)
-        unknown = {i for i in ids if i not in BASE_NAMES and i not in known}
+        unknown = {i for i in ids if i not in BASE_NAMES and i not in self.known}
         if unknown:
             raise ValueError(
                 f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unknown))}. "
-                f"Loaded adapters: {', '.join(sorted(known)) or '(none)'}; use None or '__base__' for base rows."
+                f"Loaded adapters: {', '.join(sorted(self.known)) or '(none)'}; use None or '__base__' for base rows."
             )
         if batch_size is not None and (batch_size % len(ids) != 0):
             raise ValueError(
                 f"Length of `{arg}` should be the same as the number of inputs, but got {len(ids)} and {batch_size} "
                 "respectively."
             )
-        if any(layer.merged for layer in self.layers.values()):
+        if any(getattr(m, "merged", False) for m in (*self.layers.values(), *self.peft_path.values())):
             raise ValueError(
                 f"Cannot pass `{arg}` when there are merged adapters, please call `unmerge_adapter` first."
             )
-        for name in dict.fromkeys(ids):
-            if name in self.unsupported:
-                raise ValueError(self.unsupported[name].replace("{arg}", arg))
+        if not self.dora_refused.isdisjoint(ids):
+            raise ValueError(PEFT_DORA_ERROR.format(arg=arg))
         index = self.registry.index
         return tuple(-1 if i in BASE_NAMES else index[i] for i in ids)
+
+
+def _check_ids(ids, arg: str) -> None:
+    if isinstance(ids, str) or not isinstance(ids, (list, tuple)):
+        raise TypeError(f"Got {arg} of type {type(ids)}, expected a list of str.")
+    bad = [i for i in ids if i is not None and not isinstance(i, str)]
+    if bad:
+        raise TypeError(f"`{arg}` must hold adapter names (str) or None for base rows; got {bad[0]!r}")
+    if len(ids) == 0:
+        raise ValueError(f"`{arg}` is empty; give one adapter name (or None / '__base__') per input row")
 
 
 def _check_model(model) -> None:
     PeftModel, _, _ = _peft_classes()
     if not isinstance(model, PeftModel):
         raise TypeError(f"enable_csgmv expects a peft.PeftModel, got {type(model).__name__}")
-    bad_types = {
-        n: cfg.peft_type for n, cfg in model.peft_config.items() if str(cfg.peft_type) not in ("LORA", "PeftType.LORA")
-    }
-    if bad_types:
-        raise ValueError(
-            "csgmv serves LoRA adapters only; these are not LoRA: "
-            + ", ".join(f"'{n}' ({t})" for n, t in bad_types.items())
-        )
-    _check_modules(model)
+
+
+def _not_lora(model) -> str | None:
+    """Why the kernels cannot serve ``model`` at all (adapters of another PEFT method), or ``None``."""
+    other = [
+        f"'{name}': {getattr(cfg.peft_type, 'value', cfg.peft_type)}"
+        for name, cfg in model.peft_config.items()
+        if str(cfg.peft_type) not in ("LORA", "PeftType.LORA")
+    ]
+    return f"adapters that are not LoRA ({', '.join(other)})" if other else None
 
 
 def _held_adapters(module: nn.Module) -> set[str]:
@@ -309,52 +354,31 @@ def _held_adapters(module: nn.Module) -> set[str]:
         return {"?"}
 
 
-_PEFT_MIXED_BATCH_BASES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "decoder_input_ids")
 
 
-def _check_modules(model) -> dict[str, nn.Module]:
-    """The modules that take PEFT's mixed-batch path (name → module): LoRA on convolutions and on embeddings with
-    ``max_norm``, and
-    `modules_to_save` / trainable-token wrappers around the module types PEFT can mix. Raises
-    ``NotImplementedError`` naming the first module that holds an adapter neither csgmv nor PEFT's mixed batches can
-    serve (MultiheadAttention, ``target_parameters``, quantized or other untested layer types). Modules left empty
-    by ``delete_adapter`` are fine: their forward is the base module's."""
-    from peft.tuners.lora import Embedding as LoraEmbedding
-    from peft.tuners.lora.layer import _ConvNd
-
-    _, LoraLayer, _ = _peft_classes()
-    Aux = _auxiliary_wrapper_class()
-    peft_path: dict[str, nn.Module] = {}
-    for mod_name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and not _kernel_layer(module):
-            if isinstance(module, (LoraEmbedding, _ConvNd)):
-                peft_path[mod_name] = module
-            elif _held_adapters(module):
-                raise NotImplementedError(
-                    f"csgmv does not handle the PEFT layer type {type(module).__module__}.{type(module).__name__} "
-                    f"(module '{mod_name}') in mixed batches; it handles lora.Linear layers (nn.Linear and "
-                    "transformers Conv1D bases) and embeddings, and LoRA convolutions through PEFT's own path."
-                )
-        elif isinstance(module, Aux):
-            if isinstance(getattr(module, "original_module", None), _PEFT_MIXED_BATCH_BASES):
-                peft_path[mod_name] = module
-            elif _held_adapters(module):
-                raise NotImplementedError(
-                    f"csgmv cannot mix adapters in {type(module).__name__} (module '{mod_name}') around a "
-                    f"{type(getattr(module, 'original_module', None)).__name__}: PEFT's mixed batches support "
-                    f"{', '.join(t.__name__ for t in _PEFT_MIXED_BATCH_BASES)} there."
-                )
-    return peft_path
-
-
-def _batch_size(args: tuple, kwargs: dict) -> int | None:
-    for key in ("input_ids", "inputs_embeds", "decoder_input_ids"):
+def _main_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, bool]:
+    """The call's batched input and whether it holds tokens (ids or embeddings: dim 1 is the sequence)."""
+    for key in _TOKEN_INPUTS:
         value = kwargs.get(key)
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            return value.shape[0]
+            return value, True
     if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1:
-        return args[0].shape[0]
-    return None
+        return args[0], not args[0].dtype.is_floating_point
+    return None, False
+
+
+def _check_inputs(args: tuple, kwargs: dict, arg: str) -> int | None:
+    """The batch size of the call (``None`` when it has no batched tensor input); refuses an empty batch or sequence
+    before anything runs."""
+    value, tokens = _main_input(args, kwargs)
+    if value is None:
+        return None
+    if value.shape[0] == 0:
+        raise ValueError(f"`{arg}` was given with an input of 0 rows; pass at least one row")
+    if tokens and value.dim() >= 2 and value.shape[1] == 0:
+        raise ValueError(f"`{arg}` was given with inputs of 0 tokens per row; pass at least one token per row")
+    return value.shape[0]
 
 
 def _pop_ids(kwargs: dict) -> tuple[Sequence[str | None] | None, str]:
@@ -367,8 +391,37 @@ def _pop_ids(kwargs: dict) -> tuple[Sequence[str | None] | None, str]:
     return ids, "adapter_ids"
 
 
+def _alora_offsets(model, names: tuple[str, ...], args: tuple, kwargs: dict, generate: bool):
+    """The aLoRA offsets PEFT computes for this call (``PeftModelForCausalLM`` does, when an aLoRA adapter is in the
+    batch), or the ones the caller passed; ``None`` when there are none. PEFT's own helpers, so the offsets are
+    PEFT's."""
+    offsets = kwargs.pop("alora_offsets", None)
+    if offsets is not None:
+        return offsets
+    from peft import PeftModelForCausalLM
+
+    if not isinstance(model, PeftModelForCausalLM):
+        return None
+    try:
+        from peft.tuners.lora.variants import get_alora_offsets_for_forward, get_alora_offsets_for_generate
+    except ImportError:  # a PEFT without aLoRA
+        return None
+    kw = dict(kwargs, adapter_names=list(names))
+    if generate:
+        kw = get_alora_offsets_for_generate(model, *args, **kw)
+    else:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        kw.pop("input_ids", None)
+        inputs_embeds = kw.pop("inputs_embeds", None)
+        kw = get_alora_offsets_for_forward(model, input_ids, inputs_embeds, **kw)
+    offsets = kw.get("alora_offsets")
+    if offsets is not None and generate and isinstance(kwargs.get("num_beams"), int) and kwargs["num_beams"] > 1:
+        raise ValueError("Beam search not yet supported for aLoRA.")
+    return offsets
+
+
 @contextlib.contextmanager
-def _csgmv_call(model, args: tuple, kwargs: dict) -> Iterator[None]:
+def _csgmv_call(model, args: tuple, kwargs: dict, generate: bool) -> Iterator[None]:
     """Validate the ids of one call, publish them to the layers, and clear them again whatever happens."""
     state: CsgmvState = model._csgmv
     ids, arg = _pop_ids(kwargs)
@@ -376,9 +429,19 @@ def _csgmv_call(model, args: tuple, kwargs: dict) -> Iterator[None]:
         # No ids, or under ``disable_adapter()``: PEFT ignores adapter_names there, and so do we.
         yield
         return
-    row_slots = state.resolve(model, ids, arg, _batch_size(args, kwargs))
-    names = tuple("__base__" if i in BASE_NAMES else i for i in ids)
-    token = ACTIVE.set(CallContext(state=state, row_slots=row_slots, names=names, arg_name=arg))
+    state.sync(model)
+    if state.peft_only is not None:
+        # Nothing for the kernels: PEFT's own path, whole (its results, its errors).
+        kwargs["adapter_names"] = (
+            [BASE if i is None else i for i in ids] if isinstance(ids, (list, tuple)) and arg == "adapter_ids" else ids
+        )
+        yield
+        return
+    _check_ids(ids, arg)
+    row_slots = state.resolve(model, ids, arg, _check_inputs(args, kwargs, arg))
+    names = tuple(BASE if i in BASE_NAMES else i for i in ids)
+    offsets = _alora_offsets(model, names, args, kwargs, generate)
+    token = ACTIVE.set(CallContext(state=state, row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets))
     try:
         with torch.no_grad():
             yield
@@ -387,21 +450,26 @@ def _csgmv_call(model, args: tuple, kwargs: dict) -> Iterator[None]:
 
 
 def _forward(self, *args: Any, **kwargs: Any):
-    with _csgmv_call(self, args, kwargs):
+    with _csgmv_call(self, args, kwargs, generate=False):
         return type(self).forward(self, *args, **kwargs)
 
 
 def _generate(self, *args: Any, **kwargs: Any):
-    with _csgmv_call(self, args, kwargs):
+    with _csgmv_call(self, args, kwargs, generate=True):
         return type(self).generate(self, *args, **kwargs)
 
 
 def enable_csgmv(model, backend: str = "auto", dtype: torch.dtype | None = None):
-    """Patch ``model`` (a ``peft.PeftModel`` with LoRA adapters) in place for fast mixed-adapter batches.
+    """Patch ``model`` (a ``peft.PeftModel``) in place for fast mixed-adapter batches.
 
     Afterwards ``model(..., adapter_ids=[...])`` and ``model.generate(..., adapter_ids=[...])`` apply one adapter per
     input row (``None`` or ``"__base__"`` for the base model); PEFT's ``adapter_names=[...]`` spelling takes the
     same fast path. Without ids the model behaves exactly as before.
+
+    LoRA layers on ``nn.Linear``, GPT-2 ``Conv1D``, bitsandbytes 4-bit / 8-bit and ``nn.Embedding`` bases run in the
+    kernels; every other module PEFT's ``adapter_names`` reaches runs PEFT's own mixed-batch path (PEFT's results
+    and errors there), and a model whose adapters are not LoRA runs PEFT's path whole. A warning names what runs at
+    PEFT's speed.
 
     Args:
         model: the ``PeftModel``. Returned for chaining; patched in place.

@@ -66,6 +66,15 @@ def layer_adapters(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tens
     return {name: (layer.lora_A[name].weight, layer.lora_B[name].weight) for name in layer.lora_A.keys()}
 
 
+def weights_device(layer: nn.Module) -> torch.device:
+    """Where a PEFT layer's adapter weights live (its stack follows them, never a call's inputs)."""
+    for held in (layer.lora_A, layer.lora_embedding_A):
+        for value in held.values():
+            return value.device if isinstance(value, torch.Tensor) else next(value.parameters()).device
+    weight = getattr(layer.get_base_layer(), "weight", None)
+    return weight.device if weight is not None else next(layer.parameters()).device
+
+
 class LoraStack:
     """Stacked LoRA weights of one layer (see the module docstring for the layout)."""
 
@@ -203,12 +212,11 @@ class LoraStack:
         self.sources.pop(slot, None)
 
     def to(self, device: torch.device) -> "LoraStack":
-        """Move the stack (after the model was moved)."""
-        self.device = device
-        self.a, self.b = self.a.to(device), self.b.to(device)
-        self.ranks, self.scalings = self.ranks.to(device), self.scalings.to(device)
-        if self.mag is not None:
-            self.mag, self.bias = self.mag.to(device), self.bias.to(device)
-        if self.lora_bias is not None:
-            self.lora_bias = self.lora_bias.to(device)
+        """Move the stack (after the model was moved). Every tensor is copied before any is replaced, so a copy
+        that fails leaves the stack as it was."""
+        names = ("a", "b", "ranks", "scalings", "mag", "bias", "lora_bias")
+        moved = {n: getattr(self, n).to(device) for n in names if getattr(self, n) is not None}
+        for n, t in moved.items():
+            setattr(self, n, t)
+        self.device = torch.device(device)
         return self

@@ -8,7 +8,6 @@ import re
 import pytest
 import torch
 from helpers import add_adapters, assert_close, tiny_model
-from peft import LoHaConfig, LoraConfig, get_peft_model
 
 from peft_csgmv import enable_csgmv, is_csgmv_enabled
 from peft_csgmv.layers import ACTIVE, is_patched
@@ -127,17 +126,6 @@ def test_training_mode(setup, kernel_calls, arg):
     setup.assert_usable(kernel_calls)
 
 
-def test_lora_variant_adapter(kernel_calls):
-    """An adapter with a LoRA variant csgmv does not serve (aLoRA): asking for it fails before anything runs; the plain
-    adapters keep working. (DoRA is served: tests/test_dora.py.)"""
-    s = Setup(extra={"al": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[5])})
-    with pytest.raises(ValueError, match=r"adapter 'al' uses the LoRA variant ALoraLinearVariant"):
-        s(adapter_ids=["a0", "al", None, "a1"])
-    with pytest.raises(ValueError, match=r"adapter 'al' uses the LoRA variant"):
-        s.generate(adapter_names=["al"] * 4)
-    s.assert_usable(kernel_calls)
-
-
 def test_both_spellings_given(setup, kernel_calls):
     with pytest.raises(ValueError, match=r"Pass either `adapter_ids` or `adapter_names`, not both\."):
         setup(adapter_ids=NAMES, adapter_names=NAMES)
@@ -199,7 +187,7 @@ def test_errors_inside_generate_leave_no_state(setup, kernel_calls):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# enable-time errors
+# enable-time errors (modules and adapters PEFT itself refuses in mixed batches: tests/test_drop_in.py)
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -209,49 +197,11 @@ def assert_untouched(model):
     assert not any(is_patched(m) for m in model.modules())
 
 
-class MhaNet(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
-        self.out = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.out(self.mha(x, x, x)[0])
-
-
-def test_unsupported_layer_type_at_enable():
-    """LoRA on MultiheadAttention: neither csgmv nor PEFT's mixed batches serve it, so enable_csgmv names it."""
-    torch.manual_seed(0)
-    model = get_peft_model(MhaNet(), LoraConfig(init_lora_weights=False, r=4, target_modules=["mha", "out"]))
-    msg = r"peft\.tuners\.lora\.layer\.MultiheadAttention \(module 'base_model\.model\.mha'\)"
-    with pytest.raises(NotImplementedError, match=msg):
-        enable_csgmv(model.eval())
-    assert_untouched(model)
-
-
-def test_modules_to_save_around_unmixable_module_at_enable():
-    """`modules_to_save` around a module type PEFT cannot mix per row (a norm): enable_csgmv names it."""
-    model, targets = tiny_model("llama")
-    model = add_adapters(model, {"m": dict(r=4, target_modules=targets, modules_to_save=["norm"])})
-    msg = r"ModulesToSaveWrapper \(module 'base_model\.model\.model\.\S*norm'\) around a LlamaRMSNorm"
-    with pytest.raises(NotImplementedError, match=msg):
-        enable_csgmv(model)
-    assert_untouched(model)
-
-
 def test_not_a_peft_model():
     model, _ = tiny_model("llama")
     with pytest.raises(TypeError, match=r"enable_csgmv expects a peft\.PeftModel, got LlamaForCausalLM"):
         enable_csgmv(model)
     assert not is_csgmv_enabled(model)
-
-
-def test_not_lora():
-    model, _ = tiny_model("llama")
-    model = get_peft_model(model, LoHaConfig(r=4, target_modules=["q_proj"]), adapter_name="loha").eval()
-    with pytest.raises(ValueError, match=r"csgmv serves LoRA adapters only; these are not LoRA: 'loha'"):
-        enable_csgmv(model)
-    assert_untouched(model)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "Triton", None])
@@ -261,18 +211,3 @@ def test_bad_backend(backend):
     with pytest.raises(ValueError, match=r"backend must be one of auto, triton, torch"):
         enable_csgmv(model, backend=backend)
     assert_untouched(model)
-
-
-def test_unsupported_adapter_added_after_enable(setup, kernel_calls):
-    """An adapter added after enable_csgmv that brings a module neither csgmv nor PEFT's mixed batches can serve is
-    refused on the next call, as enable_csgmv would have refused it (running it would silently apply the wrong adapter
-    to some rows); deleting it again makes the model usable."""
-    torch.manual_seed(5)
-    mts = LoraConfig(init_lora_weights=False, r=4, target_modules=["q_proj"], modules_to_save=["norm"])
-    setup.model.add_adapter("mts", mts)
-    with pytest.raises(NotImplementedError, match=r"ModulesToSaveWrapper.*norm'\) around a LlamaRMSNorm"):
-        setup(adapter_ids=["mts", "a0", None, "a1"])
-    with pytest.raises(NotImplementedError, match=r"ModulesToSaveWrapper"):
-        setup(adapter_ids=NAMES)  # refused even when the rows do not ask for it
-    setup.model.delete_adapter("mts")
-    setup.assert_usable(kernel_calls)

@@ -138,19 +138,6 @@ def test_conv_lora(backend):
     close(got, stitch(outs, names), "conv net")
 
 
-def test_dora_on_embedding_is_refused_before_anything_runs():
-    specs = {
-        "a0": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
-        "d": dict(r=4, lora_alpha=8, target_modules=["embed_tokens"], use_dora=True),
-    }
-    model = make("llama", specs)
-    enable_csgmv(model, backend="torch")
-    input_ids, mask = make_batch(2, 5)
-    with pytest.raises(ValueError, match=r"Cannot pass `adapter_ids` when DoRA is enabled\."):
-        model(input_ids, attention_mask=mask, adapter_ids=["a0", "d"])
-    model(input_ids, attention_mask=mask, adapter_ids=["a0", None])  # still usable
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sequence_classification_heads(backend):
     """A LoRA classifier per task (SEQ_CLS: PEFT saves each adapter's own ``score`` head): one mixed batch scores every
