@@ -1,0 +1,158 @@
+"""Soak: a seeded random sequence of what users do to an enabled model — mixed calls with random ids, batch shapes and
+slices, wrong calls, adapters added, deleted, edited in place and rescaled, merges — with every valid call compared
+against stock PEFT's own per-adapter runs of the same rows, and every wrong call required to fail cleanly and leave
+the model right for the next one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import ALL_LINEAR, BASE, DEVICE, add_adapters, close, per_adapter, stitch, tiny_model
+from peft import LoraConfig
+
+from peft_csgmv import enable_csgmv
+from peft_csgmv.layers import ACTIVE
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def _config(rng: random.Random) -> LoraConfig:
+    targets = rng.sample(ALL_LINEAR, rng.randint(2, len(ALL_LINEAR)))
+    if rng.random() < 0.3:
+        targets.append("embed_tokens")
+    extra = {}
+    if rng.random() < 0.2 and "embed_tokens" not in targets:
+        extra["use_dora"] = True
+    elif rng.random() < 0.2:
+        extra["lora_bias"] = True
+    return LoraConfig(
+        init_lora_weights=False, r=rng.choice([1, 2, 4, 8, 16]), lora_alpha=rng.choice([1, 4, 8, 16]),
+        use_rslora=rng.random() < 0.3, target_modules=targets, **extra,
+    )  # fmt: skip
+
+
+class Soak:
+    def __init__(self, seed: int, backend: str):
+        self.rng = random.Random(seed)
+        torch.manual_seed(seed)
+        model, targets = tiny_model("llama")
+        self.model = add_adapters(model, {"a0": dict(r=4, lora_alpha=8, target_modules=targets)}).to(DEVICE)
+        self.counter = 1
+        for _ in range(2):
+            self.add()
+        enable_csgmv(self.model, backend=backend)
+        self.backend = backend
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self.model.peft_config)
+
+    def add(self):
+        name = f"a{self.counter}"
+        self.counter += 1
+        self.model.add_adapter(name, _config(self.rng))
+
+    def batch(self):
+        rows, seq = self.rng.randint(1, 7), self.rng.randint(1, 6)
+        wide = torch.randint(3, 97, (rows * 2, seq + 3), device=DEVICE)
+        # Slices as a hand-written loop makes them: every other row, a window of columns, or the last column.
+        kind = self.rng.choice(["plain", "rows", "window", "last"])
+        if kind == "rows":
+            ids = wide[::2, :seq]
+        elif kind == "window":
+            ids = wide[:rows, 2 : 2 + seq]
+        elif kind == "last":
+            ids = wide[:rows, -1:]
+        else:
+            ids = wide[:rows, :seq].contiguous()
+        return ids
+
+    def names(self, rows: int) -> list[str | None]:
+        pool = [*self.adapters, None, BASE]
+        n = (
+            rows
+            if rows == 1 or self.rng.random() < 0.8
+            else self.rng.choice([d for d in range(1, rows) if rows % d == 0])
+        )
+        return [self.rng.choice(pool) for _ in range(n)]
+
+    def check_call(self):
+        input_ids = self.batch()
+        ids = self.names(input_ids.shape[0])
+        k = input_ids.shape[0] // len(ids)
+        rows = [n if n is not None else BASE for n in ids for _ in range(k)]
+        outs = per_adapter(self.model, rows, lambda: self.model(input_ids).logits)
+        with torch.no_grad():
+            got = self.model(input_ids, adapter_ids=ids).logits
+        close(got, stitch(outs, rows), f"soak call ids={ids} shape={tuple(input_ids.shape)}")
+
+    def wrong_call(self):
+        input_ids = self.batch()
+        rows = input_ids.shape[0]
+        kind = self.rng.choice(["unknown", "length", "empty-rows", "not-a-list", "training"])
+        kw = {"adapter_ids": [self.rng.choice(self.adapters) for _ in range(rows)]}
+        if kind == "unknown":
+            kw["adapter_ids"][-1] = "missing"
+        elif kind == "length":
+            kw["adapter_ids"] = kw["adapter_ids"] * 2 + ["a0"]
+        elif kind == "empty-rows":
+            input_ids = input_ids[:0]
+        elif kind == "not-a-list":
+            kw["adapter_ids"] = "a0"
+        else:
+            self.model.train()
+        try:
+            with pytest.raises((ValueError, TypeError)):
+                self.model(input_ids, **kw)
+        finally:
+            self.model.eval()
+        assert ACTIVE.get() is None
+
+    def edit(self):
+        name = self.rng.choice(self.adapters)
+        with torch.no_grad():
+            for pname, p in self.model.named_parameters():
+                if f"lora_B.{name}." in pname:
+                    p.mul_(1.5)
+        enable_csgmv(self.model, backend=self.backend)  # documented: restack after editing weights in place
+
+    def rescale(self):
+        name = self.rng.choice(self.adapters)
+        for module in self.model.modules():
+            if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
+                module.set_scale(name, self.rng.choice([0.5, 2.0]))
+
+    def merge_then_unmerge(self):
+        mergeable = [n for n in self.adapters if not self.model.peft_config[n].lora_bias]  # no base bias to merge into
+        name = self.rng.choice(mergeable)
+        self.model.set_adapter(name)
+        self.model.merge_adapter()
+        with pytest.raises(ValueError, match="merged adapters"):
+            self.model(self.batch(), adapter_ids=[name])
+        self.model.unmerge_adapter()
+
+    def delete(self):
+        if len(self.adapters) > 2:
+            name = self.rng.choice(self.adapters)
+            self.model.delete_adapter(name)
+            if self.model.active_adapter not in self.adapters:
+                self.model.set_adapter(self.adapters[0])
+
+    def step(self):
+        op = self.rng.choices(
+            [self.check_call, self.wrong_call, self.add, self.delete, self.edit, self.rescale, self.merge_then_unmerge],
+            weights=[8, 3, 1, 1, 1, 1, 1],
+        )[0]
+        op()
+
+
+@pytest.mark.parametrize("backend,seed,steps", [("torch", 0, 40), ("torch", 1, 40), ("triton", 2, 15)])
+def test_soak(backend, seed, steps):
+    soak = Soak(seed, backend)
+    for _ in range(steps):
+        soak.step()
+        if soak.rng.random() < 0.3:
+            soak.check_call()
+    soak.check_call()
