@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     from .slots import LoraStack
 
 BACKENDS = ("auto", "triton", "torch")
+try:  # per-call arguments PEFT passes its LoRA layers besides adapter_names
+    from peft.tuners.lora.layer import VARIANT_KWARG_KEYS as _VARIANT_KEYS
+except ImportError:  # a PEFT without LoRA variants
+    _VARIANT_KEYS = ()
+VARIANT_KWARGS = frozenset(_VARIANT_KEYS)
 
 
 @dataclasses.dataclass
@@ -179,6 +184,10 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         or "adapter_names" in kwargs
     ):
         return state["_csgmv_orig_forward"](x, *args, **kwargs)
+    if kwargs:
+        # PEFT's hooks may pass per-call variant arguments (aLoRA offsets computed for the *active* adapter when no
+        # adapter_names reach PEFT): the call's own, computed from its ids, replace them.
+        kwargs = {k: v for k, v in kwargs.items() if k not in VARIANT_KWARGS}
     stack: LoraStack = state["_csgmv_stack"]
     embedding = stack.embedding
     if x.dim() < (1 if embedding else 2):
@@ -188,7 +197,8 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if stack.device != device and not _follow_weights(self, stack, ctx.state, device):
         # The input is not where the layer's weights are: PEFT's own path decides (its result, or its error), and
         # the stack stays where the weights are.
-        return state["_csgmv_orig_forward"](x, *args, adapter_names=ctx.names_for(rows), **kwargs)
+        names = ctx.names_for(rows)
+        return state["_csgmv_orig_forward"](x, *args, adapter_names=names, **ctx.variant_kwargs(), **kwargs)
     if state["scaling"] is not stack.scaling_src:  # rescaled by assignment (peft.helpers.rescale_adapter_scale)
         ctx.state.stack_layer(self, force=True)
     peft_rows = state["_csgmv_peft"]
@@ -240,7 +250,8 @@ def _peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
     # (PEFT's trainable-token and modules_to_save wrappers fail on names they do not hold).
     held = self._csgmv_held
     names = [name if name in held else "__base__" for name in names]
-    if hasattr(self, "lora_A"):
+    if hasattr(self, "lora_A"):  # a LoRA layer: the call's variant arguments, not those PEFT's hooks passed
+        kwargs = {k: v for k, v in kwargs.items() if k not in VARIANT_KWARGS}
         kwargs.update(ctx.variant_kwargs())
     return self._csgmv_orig_forward(*args, adapter_names=names, **kwargs)
 

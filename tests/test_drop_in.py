@@ -173,6 +173,12 @@ def test_alora_mixed_with_plain_lora(backend, kernel_calls):
         input_ids=input_ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, **ids
     )
     assert assert_same_as_peft(model, gen, names, backend=backend, tokens=True)[0] == "ok"
+    # With aLoRA the *active* adapter, PEFT's forward hooks pass offsets for it to every layer; the call's own offsets
+    # (from its ids) are the ones that count.
+    model.set_adapter("al")
+    names = ["a0", BASE, "a0", "al", BASE, "a0"]
+    call = lambda **ids: model(input_ids, attention_mask=mask, **ids)  # noqa: E731
+    assert assert_same_as_peft(model, call, names, backend=backend)[0] == "ok"
 
 
 def test_alora_refuses_beams_as_peft_does():
