@@ -29,7 +29,12 @@ INTS = {"perm_ptr": "*i32", "seg_indptr_ptr": "*i32", "seg_slot_ptr": "*i32", "r
 
 
 def compile_variant(kernel, pointer_types: dict, constexprs: dict) -> None:
+    """Compile ``kernel`` with the given pointer types; every other runtime argument (sizes, strides such as
+    ``stride_ids``) is an unspecialized i32, as each name comes from the kernel's own signature."""
     names = kernel.arg_names
+    unknown = set(pointer_types) - set(names)
+    if unknown:
+        raise ValueError(f"{kernel.fn.__name__} has no argument(s) {sorted(unknown)}")
     signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "i32") for n in names}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
@@ -49,9 +54,10 @@ def variants():
         cx = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
         cx.update(HAS_DORA=dora, HAS_LORA_BIAS=lora_bias)
         yield f"expand {dtype} dora={dora} lora_bias={lora_bias}", expand._expand_kernel, types, cx
-    for dtype in ("bf16", "fp32"):
-        types = {"ids_ptr": "*i64", "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS}
-        yield f"embedding_shrink {dtype}", embedding._embedding_shrink_kernel, types, dict(BLOCK_M=32, BLOCK_R=16)
+    for dtype, ids in (("bf16", "*i64"), ("fp32", "*i32")):  # ids of either width, read through stride_ids
+        types = {"ids_ptr": ids, "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS}
+        cx = dict(BLOCK_M=32, BLOCK_R=16)
+        yield f"embedding_shrink {dtype} ids {ids[1:]}", embedding._embedding_shrink_kernel, types, cx
 
 
 def main() -> int:

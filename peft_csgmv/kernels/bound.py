@@ -7,10 +7,11 @@ filled in, so a call costs two compiled-kernel launches and a handful of identit
 tiles, strides and launch-cache keys. The layers build it on a plan's second use (a plan used once, as when the ids
 change every call, never pays for it), right after that call went through :func:`~peft_csgmv.kernels.shrink` and
 :func:`~peft_csgmv.kernels.expand`, and use it while :meth:`BoundLayer.fits` holds: same stack tensors, and
-``x``/``y`` with the dtype, strides and 16-byte alignment the kernels were specialized for. Every tensor argument is
-passed as its device address (an int), which Triton's launcher takes as it is; a tensor would cost a ``data_ptr()``
-call and a driver query of the pointer per argument per launch. The binding keeps the tensors behind those addresses
-alive.
+``x``/``y`` with the dtype, strides and 16-byte alignment the kernels were specialized for (a view with other strides
+does not fit; one at another storage offset fits when its alignment is the same, as its address is passed with the
+offset in it). Every tensor argument is passed as its device address (an int), which Triton's launcher takes as it is;
+a tensor would cost a ``data_ptr()`` call and a driver query of the pointer per argument per launch. The binding keeps
+the tensors behind those addresses alive.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class BoundLayer:
         ``None`` where the direct launch path is off or the kernels are not compiled for these arguments."""
         if plan.num_segments == 0 or launch._interpreting():
             return None
+        # shrink/expand copy strided per-slot vectors and tables first; a binding would keep the copy's address.
+        for v in (stack.ranks, stack.scalings, stack.mag, stack.bias, stack.lora_bias):
+            if v is not None and not v.is_contiguous():
+                return None
         k = x.shape[1]
         block_m = _block(plan.chunk_size)
         block_k, split, k_per_split, s_opts = shrink_tiles(block_m, plan.num_segments, k, x.device)

@@ -18,18 +18,19 @@ import triton.language as tl
 
 from ..plan import BatchPlan
 from .launch import Launcher
-from .shrink import _block, _segment_rows
+from .shrink import _block, _dense, _segment_rows
 
 
 @triton.jit
 def _embedding_shrink_kernel(
-    ids_ptr,  # (T,) int64/int32 token ids
+    ids_ptr,  # (T,) int64/int32 token ids, read through stride_ids
     a_ptr,  # (S, R, V) stacked embedding A
     t_ptr,  # (T, R) fp32 output
     perm_ptr,  # (T,) int32
     seg_indptr_ptr,  # (num_segments + 1,) int32
     seg_slot_ptr,  # (num_segments,) int32
     rank_ptr,  # (S,) int32
+    stride_ids,
     stride_as,
     stride_ar,
     stride_av,
@@ -44,7 +45,7 @@ def _embedding_shrink_kernel(
     if rank == 0:
         return
     rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
-    ids = tl.load(ids_ptr + rows, mask=m_mask, other=0).to(tl.int64)
+    ids = tl.load(ids_ptr + rows * stride_ids, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask = m_mask[:, None] & (offs_r < rank)[None, :]
     a = tl.load(
@@ -64,11 +65,12 @@ def embedding_shrink(
     """Launch the embedding shrink kernel.
 
     Args:
-        ids: ``(T,)`` int token ids (any integer dtype, any stride); ``T = plan.num_tokens``.
-        a: ``(S, R, V)`` stacked embedding A weights, fp16/bf16/fp32.
+        ids: ``(T,)`` int token ids (any integer dtype, any stride, e.g. ``seq[:, -1:].reshape(-1)``);
+            ``T = plan.num_tokens``.
+        a: ``(S, R, V)`` stacked embedding A weights, fp16/bf16/fp32, any strides.
         ranks: ``(S,)`` int32 rank of each slot.
         plan: the batch plan on ``ids``' device.
-        t: optional ``(T, R)`` fp32 output buffer.
+        t: optional ``(T, R)`` fp32 output buffer, any strides.
 
     Returns:
         ``t``: ``(T, R)`` fp32; only ``t[rows of segment s, :ranks[slot of s]]`` is written.
@@ -79,12 +81,14 @@ def embedding_shrink(
         raise ValueError(f"embedding_shrink: {num_tokens} ids do not fit a plan of {plan.num_tokens} tokens")
     if t is None:
         t = torch.empty((num_tokens, r), dtype=torch.float32, device=ids.device)
+    elif t.shape != (num_tokens, r):
+        raise ValueError(f"embedding_shrink: t {tuple(t.shape)} is not ({num_tokens}, {r})")
     if plan.num_segments:
         _launch_embedding_shrink(
             (plan.num_segments, 1, 1),
             (
-                ids, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
-                a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1),
+                ids, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, _dense(ranks),
+                ids.stride(0), a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1),
             ),
             dict(BLOCK_M=_block(plan.chunk_size), BLOCK_R=_block(r)),
         )  # fmt: skip

@@ -16,7 +16,10 @@ rows, bias excluded::
 ``(t[rows, :r] @ B[slot, :, :r]ᵀ + lbias[slot]) · scaling[slot]``.
 
 ``t`` is cast to ``B``'s dtype before the product (as PEFT feeds ``lora_A``'s output to ``lora_B`` in the adapter
-dtype). Rows in no segment (base rows) and segments whose slot has rank 0 are left as they are.
+dtype). Rows in no segment (base rows) and segments whose slot has rank 0 are left as they are. ``t``, ``B`` and ``y``
+are addressed through their strides (``y`` may be a view of a wider, offset or transposed buffer: it is updated in place
+there, and nothing else of that buffer is touched); the per-slot vectors and tables (``ranks``, ``scalings``, ``mag``,
+``bias``, ``lora_bias``) are read densely, so a strided view of them is copied first.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import triton.language as tl
 
 from ..plan import BatchPlan
 from .launch import Launcher
-from .shrink import _block, _segment_rows, _tiles
+from .shrink import _block, _dense, _segment_rows, _tiles
 
 
 @triton.jit
@@ -166,12 +169,13 @@ def expand(
 
     Args:
         t: ``(T, R)`` or ``(P, T, R)`` fp32, the shrink output (``R`` = the layer's max rank; ``P`` split-K planes,
-            summed here).
-        b: ``(S, N, R)`` stacked B weights (slot-major), fp16/bf16/fp32.
+            summed here), any strides.
+        b: ``(S, N, R)`` stacked B weights (slot-major), fp16/bf16/fp32, any strides.
         ranks: ``(S,)`` int32 rank of each slot.
-        scalings: ``(S,)`` fp32 scaling of each slot.
+        scalings: ``(S,)`` fp32 scaling of each slot (this and the per-slot tensors below: a strided view is copied
+            first).
         plan: the batch plan on ``y``'s device.
-        y: ``(T, N)`` base output, fp16/bf16/fp32, any strides.
+        y: ``(T, N)`` base output, fp16/bf16/fp32, any strides (updated in place through them).
         mag: optional ``(S, N)`` fp32 DoRA scale per slot and output feature (1 for plain LoRA slots).
         bias: with ``mag``, the ``(N,)`` fp32 base-layer bias that ``y`` includes (zeros for none).
         lora_bias: optional ``(S, N)`` fp32 bias of each slot's ``lora_B`` (PEFT's ``lora_bias=True``; zeros for the
@@ -190,13 +194,15 @@ def expand(
     has_dora = mag is not None
     if has_dora and (mag.shape != (num_slots, n) or bias is None or bias.shape != (n,)):
         raise ValueError(f"expand: DoRA needs mag ({num_slots}, {n}) and bias ({n},)")
-    if not has_dora:
+    ranks, scalings = _dense(ranks), _dense(scalings)
+    if has_dora:
+        mag, bias = _dense(mag), _dense(bias)
+    else:
         mag = bias = scalings  # never read
     has_lora_bias = lora_bias is not None
     if has_lora_bias and lora_bias.shape != (num_slots, n):
         raise ValueError(f"expand: lora_bias must be ({num_slots}, {n}), got {tuple(lora_bias.shape)}")
-    if not has_lora_bias:
-        lora_bias = scalings  # never read
+    lora_bias = _dense(lora_bias) if has_lora_bias else scalings  # else never read
     block_m = _block(plan.chunk_size)
     block_n, options = expand_tiles(block_m, plan.num_segments, r) if config is None else _tiles(config, "block_n")
     _launch_expand(

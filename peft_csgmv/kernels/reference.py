@@ -2,6 +2,8 @@
 
 It serves as the CPU backend and as the test oracle (call it on float64 tensors for an exact reference). It walks the
 plan's runs (maximal groups of one slot in the permuted order), which is the same result as walking its segments.
+Every tensor may be a view (any strides, a storage offset): rows are gathered by indexing, and ``t`` / ``y`` are
+written in place through their own strides.
 
 Semantics (see ``shrink.py`` / ``expand.py``)::
 

@@ -7,7 +7,8 @@ Semantics::
 
 Rows that belong to no segment (base rows) and segments whose slot has rank 0 are not touched; ``t[:, r:]`` of a
 segment is not written either. ``t`` is indexed by original token, so the expand step reads it through the same
-permutation.
+permutation. ``x``, ``A`` and ``t`` are addressed through their strides (views of a wider, offset or transposed buffer
+are read and written in place); the per-slot ``ranks`` are read densely, so a strided view of them is copied first.
 
 Split-K: when there are too few segments to fill the GPU (decode with few adapters, wide inputs), the K range is cut
 into ``split_k`` parts and each part writes its partial product to its own plane, ``t[p] = x[:, Kp] @ A[:, Kp]ᵀ``;
@@ -101,6 +102,12 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def _dense(v: torch.Tensor) -> torch.Tensor:
+    """``v`` where the kernels may read it densely (element ``i`` at ``ptr + i``, as they read the per-slot vectors
+    and tables), else a contiguous copy of it."""
+    return v.contiguous()
+
+
 def _tiles(config: dict, block: str) -> tuple[int, tuple]:
     """``(block size, launch options)`` from a tuning override."""
     return config[block], tuple((k, config[k]) for k in ("num_warps", "num_stages") if k in config)
@@ -184,10 +191,13 @@ def shrink(
 
     Args:
         x: ``(T, K)`` activations, fp16/bf16/fp32, any strides; ``T = plan.num_tokens``.
-        a: ``(S, R, K)`` stacked A weights (slot-major), fp16/bf16/fp32; ``x`` is cast to this dtype for the product.
-        ranks: ``(S,)`` int32, the rank of each slot (``0`` = the slot does nothing in this layer).
+        a: ``(S, R, K)`` stacked A weights (slot-major), fp16/bf16/fp32, any strides; ``x`` is cast to this dtype for
+            the product.
+        ranks: ``(S,)`` int32, the rank of each slot (``0`` = the slot does nothing in this layer); a strided view is
+            copied first.
         plan: the batch plan (permutation, segments, slot per segment) on ``x``'s device.
-        t: optional fp32 output buffer, ``(T, R)`` (then one split is used) or ``(P, T, R)`` with ``P >= split_k``.
+        t: optional fp32 output buffer, ``(T, R)`` (then one split is used) or ``(P, T, R)`` with ``P >= split_k``;
+            any strides (written in place through them).
         split_k: number of K splits, or ``"auto"`` (the default) for :func:`shrink_tiles`' choice by segment count
             and input width; :func:`shrink_splits` says how many planes that is.
         config: override the tile choice (for tuning): ``block_k``, ``num_warps``, ``num_stages``.
@@ -223,7 +233,7 @@ def shrink(
     elif t.shape[0] < split_k or t.shape[1:] != (num_tokens, r):
         raise ValueError(f"shrink: t {tuple(t.shape)} cannot hold {split_k} splits of ({num_tokens}, {r})")
     if plan.num_segments:
-        _launch_shrink(*shrink_launch_args(x, a, ranks, plan, t, split_k, k_per_split, block_k, options))
+        _launch_shrink(*shrink_launch_args(x, a, _dense(ranks), plan, t, split_k, k_per_split, block_k, options))
     if t.dim() == 2 or t.shape[0] == split_k:
         return t
     return t[0] if split_k == 1 else t[:split_k]
