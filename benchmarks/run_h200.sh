@@ -19,6 +19,8 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
   echo "== $stage $(date -u +%T)"
   case $stage in
     tests)
+      # QLoRA tests need bitsandbytes, which the GPU image lacks: its wheel travels in wheels/ (carry it).
+      if ls wheels/bitsandbytes-*.whl > /dev/null 2>&1; then bash benchmarks/bnb_wheel.sh install; fi
       python3 -m pytest tests -q -p no:cacheprovider -rf --tb=short > "$OUT/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15 ;;
     kernels)

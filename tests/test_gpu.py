@@ -73,11 +73,15 @@ def _per_adapter_logits(pm, ids, mask, names):
     return ref, base
 
 
-def _assert_mixed_batch_matches(pm, names, dtype, stack_dtype=None, what=""):
-    """A mixed batch of ``names`` through csgmv against each row's own stock PEFT run, with ``dtype``'s tolerance."""
-    ids = torch.randint(3, 97, (len(names), 12), device=DEV)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+def _assert_mixed_batch_matches(pm, names, dtype, stack_dtype=None, what="", ids=None):
+    """A mixed batch of ``names`` through csgmv against each row's own stock PEFT run, with ``dtype``'s tolerance;
+    ``ids``: the token ids (any view), default random prompts with some left padding."""
+    if ids is None:
+        ids = torch.randint(3, 97, (len(names), 12), device=DEV)
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+    else:
+        mask = torch.ones(ids.shape, dtype=torch.long, device=DEV)
     ref, base = _per_adapter_logits(pm, ids, mask, names)
     assert (ref - base).abs().max() > 0.05, "the adapters do not change the output"
     enable_csgmv(pm, dtype=stack_dtype)
@@ -158,6 +162,52 @@ def test_embedding_lora_half(dtype):
     pm = add_adapters(model.to(DEV), specs)
     pm.to(dtype)
     _assert_mixed_batch_matches(pm, ["a", "__base__", "b", "a", "b"], dtype, what="embedding LoRA logits")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("view", ["last-column", "every-other-row"])
+def test_embedding_lora_strided_ids_half(dtype, view):
+    """Token ids as a hand-written decode loop passes them (``seq[:, -1:]``) or every other row: strided views reach
+    the embedding gather kernel, in half precision."""
+    model, targets = tiny_model("llama")
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", *targets]),
+        "b": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
+    }
+    pm = add_adapters(model.to(DEV), specs)
+    pm.to(dtype)
+    names = ["a", "__base__", "b", "a", "b"]
+    wide = torch.randint(3, 97, (2 * len(names), 9), device=DEV)
+    ids = wide[: len(names), -1:] if view == "last-column" else wide[::2]
+    assert not ids.is_contiguous()
+    _assert_mixed_batch_matches(pm, names, dtype, what=f"embedding LoRA, {view} ids", ids=ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_alora_mixed_half(dtype):
+    """aLoRA rows (PEFT's forward in each layer) mixed with kernel rows, in half precision: the same logits as PEFT's
+    own ``adapter_names`` path."""
+    model, targets = tiny_model("llama")
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"),
+        "al": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[7, 8],
+                   task_type="CAUSAL_LM"),
+    }  # fmt: skip
+    pm = add_adapters(model.to(DEV), specs).to(dtype)
+    names = ["al", "a", "__base__", "al", "a"]
+    ids = torch.randint(9, 97, (len(names), 10), device=DEV)
+    ids[:, 4:6] = torch.tensor([7, 8], device=DEV)
+    with torch.no_grad():
+        ref = pm(ids, adapter_names=names).logits.float()
+        base = pm(ids, adapter_names=["__base__"] * len(names)).logits.float()
+    assert (ref[0] - base[0]).abs().max() > 0.05
+    enable_csgmv(pm)
+    try:
+        with torch.no_grad():
+            out = pm(ids, adapter_ids=names).logits.float()
+    finally:
+        disable_csgmv(pm)
+    assert_close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()) * 2, what="aLoRA mixed logits")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -50,6 +50,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 BACKENDS = ["triton", "torch"]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}  # the interpreter's tl.dot on bf16 is unreliable
+if torch.cuda.is_available():  # compiled kernels: bf16 too
+    DTYPES["bf16"] = torch.bfloat16
 
 # Eight rows of two tokens, base rows interleaved, slot 3 of rank 0; chunks of 3 split slot 0's run in two segments.
 ROW_SLOTS = [2, -1, 0, 1, 3, 0, -1, 2]
