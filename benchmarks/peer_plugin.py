@@ -164,6 +164,16 @@ def _tiny_configs():
 
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     return {
+        # The timing test's "more realistic model": OPT-125m's own dimensions, random weights.
+        "peft-internal-testing/opt-125m": lambda: tf.OPTConfig(
+            vocab_size=50272,
+            hidden_size=768,
+            ffn_dim=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            word_embed_proj_dim=768,
+            max_position_embeddings=2048,
+        ),
         "peft-internal-testing/tiny-random-OPTForCausalLM": lambda: tf.OPTConfig(
             vocab_size=1024,
             hidden_size=32,
