@@ -7,6 +7,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib  # noqa: E402
+import types  # noqa: E402
+
 import pytest  # noqa: E402
 
 
@@ -43,3 +46,46 @@ def kernel_calls(monkeypatch):
 
     monkeypatch.setattr(csgmv_layers, "apply_lora", counting)
     return calls
+
+
+class Recorder:
+    """Stands in for a ``@triton.jit`` kernel and the compiled kernels it returns: records each launch as
+    ``(kernel, "triton" | "direct", grid, args, options)``."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        def first_launch(*args, **kwargs):
+            self.log.append((self.name, "triton", grid, args, tuple(kwargs.items())))
+            return types.SimpleNamespace(run=self.run, function=f"{self.name}-fn", packed_metadata=f"{self.name}-meta")
+
+        return first_launch
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        assert (function, metadata, stream) == (f"{self.name}-fn", f"{self.name}-meta", "stream")
+        self.log.append((self.name, "direct", (gx, gy, gz), args, ()))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every shrink / expand launch recorded instead of run, as on a GPU (the direct launch path on, the layers on the
+    Triton backend): the launch log."""
+    import peft_csgmv.layers as csgmv_layers
+    from peft_csgmv.kernels import launch
+
+    log: list = []
+    monkeypatch.setattr(launch, "_interpreting", lambda: False)
+    monkeypatch.setattr(
+        launch, "_driver", types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda d: "stream"))
+    )
+    monkeypatch.setattr(csgmv_layers, "use_triton", lambda backend, device: True)
+    bound_mod = importlib.import_module("peft_csgmv.kernels.bound")
+    for name in ("shrink", "expand"):
+        mod = importlib.import_module(f"peft_csgmv.kernels.{name}")
+        attr = f"_launch_{name}"
+        launcher = launch.Launcher(Recorder(name, log), getattr(mod, attr).num_tensors)
+        launcher.direct = True
+        monkeypatch.setattr(mod, attr, launcher)
+        monkeypatch.setattr(bound_mod, attr, launcher)
+    return log

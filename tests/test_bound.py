@@ -7,57 +7,12 @@ thing (every decode step after the first goes through the bound launches).
 
 from __future__ import annotations
 
-import importlib
-import types
-
-import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-import peft_csgmv.layers as csgmv_layers
 from peft_csgmv import disable_csgmv, enable_csgmv
-from peft_csgmv.kernels import BoundLayer, launch
+from peft_csgmv.kernels import BoundLayer
 from peft_csgmv.layers import ACTIVE, CallContext
-
-shrink_mod = importlib.import_module("peft_csgmv.kernels.shrink")
-expand_mod = importlib.import_module("peft_csgmv.kernels.expand")
-
-
-class Recorder:
-    """Stands in for a ``@triton.jit`` kernel and the compiled kernels it returns: records each launch."""
-
-    def __init__(self, name: str, log: list):
-        self.name, self.log = name, log
-
-    def __getitem__(self, grid):
-        def first_launch(*args, **kwargs):
-            self.log.append((self.name, "triton", grid, args, tuple(kwargs.items())))
-            return types.SimpleNamespace(run=self.run, function=f"{self.name}-fn", packed_metadata=f"{self.name}-meta")
-
-        return first_launch
-
-    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args):
-        assert (function, metadata, stream) == (f"{self.name}-fn", f"{self.name}-meta", "stream")
-        self.log.append((self.name, "direct", (gx, gy, gz), args, ()))
-
-
-@pytest.fixture
-def recorded(monkeypatch):
-    log: list = []
-    monkeypatch.setattr(launch, "_interpreting", lambda: False)
-    monkeypatch.setattr(
-        launch, "_driver", types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda d: "stream"))
-    )
-    monkeypatch.setattr(csgmv_layers, "use_triton", lambda backend, device: True)
-    for mod, attr in ((shrink_mod, "_launch_shrink"), (expand_mod, "_launch_expand")):
-        launcher = launch.Launcher(Recorder(attr.removeprefix("_launch_"), log), getattr(mod, attr).num_tensors)
-        launcher.direct = True
-        monkeypatch.setattr(mod, attr, launcher)
-    import peft_csgmv.kernels.bound as bound_mod
-
-    monkeypatch.setattr(bound_mod, "_launch_shrink", shrink_mod._launch_shrink)
-    monkeypatch.setattr(bound_mod, "_launch_expand", expand_mod._launch_expand)
-    return log
 
 
 class OneLayer(torch.nn.Module):
