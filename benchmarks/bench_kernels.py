@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from peft_csgmv import BatchPlan  # noqa: E402
+from peft_csgmv.executor import PlanRun  # noqa: E402
 from peft_csgmv.kernels import BoundLayer, expand, shrink, shrink_splits  # noqa: E402
 
 SHAPES = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048), (4096, 4096), (4096, 1024), (4096, 14336),
@@ -97,7 +98,7 @@ def bench_case(k, n, rank, tokens, rows, distinct, dist, dtype, copy_gbs, gen):
     plan = BatchPlan.build(slots, tokens // rows, dev)
     x = torch.randn(plan.num_tokens, k, device=dev, dtype=dtype)
     y = torch.randn(plan.num_tokens, n, device=dev, dtype=dtype)
-    t = plan.workspace(rank, shrink_splits(plan, k))  # as the patched layers do
+    t = PlanRun(plan).workspace(rank, shrink_splits(plan, k))  # as the patched layers do
 
     def layer():
         shrink(x, a, ranks, plan, t)
@@ -122,7 +123,7 @@ def bench_modules(dtype, gen) -> list[dict]:
     """Host and GPU time per layer of the whole module: base nn.Linear, PEFT lora.Linear with one adapter, csgmv."""
     from peft import LoraConfig, get_peft_model
 
-    from peft_csgmv.layers import ACTIVE, CallContext
+    from peft_csgmv.model import adapter_ids_scope
 
     rows = []
     for k, n in [(2048, 2048), (4096, 14336)]:
@@ -154,16 +155,11 @@ def bench_modules(dtype, gen) -> list[dict]:
             from peft_csgmv import disable_csgmv, enable_csgmv
 
             enable_csgmv(pm)
-            state = pm._csgmv
-            ctx = CallContext(
-                state=state, row_slots=tuple(range(32)), names=tuple(f"a{i}" for i in range(32)), arg_name="adapter_ids"
-            )
-            token = ACTIVE.set(ctx)
             try:
-                entry["csgmv_host_us"] = host_time_us(lambda: layer(x))
-                entry["csgmv_gpu_us"] = graph_time_us(lambda: layer(x))
+                with adapter_ids_scope(pm, [f"a{i}" for i in range(32)]):
+                    entry["csgmv_host_us"] = host_time_us(lambda: layer(x))
+                    entry["csgmv_gpu_us"] = graph_time_us(lambda: layer(x))
             finally:
-                ACTIVE.reset(token)
                 disable_csgmv(pm)
         rows.append(entry)
     return rows

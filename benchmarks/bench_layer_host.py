@@ -22,7 +22,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from peft_csgmv import enable_csgmv  # noqa: E402
 from peft_csgmv.kernels import launch  # noqa: E402
-from peft_csgmv.layers import ACTIVE, CallContext  # noqa: E402
+from peft_csgmv.model import adapter_ids_scope  # noqa: E402
 
 
 class OneLayer(torch.nn.Module):
@@ -73,14 +73,9 @@ def main(argv=None) -> int:
         rows["base nn.Linear call"] = best_us(lambda: layer.base_layer(x), args.calls)
         rows["PEFT lora.Linear, one adapter"] = best_us(lambda: layer(x), args.calls)
         enable_csgmv(model, backend="triton" if device == "cuda" or args.stub_launch else "torch")
-        names = tuple(f"a{i % 8}" for i in range(32))
-        slots = tuple(model._csgmv.registry.index[n] for n in names)
-        token = ACTIVE.set(CallContext(state=model._csgmv, row_slots=slots, names=names, arg_name="adapter_ids"))
-        try:
+        with adapter_ids_scope(model, [f"a{i % 8}" for i in range(32)]):
             label = "csgmv layer, 8 adapters" + (" (launches stubbed)" if args.stub_launch else "")
             rows[label] = best_us(lambda: layer(x), args.calls)
-        finally:
-            ACTIVE.reset(token)
     print(f"\n| layer, 32 decode rows, {device} | µs per call |\n|---|---|")
     for name, us in rows.items():
         print(f"| {name} | {us:.1f} |")

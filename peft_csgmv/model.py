@@ -22,30 +22,19 @@ bookkeeping are untouched.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import warnings
-import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from .layers import (
-    ACTIVE,
-    BACKENDS,
-    CallContext,
-    is_patched,
-    patch_layer,
-    patch_peft_path,
-    unpatch_layer,
-)
-from .plan import BatchPlan
+from .executor import CallContext, Executor
+from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer
 from .slots import LoraStack, SlotRegistry, layer_adapters, weights_device
 
 BASE = "__base__"
 BASE_NAMES = (None, BASE)
-_PLAN_CACHE_SIZE = 64
 
 
 def _peft_classes():
@@ -132,8 +121,9 @@ class CsgmvState:
     """Everything ``enable_csgmv`` attached to one model: the slot registry, the patched layers and their stacks."""
 
     def __init__(self, backend: str, dtype: torch.dtype | None) -> None:
-        self.backend = backend
         self.dtype = dtype
+        # Runs the layers' LoRA for each call; it restacks a layer through this state when PEFT rescales it.
+        self.executor = Executor(backend, lambda layer: self.stack_layer(layer, force=True))
         self.registry = SlotRegistry()
         self.layers: dict[str, nn.Module] = {}  # module name -> lora.Linear / lora.Embedding on the kernels
         self.peft_path: dict[str, nn.Module] = {}  # module name -> module on PEFT's mixed-batch path
@@ -143,7 +133,6 @@ class CsgmvState:
         self.reported: set[str] = set()  # modules already named in the PEFT-path warning
         self.fingerprint: tuple = ()
         self.configs: list = []  # keeps the fingerprinted config objects alive, so their ids stay unique
-        self.plans: collections.OrderedDict = collections.OrderedDict()
 
     # -- adapters -------------------------------------------------------------------------------------------------
 
@@ -184,11 +173,11 @@ class CsgmvState:
                     peft_path[mod_name] = module
             for module in peft_path.values():
                 if not is_patched(module):
-                    patch_peft_path(module, weakref.ref(self))
+                    patch_peft_path(module, self.executor)
                 module._csgmv_held = frozenset(_held_adapters(module))
             for layer in found.values():
                 if not is_patched(layer):
-                    patch_layer(layer, self._new_stack(layer), weakref.ref(self))
+                    patch_layer(layer, self._new_stack(layer), self.executor)
                 self.stack_layer(layer, force)
         for old, new in ((self.layers, found), (self.peft_path, peft_path)):
             for mod_name, module in old.items():
@@ -197,7 +186,7 @@ class CsgmvState:
         self.layers, self.peft_path, self.known = found, peft_path, frozenset(known)
         self.fingerprint = fingerprint
         self.configs = list(model.peft_config.values())
-        self.plans.clear()
+        self.executor.clear_plans()
         self._report(model)
 
     def _report(self, model) -> None:
@@ -275,22 +264,16 @@ class CsgmvState:
         for module in [*self.layers.values(), *self.peft_path.values()]:
             unpatch_layer(module)
         self.layers, self.peft_path = {}, {}
-        self.plans.clear()
+        self.executor.clear_plans()
 
     # -- per call -------------------------------------------------------------------------------------------------
 
-    def cached_plan(self, row_slots: tuple[int, ...], repeat: int, tokens_per_row: int, device) -> BatchPlan:
-        key = (row_slots, repeat, tokens_per_row, device)
-        plan = self.plans.get(key)
-        if plan is None:
-            slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
-            plan = BatchPlan.build(slots, tokens_per_row, device)
-            self.plans[key] = plan
-            if len(self.plans) > _PLAN_CACHE_SIZE:
-                self.plans.popitem(last=False)
-        else:
-            self.plans.move_to_end(key)
-        return plan
+    def restack_rescaled(self) -> None:
+        """Restack the layers whose ``scaling`` dict PEFT replaced (``peft.helpers.rescale_adapter_scale`` assigns a new
+        one; ``set_scale`` and friends are caught as they happen)."""
+        for layer in self.layers.values():
+            if layer.scaling is not layer._csgmv_stack.scaling_src:
+                self.stack_layer(layer, force=True)
 
     def resolve(self, model, ids: Sequence[str | None], arg: str, batch_size: int | None) -> tuple[int, ...]:
         """Validate ``ids`` for this call and map them to slots (``-1`` for base rows). Raises before anything runs;
@@ -420,43 +403,72 @@ def _alora_offsets(model, names: tuple[str, ...], args: tuple, kwargs: dict, gen
     return offsets
 
 
-@contextlib.contextmanager
-def _csgmv_call(model, args: tuple, kwargs: dict, generate: bool) -> Iterator[None]:
-    """Validate the ids of one call, publish them to the layers, and clear them again whatever happens."""
+@torch.compiler.disable
+def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | None:
+    """Validate the ids of one call (popped from ``kwargs``) and open it on the model's executor, which the caller
+    closes with :func:`_close_call` whatever happens; ``None`` when the call has no ids for the kernels (no ids, under
+    ``disable_adapter()``, or a model PEFT's path serves whole: then ``kwargs`` carries PEFT's ``adapter_names``).
+    Host work: never traced by torch.compile."""
     state: CsgmvState = model._csgmv
     ids, arg = _pop_ids(kwargs)
     if ids is None or not model.has_active_enabled_adapter:
         # No ids, or under ``disable_adapter()``: PEFT ignores adapter_names there, and so do we.
-        yield
-        return
+        return None
     state.sync(model)
     if state.peft_only is not None:
         # Nothing for the kernels: PEFT's own path, whole (its results, its errors).
         kwargs["adapter_names"] = (
             [BASE if i is None else i for i in ids] if isinstance(ids, (list, tuple)) and arg == "adapter_ids" else ids
         )
-        yield
-        return
+        return None
     _check_ids(ids, arg)
     row_slots = state.resolve(model, ids, arg, _check_inputs(args, kwargs, arg))
     names = tuple(BASE if i in BASE_NAMES else i for i in ids)
     offsets = _alora_offsets(model, names, args, kwargs, generate)
-    token = ACTIVE.set(CallContext(state=state, row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets))
+    state.restack_rescaled()
+    executor = state.executor
+    executor.begin(CallContext(row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets))
+    return executor
+
+
+@torch.compiler.disable
+def _close_call(executor: Executor) -> None:
+    executor.end()
+
+
+def _run(model, method, args: tuple, kwargs: dict, generate: bool):
+    executor = _open_call(model, args, kwargs, generate)
+    if executor is None:
+        return method(model, *args, **kwargs)
     try:
         with torch.no_grad():
-            yield
+            return method(model, *args, **kwargs)
     finally:
-        ACTIVE.reset(token)
+        _close_call(executor)
 
 
+@contextlib.contextmanager
+def adapter_ids_scope(model, adapter_ids: Sequence[str | None]) -> Iterator[None]:
+    """Apply ``adapter_ids`` to every patched layer called inside the block, as a call of the model with those ids
+    does (validated the same way; for calling layers directly: benchmarks, tests, a compiled layer)."""
+    executor = _open_call(model, (), {"adapter_ids": adapter_ids}, generate=False)
+    try:
+        yield
+    finally:
+        if executor is not None:
+            _close_call(executor)
+
+
+# The wrappers run eagerly under torch.compile (validation and the ids are host work, in the disabled helpers above);
+# the model's own forward inside them is compiled, its LoRA layers included.
+@torch.compiler.disable(recursive=False)
 def _forward(self, *args: Any, **kwargs: Any):
-    with _csgmv_call(self, args, kwargs, generate=False):
-        return type(self).forward(self, *args, **kwargs)
+    return _run(self, type(self).forward, args, kwargs, generate=False)
 
 
+@torch.compiler.disable(recursive=False)
 def _generate(self, *args: Any, **kwargs: Any):
-    with _csgmv_call(self, args, kwargs, generate=True):
-        return type(self).generate(self, *args, **kwargs)
+    return _run(self, type(self).generate, args, kwargs, generate=True)
 
 
 def enable_csgmv(model, backend: str = "auto", dtype: torch.dtype | None = None):
@@ -486,7 +498,7 @@ def enable_csgmv(model, backend: str = "auto", dtype: torch.dtype | None = None)
     state = model.__dict__.get("_csgmv")
     if state is not None:
         if dtype == state.dtype:
-            state.backend = backend
+            state.executor.set_backend(backend)
             state.sync(model, force=True)
             return model
         # A restack copies into the existing stacks, which keep their dtype: build them afresh for the new one.

@@ -61,7 +61,7 @@ def chunk_size_for(num_tokens: int, run_lengths: Sequence[int] = ()) -> int:
     return chunk
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class BatchPlan:
     """Token grouping shared by every patched layer that sees the same ``(rows, tokens_per_row)`` shape.
 
@@ -85,22 +85,6 @@ class BatchPlan:
     seg_indptr: torch.Tensor
     seg_slot: torch.Tensor
     runs: tuple[tuple[int, int, int], ...]
-    _workspace: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    # Each layer's launches bound to this plan, filled by the layers: LoraStack -> kernels.BoundLayer, or a marker
-    # (used once: bind on the next use; or cannot bind), see layers.apply_lora.
-    bound: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-
-    def workspace(self, width: int, planes: int = 1) -> torch.Tensor:
-        """A ``(num_tokens, width)`` fp32 buffer for the shrink output (``(planes, num_tokens, width)`` for split-K
-        partial products), allocated once per plan and shape and shared by every layer: layers run one after
-        another, and each layer's expand consumes it before the next layer's shrink."""
-        buf = self._workspace.get((width, planes))
-        if buf is None:
-            shape = (self.num_tokens, width) if planes == 1 else (planes, self.num_tokens, width)
-            buf = self._workspace[(width, planes)] = torch.empty(
-                shape, dtype=torch.float32, device=self.permutation.device
-            )
-        return buf
 
     @property
     def num_tokens(self) -> int:

@@ -41,7 +41,7 @@ from helpers import (
 )
 
 from peft_csgmv import enable_csgmv
-from peft_csgmv.layers import ACTIVE
+from peft_csgmv.executor import active_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -248,7 +248,7 @@ def test_lm_head_forward(backend, kernel_calls):
         close(out, expected[keep], f"logits_to_keep={keep}/{backend}: csgmv vs per-adapter runs")
         close(out, peft_mixed[keep], f"logits_to_keep={keep}/{backend}: csgmv vs PEFT adapter_names")
     assert "base_model.model.lm_head" in patched_names(model)
-    assert ACTIVE.get() is None
+    assert active_calls() == 0
 
 
 @pytest.mark.parametrize(
@@ -286,7 +286,7 @@ def test_lm_head_greedy_generate(backend, task_type):
     assert seen["q_proj"] == [(4, 5)] + [(4, 1)] * 4, seen["q_proj"]
     assert torch.equal(out, expected), f"\n{out}\n!=\n{expected}"
     assert torch.equal(out, peft_mixed)
-    assert ACTIVE.get() is None
+    assert active_calls() == 0
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -329,7 +329,7 @@ def test_forward_parity_arch(arch, backend, kernel_calls):
     assert len(kernel_calls) == len(patched) and all(f == (backend == "triton") for f in kernel_calls)
     close(out, expected, f"{arch}/{backend} csgmv vs per-adapter runs")
     close(out, peft_mixed, f"{arch}/{backend} csgmv vs PEFT adapter_names")
-    assert ACTIVE.get() is None
+    assert active_calls() == 0
 
 
 @pytest.mark.parametrize(
@@ -358,7 +358,7 @@ def test_greedy_generate_arch(arch, backend):
     out = gen(adapter_ids=names)
     assert torch.equal(out, expected), f"\n{out}\n!=\n{expected}"
     assert torch.equal(out, peft_mixed)
-    assert ACTIVE.get() is None
+    assert active_calls() == 0
 
 
 @pytest.mark.parametrize("arch", ["llama_tied", "gemma3"])
@@ -489,7 +489,7 @@ def test_seq2seq_generate(arch, backend, task_type, num_beams):
     assert torch.equal(out, expected), f"\n{out}\n!=\n{expected}"
     assert torch.equal(out, peft_mixed)
     assert torch.equal(gen(adapter_names=names), out)  # PEFT's spelling takes the same path
-    assert ACTIVE.get() is None
+    assert active_calls() == 0
 
 
 def test_seq2seq_beam_search_num_return_sequences():

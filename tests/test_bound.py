@@ -11,8 +11,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from peft_csgmv import disable_csgmv, enable_csgmv
+from peft_csgmv.executor import CallContext
 from peft_csgmv.kernels import BoundLayer
-from peft_csgmv.layers import ACTIVE, CallContext
 
 
 class OneLayer(torch.nn.Module):
@@ -50,12 +50,13 @@ def test_bound_launches_match_the_checked_path(recorded):
     names = ("a0", "a1", "a0", "a1")
     slots = tuple(model._csgmv.registry.index[n] for n in names)
     x = torch.randn(4, 1, 40)
-    token = ACTIVE.set(CallContext(state=model._csgmv, row_slots=slots, names=names, arg_name="adapter_ids"))
+    executor = model._csgmv.executor
+    executor.begin(CallContext(row_slots=slots, names=names, arg_name="adapter_ids"))
     try:
         with torch.no_grad():
             layer(x)  # first call: Triton compiles (recorded as "triton"); a plan used once is not bound
             assert [(e[0], e[1]) for e in recorded] == [("shrink", "triton"), ("expand", "triton")]
-            plan = next(iter(model._csgmv.plans.values()))
+            plan = next(iter(executor.plans.values()))  # the PlanRun: plan, workspaces, bindings
             assert not isinstance(plan.bound[layer._csgmv_stack], BoundLayer)
             recorded.clear()
             layer(x)  # second call: the checked path's direct launch, then the launches are bound to the plan
@@ -94,5 +95,5 @@ def test_bound_launches_match_the_checked_path(recorded):
             assert layer._csgmv_stack.a is not bound.tensors[0]
             assert not bound.fits(torch.randn(4, 40), torch.empty(4, 24), layer._csgmv_stack)
     finally:
-        ACTIVE.reset(token)
+        executor.end()
         disable_csgmv(model)

@@ -102,9 +102,9 @@ def test_split_k_layers_with_dora_and_lora_bias():
     enable_csgmv(model, backend="triton")
     try:
         got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
-        plans = list(model._csgmv.plans.values())
-        assert plans and all(shrink_splits(p, 256) > 1 for p in plans), "the layers did not split K"
-        assert any(planes > 1 for p in plans for (_, planes) in p._workspace), "no split-K workspace was used"
+        runs = list(model._csgmv.executor.plans.values())
+        assert runs and all(shrink_splits(r.plan, 256) > 1 for r in runs), "the layers did not split K"
+        assert any(planes > 1 for r in runs for (_, planes) in r.workspaces), "no split-K workspace was used"
     finally:
         disable_csgmv(model)
     close(got, stitch(outs, names), "split-K layers with DoRA and lora_bias")

@@ -27,7 +27,7 @@ from helpers import (
 from peft import GloraConfig, LoHaConfig, LoraConfig, RoadConfig, get_peft_model
 
 from peft_csgmv import disable_csgmv, enable_csgmv
-from peft_csgmv.layers import ACTIVE
+from peft_csgmv.executor import active_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore:csgmv. .*PEFT:UserWarning")
 BACKENDS = ["torch", "triton"]
@@ -60,7 +60,7 @@ def assert_same_as_peft(model, call, names, backend="torch", tokens=False):
     try:
         for arg, ids in (("adapter_names", list(names)), ("adapter_ids", [None if n == BASE else n for n in names])):
             got = outcome(lambda: call(**{arg: ids}))
-            assert ACTIVE.get() is None
+            assert active_calls() == 0
             assert got[0] == expected[0], f"{arg}: csgmv {got[0]} ({got[1:]}) where PEFT gave {expected[0]}"
             if expected[0] == "raise":
                 assert got[1] is expected[1], f"{arg}: csgmv raised {got[1].__name__}, PEFT {expected[1].__name__}"
@@ -319,7 +319,7 @@ def test_empty_batch_or_sequence_refused(enabled, kernel_calls, shape, message, 
             model(empty, adapter_ids=ids)
         else:
             model.generate(input_ids=empty, attention_mask=torch.ones_like(empty), adapter_ids=ids, max_new_tokens=2)
-    assert kernel_calls == [] and ACTIVE.get() is None
+    assert kernel_calls == [] and active_calls() == 0
     with torch.no_grad():
         close(model(input_ids, attention_mask=mask, adapter_ids=ids).logits, expected, "valid call after the error")
 

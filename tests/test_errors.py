@@ -10,7 +10,8 @@ import torch
 from helpers import add_adapters, assert_close, tiny_model
 
 from peft_csgmv import enable_csgmv, is_csgmv_enabled
-from peft_csgmv.layers import ACTIVE, is_patched
+from peft_csgmv.executor import active_calls
+from peft_csgmv.layers import is_patched
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -63,10 +64,10 @@ class Setup:
     def assert_usable(self, kernel_calls):
         """Nothing ran and nothing is left behind; the next valid call is right."""
         assert kernel_calls == [], "a kernel ran before the error"
-        assert ACTIVE.get() is None, "the call context leaked"
+        assert active_calls() == 0, "the call context leaked"
         out = self(adapter_ids=NAMES).logits
         assert kernel_calls, "the valid call after the error did not use the kernels"
-        assert ACTIVE.get() is None
+        assert active_calls() == 0
         assert torch.isfinite(out).all()
         assert_close(out, self.expected, what="valid call after the error")
 
@@ -112,7 +113,7 @@ def test_merged_adapter(setup, kernel_calls):
         setup(adapter_ids=NAMES)
     with pytest.raises(ValueError, match=msg.replace("adapter_ids", "adapter_names")):
         setup.generate(adapter_names=NAMES)
-    assert ACTIVE.get() is None
+    assert active_calls() == 0
     setup.model.unmerge_adapter()
     setup.assert_usable(kernel_calls)
 
@@ -159,12 +160,12 @@ def test_errors_inside_generate_leave_no_state(setup, kernel_calls):
     """Errors from validation, and errors raised by transformers / the model while the ids are active."""
     with pytest.raises(ValueError, match="non-existing adapter"):
         setup.generate(adapter_ids=["a0", "zzz", None, "a1"])
-    assert ACTIVE.get() is None and kernel_calls == []
+    assert active_calls() == 0 and kernel_calls == []
 
     # Raised by transformers inside generate, after the ids were published to the layers.
     with pytest.raises(ValueError, match="bogus_kwarg"):
         setup.generate(adapter_ids=NAMES, bogus_kwarg=1)
-    assert ACTIVE.get() is None
+    assert active_calls() == 0
 
     # Raised by a later decoder layer, after the first layer's LoRA kernels ran with the ids active.
     def boom(module, args):
@@ -177,7 +178,7 @@ def test_errors_inside_generate_leave_no_state(setup, kernel_calls):
         assert kernel_calls, "the error was meant to come after some kernels ran"
     finally:
         handle.remove()
-    assert ACTIVE.get() is None
+    assert active_calls() == 0
 
     # No PEFT hooks were left on any module, and generate is right afterwards.
     assert all(not m._forward_pre_hooks for m in setup.model.modules())

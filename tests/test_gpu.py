@@ -243,8 +243,8 @@ def test_bound_launches_on_later_calls():
 
         first = model(input_ids, attention_mask=mask, adapter_ids=names).logits
         model(input_ids, attention_mask=mask, adapter_ids=names)  # a plan's second use binds its launches
-        plans = list(model._csgmv.plans.values())
-        bound = [b for p in plans for b in p.bound.values()]
+        runs = list(model._csgmv.executor.plans.values())
+        bound = [b for r in runs for b in r.bound.values()]
         assert bound and all(isinstance(b, BoundLayer) for b in bound), "no bound launches after the second call"
         second = model(input_ids, attention_mask=mask, adapter_ids=names).logits
     finally:
@@ -268,8 +268,8 @@ def test_model_moved_after_enable():
         model(input_ids, attention_mask=mask, adapter_ids=names)  # and the third runs them
         model.to("cpu")
         on_cpu = model(input_ids.cpu(), attention_mask=mask.cpu(), adapter_ids=names).logits
-        for plan in model._csgmv.plans.values():
-            for binding in plan.bound.values():
+        for run in model._csgmv.executor.plans.values():
+            for binding in run.bound.values():
                 if hasattr(binding, "tensors"):
                     assert all(t is None or t.device.type == "cpu" for t in binding.tensors)
         model.to(DEV)

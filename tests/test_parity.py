@@ -36,7 +36,7 @@ from helpers import (
 from peft import LoraConfig
 
 from peft_csgmv import disable_csgmv, enable_csgmv, is_csgmv_enabled
-from peft_csgmv.layers import ACTIVE
+from peft_csgmv.executor import active_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -77,7 +77,7 @@ def test_forward_parity(arch, backend, kernel_calls):
     close(out, expected, f"{arch}/{backend} csgmv vs per-adapter runs")
     if peft_mixed is not None:
         close(out, peft_mixed, f"{arch}/{backend} csgmv vs PEFT adapter_names")
-    assert ACTIVE.get() is None
+    assert active_calls() == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -292,7 +292,7 @@ def test_greedy_generate(arch, backend):
     if peft_mixed is not None:
         assert torch.equal(out, peft_mixed)
     assert torch.equal(gen(adapter_names=names), out)  # PEFT's spelling takes the same path
-    assert ACTIVE.get() is None
+    assert active_calls() == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -504,7 +504,7 @@ def test_adapter_lifecycle_after_enable(backend):
     model.delete_adapter("a0")
     with pytest.raises(ValueError, match="non-existing adapter"):
         run(adapter_ids=["a0", "a1", "a2", None])
-    assert ACTIVE.get() is None
+    assert active_calls() == 0
     check(["a1", "a2", "a2", BASE], "after delete_adapter(a0)")
 
     # a3 reuses a0's slot but targets only k_proj: every other layer must have that slot cleared.

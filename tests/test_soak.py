@@ -13,7 +13,7 @@ from helpers import ALL_LINEAR, BASE, DEVICE, add_adapters, close, per_adapter, 
 from peft import LoraConfig
 
 from peft_csgmv import enable_csgmv
-from peft_csgmv.layers import ACTIVE
+from peft_csgmv.executor import active_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -108,7 +108,7 @@ class Soak:
                 self.model(input_ids, **kw)
         finally:
             self.model.eval()
-        assert ACTIVE.get() is None
+        assert active_calls() == 0
 
     def edit(self):
         name = self.rng.choice(self.adapters)

@@ -32,6 +32,7 @@ from helpers import (
 )
 
 from peft_csgmv import disable_csgmv, enable_csgmv
+from peft_csgmv.executor import PlanRun
 from peft_csgmv.kernels import (
     BoundLayer,
     embedding_shrink,
@@ -512,7 +513,7 @@ def test_bound_layer_strides_and_offsets(recorded):
     k, n = 40, 24  # rows of 160 / 96 bytes: a view 3 rows in keeps 16-byte alignment
     a, b, ranks, scalings = weights(torch.float32, seed=28, k=k, n=n)
     stack = types.SimpleNamespace(a=a, b=b, ranks=ranks, scalings=scalings, mag=None, bias=None, lora_bias=None)
-    t = plan.workspace(R, shrink_splits(plan, k))
+    t = PlanRun(plan).workspace(R, shrink_splits(plan, k))
     x, y = randn(T, k, seed=29), randn(T, n, seed=30)
     shrink(x, a, ranks, plan, t)
     expand(t, b, ranks, scalings, plan, y)  # compiled ("triton" launches): the binding can take them

@@ -9,7 +9,6 @@ from .shrink import shrink, shrink_splits
 
 __all__ = [
     "BoundLayer",
-    "disable_direct_launch",
     "embedding_shrink",
     "embedding_shrink_reference",
     "shrink",
@@ -18,13 +17,3 @@ __all__ = [
     "shrink_reference",
     "expand_reference",
 ]
-
-
-def disable_direct_launch() -> None:
-    """Launch every kernel through Triton's own path from now on (see :mod:`.launch`)."""
-    from .embedding import _launch_embedding_shrink
-    from .expand import _launch_expand
-    from .shrink import _launch_shrink
-
-    for launcher in (_launch_shrink, _launch_expand, _launch_embedding_shrink):
-        launcher.direct = False

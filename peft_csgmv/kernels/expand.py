@@ -69,6 +69,8 @@ def _expand_kernel(
 ):
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if tl.load(seg_indptr_ptr + seg + 1) <= tl.load(seg_indptr_ptr + seg):
+        return  # an empty segment: a static plan's grid covers the most segments its shape can have
     slot = tl.load(seg_slot_ptr + seg)
     rank = tl.load(rank_ptr + slot)
     if rank == 0:

@@ -1,0 +1,269 @@
+"""The per-model executor: what one csgmv call runs, and the state it owns.
+
+Every patched layer of an enabled model holds the model's :class:`Executor`. The model wrapper opens a call with
+:meth:`Executor.begin` (the ids already validated and resolved to slots) and closes it with :meth:`Executor.end` in a
+``finally``; in between, each layer asks the executor for the LoRA of its rows. The executor runs the same plan in three
+ways:
+
+* **eager, Triton** (CUDA): a host-built :class:`~peft_csgmv.plan.BatchPlan` per ``(rows × tokens)`` shape, cached
+  across calls with the same ids, its workspace and each layer's bound launches (:class:`PlanRun`), and the two kernel
+  launches per layer;
+* **eager, torch** (CPU): the same plan through the plain-torch reference;
+* **compiled** (``torch.compile``, and transformers' ``cache_implementation="static"``, which compiles the decode
+  step): no Python runs per layer at run time, so the plan lives in a :class:`StaticPlan` — device buffers whose
+  addresses and shapes stay fixed and whose contents :meth:`Executor.begin` rewrites for each call's ids — and the
+  layers call the kernels through the ``peft_csgmv::lora`` custom op (:mod:`peft_csgmv.ops`). The kernel grid is sized
+  for the most segments the shape can have; programs past the live segments exit at once.
+
+Launch-path choices (the direct launch path, see :mod:`peft_csgmv.kernels.launch`) are executor state, not module
+globals.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .plan import BatchPlan, chunk_size_for
+
+if TYPE_CHECKING:
+    from .slots import LoraStack
+
+PLAN_CACHE_SIZE = 64
+
+
+def use_triton(backend: str, device: torch.device) -> bool:
+    if backend == "triton":
+        return True
+    if backend == "torch":
+        return False
+    return device.type == "cuda"
+
+
+@dataclasses.dataclass
+class CallContext:
+    """One call's ids, alive from :meth:`Executor.begin` to :meth:`Executor.end`."""
+
+    row_slots: tuple[int, ...]  # slot of each input row, -1 for base rows
+    names: tuple[str, ...]  # adapter name of each input row in PEFT's spelling ("__base__" for base rows)
+    arg_name: str  # "adapter_ids" or "adapter_names", for error messages
+    alora_offsets: list | None = None  # PEFT's aLoRA offsets of the call's rows, for the layers' PEFT path
+
+    def __post_init__(self) -> None:
+        self.name_set = frozenset(self.names)
+        self.runs: dict = {}  # (rows, tokens_per_row, device) -> PlanRun, filled by the first layer of each shape
+
+    def repeat(self, rows: int) -> int:
+        """How many consecutive rows of a module input each id covers (``num_beams``, ``num_return_sequences``,
+        or tokens flattened into rows)."""
+        n = len(self.row_slots)
+        if rows % n:
+            raise ValueError(
+                f"Length of `{self.arg_name}` should be the same as the number of inputs, but got {n} and "
+                f"{rows} respectively (a layer saw {rows} rows, which is not a whole multiple of {n})."
+            )
+        return rows // n
+
+    def names_for(self, rows: int) -> list[str]:
+        """PEFT's ``adapter_names`` for a module input of ``rows`` rows (each name repeated for its rows); the call's
+        names as they are when ``rows`` is no whole multiple of them, as PEFT's hooks pass them (PEFT's module then
+        raises its own error)."""
+        n = len(self.names)
+        if rows % n:
+            return list(self.names)
+        k = rows // n
+        return [name for name in self.names for _ in range(k)] if k > 1 else list(self.names)
+
+    def variant_kwargs(self) -> dict:
+        """The per-call arguments PEFT's hooks give every LoRA layer besides ``adapter_names``."""
+        return {} if self.alora_offsets is None else {"alora_offsets": self.alora_offsets}
+
+
+class PlanRun:
+    """A plan in use: the plan (plain data), its shrink workspaces, and each layer's launches bound to it (a
+    :class:`~peft_csgmv.kernels.BoundLayer`, or a marker: used once / cannot bind)."""
+
+    __slots__ = ("plan", "workspaces", "bound")
+
+    def __init__(self, plan: BatchPlan) -> None:
+        self.plan = plan
+        self.workspaces: dict = {}
+        self.bound: dict = {}
+
+    def workspace(self, width: int, planes: int = 1) -> torch.Tensor:
+        """A ``(num_tokens, width)`` fp32 buffer for the shrink output (``(planes, num_tokens, width)`` for split-K
+        partial products), allocated once per plan and shape and shared by every layer: layers run one after
+        another, and each layer's expand consumes it before the next layer's shrink."""
+        buf = self.workspaces.get((width, planes))
+        if buf is None:
+            n = self.plan.num_tokens
+            shape = (n, width) if planes == 1 else (planes, n, width)
+            buf = self.workspaces[(width, planes)] = torch.empty(
+                shape, dtype=torch.float32, device=self.plan.permutation.device
+            )
+        return buf
+
+
+def max_segments(rows: int, num_tokens: int, chunk: int) -> int:
+    """The most segments a plan of ``rows`` rows and ``num_tokens`` tokens can have with row tile ``chunk``: each run
+    of one slot (at most one per row) is cut into ``⌈len / chunk⌉`` segments, so at most ``rows + num_tokens // chunk``,
+    and never more than one per token."""
+    return min(num_tokens, rows + num_tokens // chunk)
+
+
+class StaticPlan:
+    """The plan of one compiled shape at fixed device addresses: ``n`` ids, ``rows × tokens_per_row`` tokens.
+
+    One int32 buffer ``[permutation (T) | seg_indptr (S + 1) | seg_slot (S)]`` with ``S`` = :func:`max_segments`;
+    :meth:`fill` rewrites it for each call's ids (one host-to-device copy). Segments past the live ones are empty
+    (``seg_indptr`` repeats the count of adapter tokens), and the kernels' programs for them exit at once. The row tile
+    follows the token count only (``chunk_size_for(T)``), so it does not change with the ids."""
+
+    def __init__(self, n: int, rows: int, tokens_per_row: int, device: torch.device) -> None:
+        self.n, self.rows, self.tokens_per_row, self.device = n, rows, tokens_per_row, device
+        self.num_tokens = rows * tokens_per_row
+        self.chunk = chunk_size_for(self.num_tokens)
+        self.max_segments = max_segments(rows, self.num_tokens, self.chunk)
+        t, s = self.num_tokens, self.max_segments
+        self.buf = torch.zeros(t + 2 * s + 1, dtype=torch.int32, device=device)
+        self.permutation, self.seg_indptr, self.seg_slot = self.buf[:t], self.buf[t : t + s + 1], self.buf[t + s + 1 :]
+
+    def fill(self, row_slots: tuple[int, ...]) -> None:
+        repeat = self.rows // self.n
+        slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
+        plan = BatchPlan.build(slots, self.tokens_per_row, "cpu", chunk_size=self.chunk)
+        used = int(plan.seg_indptr[-1])  # adapter tokens: where the padded (empty) segments start and end
+        pad = self.max_segments - plan.num_segments
+        host = torch.cat(
+            [
+                plan.permutation,
+                plan.seg_indptr,
+                torch.full((pad,), used, dtype=torch.int32),
+                plan.seg_slot,
+                torch.zeros(pad, dtype=torch.int32),
+            ]
+        )
+        if self.device.type == "cuda":
+            self.buf.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            self.buf.copy_(host)
+
+
+_EXECUTORS: dict[int, "weakref.ref[Executor]"] = {}
+_ids = itertools.count()
+
+
+def active_calls() -> int:
+    """How many csgmv calls are in progress, over all enabled models (0 between calls; a read-out for tests)."""
+    return sum(1 for ref in list(_EXECUTORS.values()) if (ex := ref()) is not None and ex.active)
+
+
+@torch._dynamo.assume_constant_result
+def _static_plan_attr(executor: int, n: int, rows: int, tokens_per_row: int, device: str) -> str:
+    """The executor attribute holding the :class:`StaticPlan` of a compiled shape, made (and filled for the call in
+    progress) on first use. It runs when a graph is traced, outside the graph, and its answer is a constant of it."""
+    return _EXECUTORS[executor]().register_static(n, rows, tokens_per_row, torch.device(device))
+
+
+class Executor:
+    """Runs the LoRA of every patched layer of one model for the call in progress (see the module docstring)."""
+
+    def __init__(self, backend: str, restack: Callable[[torch.nn.Module], None]) -> None:
+        self.backend = backend
+        self.restack = restack  # re-copies one layer's adapters (the model state's, passed down)
+        self.call: CallContext | None = None
+        self.active = False  # a csgmv call is in progress (compiled code reads this: a guard with two values)
+        self.num_ids = 0  # ids of the call in progress (compiled code reads this: a guard per batch shape)
+        self.direct_launch = True  # the kernels' lean launch path; off for good once a Triton rejects it
+        self.plans: collections.OrderedDict = collections.OrderedDict()  # LRU: (slots, repeat, tpr, device) -> PlanRun
+        self.statics: list[StaticPlan] = []
+        self._triton: dict = {}
+        self.id = next(_ids)
+        _EXECUTORS[self.id] = weakref.ref(self)
+
+    # -- a call -----------------------------------------------------------------------------------------------------
+
+    def begin(self, call: CallContext) -> None:
+        """Open ``call``: the layers see it until :meth:`end`. Static plans of this many ids are rewritten for it."""
+        for static in self.statics:
+            if static.n == len(call.row_slots):
+                static.fill(call.row_slots)
+        self.call, self.active, self.num_ids = call, True, len(call.row_slots)
+
+    def end(self) -> None:
+        self.call, self.active, self.num_ids = None, False, 0
+
+    def triton_on(self, device: torch.device) -> bool:
+        """Whether layers on ``device`` use the Triton kernels (the backend choice)."""
+        use = self._triton.get(device)
+        if use is None:
+            use = self._triton[device] = use_triton(self.backend, device)
+        return use
+
+    def set_backend(self, backend: str) -> None:
+        self.backend = backend
+        self._triton.clear()
+        self.clear_plans()
+
+    # -- eager plans ------------------------------------------------------------------------------------------------
+
+    def plan_run(self, rows: int, tokens_per_row: int, device: torch.device) -> PlanRun:
+        """The plan for a layer input of ``rows × tokens_per_row`` tokens on ``device`` in the call in progress; built
+        by the first layer that sees this shape, reused by all later ones, and by later calls with the same ids."""
+        call = self.call
+        key = (rows, tokens_per_row, device)
+        run = call.runs.get(key)
+        if run is None:
+            run = call.runs[key] = self._cached_run(call.row_slots, call.repeat(rows), tokens_per_row, device)
+        return run
+
+    def _cached_run(self, row_slots: tuple[int, ...], repeat: int, tokens_per_row: int, device) -> PlanRun:
+        key = (row_slots, repeat, tokens_per_row, device)
+        run = self.plans.get(key)
+        if run is None:
+            slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
+            run = self.plans[key] = PlanRun(BatchPlan.build(slots, tokens_per_row, device))
+            if len(self.plans) > PLAN_CACHE_SIZE:
+                self.plans.popitem(last=False)
+        else:
+            self.plans.move_to_end(key)
+        return run
+
+    def clear_plans(self) -> None:
+        """Forget every cached plan and binding (after the stacks changed shape or moved)."""
+        self.plans.clear()
+
+    def drop_bindings(self, stack: "LoraStack") -> None:
+        """Bindings to ``stack``'s old tensors would keep them alive and launch on them: drop them."""
+        for run in self.plans.values():
+            run.bound.pop(stack, None)
+
+    @property
+    def num_plans(self) -> int:
+        """How many plans are cached (a public read-out for benchmarks and tests)."""
+        return len(self.plans)
+
+    # -- compiled plans ---------------------------------------------------------------------------------------------
+
+    def static_plan(self, rows: int, tokens_per_row: int, device: torch.device) -> StaticPlan:
+        """The :class:`StaticPlan` of a layer input of this shape, for compiled code: its attribute name is a constant
+        of the traced graph, its buffers are graph inputs whose contents each call rewrites."""
+        return getattr(self, _static_plan_attr(self.id, self.num_ids, rows, tokens_per_row, str(device)))
+
+    def register_static(self, n: int, rows: int, tokens_per_row: int, device: torch.device) -> str:
+        for i, static in enumerate(self.statics):
+            if (static.n, static.rows, static.tokens_per_row, static.device) == (n, rows, tokens_per_row, device):
+                return f"_static_{i}"
+        static = StaticPlan(n, rows, tokens_per_row, device)
+        if self.call is not None:
+            self.call.repeat(rows)  # the rows must be a whole multiple of the ids
+            static.fill(self.call.row_slots)
+        self.statics.append(static)
+        name = f"_static_{len(self.statics) - 1}"
+        setattr(self, name, static)
+        return name

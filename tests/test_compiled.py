@@ -1,0 +1,143 @@
+"""The compiled path: transformers' static-cache ``generate`` (which compiles the decode step) and ``torch.compile`` of
+a model or a layer, with adapter ids. On CPU, transformers' compiled path is forced with a ``CompileConfig`` whose
+``_compile_all_devices`` is set, ``fullgraph=True`` (a graph break fails) and the ``aot_eager`` backend; the LoRA
+layers run the ``peft_csgmv::lora`` custom op over static plan buffers, so the ids may change between calls without a
+recompile. Each case is compared with the eager csgmv path (itself tested against stock PEFT elsewhere) and, where
+cheap, with stock PEFT's per-adapter runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import BASE, DEVICE, add_adapters, close, make_batch, per_adapter, stitch, tiny_model
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+from peft_csgmv import disable_csgmv, enable_csgmv
+from peft_csgmv.executor import active_calls
+from peft_csgmv.model import adapter_ids_scope
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+BACKENDS = ["torch", "triton"]
+ID_LISTS = [["a0", None, "a1"], ["a1", "a0", None], ["a0", "a0", "a1"]]
+
+
+def _model(embedding: bool = True):
+    model, targets = tiny_model("llama")
+    specs = {
+        "a0": dict(r=4, lora_alpha=8, target_modules=(["embed_tokens"] if embedding else []) + targets),
+        "a1": dict(r=8, lora_alpha=4, target_modules=targets),
+    }
+    return add_adapters(model, specs).to(DEVICE)
+
+
+def _compile_config() -> CompileConfig:
+    config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None, dynamic=False)
+    config._compile_all_devices = True  # transformers compiles the decode step on CUDA only, unless told
+    return config
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_static_cache_generate_matches_eager_without_recompiles(backend):
+    """``generate(..., cache_implementation="static")`` with ids: the decode step compiles once into one graph
+    (fullgraph: no break in any layer), gives eager csgmv's tokens, and three different id lists reuse it."""
+    model = _model()
+    enable_csgmv(model, backend=backend)
+    input_ids, mask = make_batch(3, 5)
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    outs = []
+    for ids in ID_LISTS:
+        static = model.generate(
+            input_ids=input_ids, attention_mask=mask, adapter_ids=ids, cache_implementation="static",
+            compile_config=_compile_config(), **kw,
+        )  # fmt: skip
+        eager = model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=ids, **kw)
+        assert torch.equal(static, eager), f"ids {ids}: the compiled decode generated other tokens"
+        assert active_calls() == 0
+        outs.append(static)
+    assert _graphs() == 1, f"{_graphs()} graphs compiled: the ids changed the graph"
+    assert not torch.equal(outs[0], outs[1]), "the id lists generate the same tokens: the test proves nothing"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(num_beams=2, do_sample=False), dict(do_sample=True, num_return_sequences=2, top_k=5)],
+    ids=["beams", "sampling-returns"],
+)
+def test_static_cache_beams_and_sampling(kw):
+    """Beams and ``num_return_sequences`` on the static path: the rows each id covers are repeated there too."""
+    model = _model()
+    enable_csgmv(model, backend="torch")
+    input_ids, mask = make_batch(3, 5)
+    ids = ["a1", None, "a0"]
+    common = dict(max_new_tokens=3, min_new_tokens=3, **kw)
+    torch.manual_seed(7)
+    static = model.generate(
+        input_ids=input_ids, attention_mask=mask, adapter_ids=ids, cache_implementation="static",
+        compile_config=_compile_config(), **common,
+    )  # fmt: skip
+    torch.manual_seed(7)
+    eager = model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=ids, **common)
+    assert torch.equal(static, eager)
+
+
+def test_torch_compile_model_forward():
+    """``torch.compile(model)`` (the PeftModel) with ids in forward: the model's forward is one graph for any ids of
+    the batch shape (the wrapper's validation runs eagerly, outside it), with stock PEFT's per-adapter logits."""
+    model = _model()
+    enable_csgmv(model, backend="torch")
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+    input_ids, mask = make_batch(3, 5)
+    for ids in ID_LISTS:
+        names = [BASE if i is None else i for i in ids]
+        outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+        with torch.no_grad():
+            got = compiled(input_ids, attention_mask=mask, adapter_ids=ids).logits
+        close(got, stitch(outs, names), f"compiled model, ids {ids}")
+    assert _graphs() == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_layer_fullgraph(backend):
+    """``torch.compile(fullgraph=True)`` of one patched layer's forward: no graph break, eager's output, and no
+    recompile when the ids change."""
+    model = _model(embedding=False)
+    enable_csgmv(model, backend=backend)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=False)
+    x = torch.randn(3, 4, layer.in_features, device=DEVICE)
+    for ids in ID_LISTS:
+        with torch.no_grad(), adapter_ids_scope(model, ids):
+            got, want = compiled(x), layer(x)
+        close(got, want, f"compiled layer, ids {ids}")
+    with torch.no_grad():
+        close(compiled(x), layer(x), "compiled layer outside a call: stock PEFT (the active adapter)")
+    assert _graphs() == 2  # inside a call, and outside one
+
+
+def test_disable_after_compile_restores_stock_peft():
+    model = _model()
+    enable_csgmv(model, backend="torch")
+    input_ids, mask = make_batch(3, 5)
+    model.generate(
+        input_ids=input_ids, attention_mask=mask, adapter_ids=ID_LISTS[0], max_new_tokens=2,
+        cache_implementation="static", compile_config=_compile_config(),
+    )  # fmt: skip
+    disable_csgmv(model)
+    names = [BASE, "a0", "a1"]
+    outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=mask, adapter_names=names).logits
+    close(got, stitch(outs, names), "stock PEFT after disable")
