@@ -5,8 +5,8 @@ out = model.generate(input_ids, attention_mask=mask, adapter_ids=["legal", None,
 disable_csgmv(model)
 """
 
-from .model import disable_csgmv, enable_csgmv, is_csgmv_enabled
+from .model import adapter_ids_scope, csgmv_stats, disable_csgmv, enable_csgmv, is_csgmv_enabled
 from .plan import BatchPlan
 
-__all__ = ["enable_csgmv", "disable_csgmv", "is_csgmv_enabled", "BatchPlan"]
+__all__ = ["enable_csgmv", "disable_csgmv", "is_csgmv_enabled", "csgmv_stats", "adapter_ids_scope", "BatchPlan"]
 __version__ = "0.1.0"

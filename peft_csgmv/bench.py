@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
 
-    from . import disable_csgmv, enable_csgmv
+    from . import csgmv_stats, disable_csgmv, enable_csgmv
 
     device, dtype = device_and_dtype(args.device)
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -272,10 +272,11 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             setup["enable_s"] = time.perf_counter() - t0
-            setup["stack_mib"] = sum(layer._csgmv_stack.nbytes for layer in pm._csgmv.layers.values()) / 2**20
+            stats = csgmv_stats(pm)
+            setup["stack_mib"] = stats["stack_bytes"] / 2**20
             print(
                 f"enable_csgmv: {setup['enable_s']:.2f} s, stacks {setup['stack_mib']:.0f} MiB "
-                f"({len(pm._csgmv.layers)} layers)",
+                f"({stats['kernel_layers']} layers)",
                 flush=True,
             )
         try:

@@ -131,6 +131,7 @@ class StaticPlan:
         self.max_segments = max_segments(rows, self.num_tokens, self.chunk)
         t, s = self.num_tokens, self.max_segments
         self.buf = torch.zeros(t + 2 * s + 1, dtype=torch.int32, device=device)
+        torch._dynamo.mark_static_address(self.buf)  # a CUDA graph reads it in place: each call's fill is seen
         self.permutation, self.seg_indptr, self.seg_slot = self.buf[:t], self.buf[t : t + s + 1], self.buf[t + s + 1 :]
 
     def fill(self, row_slots: tuple[int, ...]) -> None:

@@ -530,5 +530,19 @@ def disable_csgmv(model):
     return model
 
 
+def csgmv_stats(model) -> dict:
+    """What ``enable_csgmv`` holds for ``model`` (read-outs for benchmarks and monitoring): ``kernel_layers`` and
+    ``peft_path_modules`` (counts), ``stack_bytes`` (device memory of every stack), ``plans_cached`` (host-built plans
+    kept for later calls with the same ids), ``static_plans`` (plans of compiled shapes)."""
+    state: CsgmvState = model.__dict__["_csgmv"]
+    return dict(
+        kernel_layers=len(state.layers),
+        peft_path_modules=len(state.peft_path),
+        stack_bytes=sum(layer._csgmv_stack.nbytes for layer in state.layers.values()),
+        plans_cached=state.executor.num_plans,
+        static_plans=len(state.executor.statics),
+    )
+
+
 def is_csgmv_enabled(model) -> bool:
     return "_csgmv" in model.__dict__

@@ -75,8 +75,19 @@ def weights_device(layer: nn.Module) -> torch.device:
     return weight.device if weight is not None else next(layer.parameters()).device
 
 
+# The stack's device tensors. Each is marked as a static address when it is (re)allocated: compiled code takes it as a
+# graph input that a CUDA graph reads in place (not copied in on every replay), guarded by identity, so a reallocated
+# stack recompiles instead of reading freed memory.
+_TENSORS = frozenset(("a", "b", "ranks", "scalings", "mag", "bias", "lora_bias"))
+
+
 class LoraStack:
     """Stacked LoRA weights of one layer (see the module docstring for the layout)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _TENSORS and isinstance(value, torch.Tensor):
+            torch._dynamo.mark_static_address(value)
+        object.__setattr__(self, name, value)
 
     def __init__(
         self,
@@ -214,8 +225,7 @@ class LoraStack:
     def to(self, device: torch.device) -> "LoraStack":
         """Move the stack (after the model was moved). Every tensor is copied before any is replaced, so a copy
         that fails leaves the stack as it was."""
-        names = ("a", "b", "ranks", "scalings", "mag", "bias", "lora_bias")
-        moved = {n: getattr(self, n).to(device) for n in names if getattr(self, n) is not None}
+        moved = {n: getattr(self, n).to(device) for n in sorted(_TENSORS) if getattr(self, n) is not None}
         for n, t in moved.items():
             setattr(self, n, t)
         self.device = torch.device(device)

@@ -1,0 +1,134 @@
+"""transformers' fast path with mixed adapters: ``generate(..., cache_implementation="static")``, which compiles the
+decode step (inductor, CUDA graphs), against the same path for the base model and stock PEFT with one adapter, in one
+run.
+
+    python benchmarks/bench_static.py --model 1b --out results/static_1b.json
+
+Random weights from a transformers LlamaConfig (no hub). Rows, all with ``cache_implementation="static"`` and
+transformers' default compile config: base model (no LoRA), PEFT one adapter for the whole batch, peft_csgmv with
+1 / 8 / 32 distinct adapters; then peft_csgmv 32 distinct eager (dynamic cache) for reference. Per row: the first
+``generate`` (compile included) and the median of ``--repeats`` more; ``compile s`` = first − median. tok/s counts
+new tokens (batch × ``--new-tokens``, ``min_new_tokens`` equal) over the median. Also reported: how many graphs
+dynamo compiled while each row ran (the csgmv rows share one: the ids change, the graph does not). The table is
+printed last; the JSON holds GPU name, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from peft_csgmv import disable_csgmv, enable_csgmv  # noqa: E402
+from peft_csgmv.bench import _clock_up, _device_name, add_adapters, build_model, device_and_dtype  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1b", help="a built-in Llama size of peft_csgmv.bench (tiny, 1b, 8b)")
+    p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--distinct", default="1,8,32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.config.recompile_limit = 64  # the rows' graphs share one compiled callable
+    device, dtype = device_and_dtype(args.device)
+    model = build_model(args.model, device, dtype)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    input_ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
+    mask = torch.ones_like(input_ids)
+    results = []
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def measure(label: str, target, static: bool = True, **extra):
+        _clock_up(device)
+        kw = dict(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=args.new_tokens,
+                  min_new_tokens=args.new_tokens, **extra)  # fmt: skip
+        if static:
+            kw["cache_implementation"] = "static"
+        graphs_before = counters["stats"]["unique_graphs"]
+        times = []
+        with torch.no_grad():
+            for _ in range(args.repeats + 1):
+                sync()
+                t0 = time.perf_counter()
+                out = target.generate(**kw)
+                sync()
+                times.append(time.perf_counter() - t0)
+        assert out.shape[1] == args.prompt + args.new_tokens
+        steady = statistics.median(times[1:])
+        row = dict(
+            row=label, static=static, first_s=times[0], generate_s=steady, compile_s=max(0.0, times[0] - steady),
+            tok_s=args.batch * args.new_tokens / steady, graphs=counters["stats"]["unique_graphs"] - graphs_before,
+        )  # fmt: skip
+        results.append(row)
+        print(
+            f"{label:<44} first {row['first_s']:7.2f} s  median {steady * 1e3:8.1f} ms  {row['tok_s']:8.1f} tok/s  "
+            f"graphs {row['graphs']}",
+            flush=True,
+        )
+        return out
+
+    measure("base model, no LoRA", model)
+    pm = add_adapters(model, args.adapters, [args.rank], device)
+    pm.set_adapter("a0")
+    measure("PEFT one adapter", pm)
+    enable_csgmv(pm)
+    distinct = [int(d) for d in args.distinct.split(",") if int(d) <= args.adapters]
+    outs = {}
+    for d in distinct:
+        ids = [f"a{i % d}" for i in range(args.batch)]
+        outs[d] = measure(f"peft_csgmv, {d} distinct", pm, adapter_ids=ids)
+    ids = [f"a{i % max(distinct)}" for i in range(args.batch)]
+    eager = measure(f"peft_csgmv, {max(distinct)} distinct, eager", pm, static=False, adapter_ids=ids)
+    # Greedy tokens of the compiled and the eager path (bf16: the two paths may part after a near tie).
+    same = (outs[max(distinct)] == eager).float().mean().item()
+    print(f"compiled vs eager csgmv, {max(distinct)} distinct: {same * 100:.1f}% of tokens identical")
+    disable_csgmv(pm)
+
+    ref = {r["row"]: r for r in results}
+    base, one = ref["base model, no LoRA"], ref["PEFT one adapter"]
+    print()
+    print(f"| {args.model} | row (cache_implementation=static) | generate tok/s | vs PEFT one | vs base | compile s |")
+    print("|" + "---|" * 6)
+    for r in results:
+        label = r["row"] + ("" if r["static"] else " (dynamic cache)")
+        print(
+            f"| {args.model} | {label} | {r['tok_s']:.0f} | {r['tok_s'] / one['tok_s']:.2f} | "
+            f"{r['tok_s'] / base['tok_s']:.2f} | {r['compile_s']:.1f} |"
+        )
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        meta = dict(
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            device=_device_name(device),
+            versions={m: __import__(m).__version__ for m in ("torch", "triton", "transformers", "peft")},
+            python=sys.version.split()[0],
+            args=vars(args),
+            compiled_vs_eager_identical=same,
+        )
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
