@@ -10,6 +10,7 @@
 #   graph    probe: one decode step (1B, 8B) captured in a CUDA graph vs eager  -> graph_decode_{1b,8b}.json
 #   profile  cProfile of eager 1B decode steps: base, PEFT one adapter, csgmv     -> profile_decode_1b.txt
 #   ranks    end to end, 1B, r=64 and mixed ranks 8/16/64 (PEFT one adapter vs csgmv) -> e2e_1b_r64.json, ...
+#   static   transformers' static cache (compiled decode), 1B and 8B, all rows (~6 min)  -> static_{1b,8b}.json
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
@@ -50,6 +51,12 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         python3 benchmarks/bench_e2e.py --model 1b --ranks $r --csgmv-only --repeats 5 \
           --out "$OUT/e2e_1b_r$tag.json" 2>&1 | grep "^| 1b" | tee "$OUT/e2e_1b_r$tag.log"
       done ;;
+    static)
+      python3 benchmarks/bench_static.py --model 1b --repeats 3 --out "$OUT/static_1b.json" 2>&1 | grep -v -i warn \
+        > "$OUT/static_1b.log"
+      python3 benchmarks/bench_static.py --model 8b --repeats 2 --out "$OUT/static_8b.json" 2>&1 | grep -v -i warn \
+        > "$OUT/static_8b.log"
+      grep -h "^| [18]b" "$OUT/static_1b.log" "$OUT/static_8b.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
