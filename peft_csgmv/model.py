@@ -178,6 +178,11 @@ class CsgmvState:
             for layer in found.values():
                 if not is_patched(layer):
                     patch_layer(layer, self._new_stack(layer), self.executor)
+                elif layer._csgmv_stack.dtype != self.stack_dtype(layer):
+                    # An adapter of a wider dtype arrived: the stack takes that dtype, every slot copied again.
+                    layer._csgmv_stack = self._new_stack(layer)
+                    self.stack_layer(layer, force=True)
+                    continue
                 self.stack_layer(layer, force)
         for old, new in ((self.layers, found), (self.peft_path, peft_path)):
             for mod_name, module in old.items():
@@ -239,15 +244,19 @@ class CsgmvState:
         stack.scaling_src = layer.scaling
         layer._csgmv_peft = frozenset(peft_rows)
 
-    def _new_stack(self, layer: nn.Module) -> LoraStack:
-        base = layer.get_base_layer()
-        weight = getattr(base, "weight", None)
+    def stack_dtype(self, layer: nn.Module) -> torch.dtype:
+        """The dtype of a layer's stack: ``enable_csgmv``'s ``dtype`` where given, else the adapters' own (PEFT's
+        numerics: fp32 adapters on a bf16 model, PEFT's default, are computed in fp32), the widest where they differ."""
         if self.dtype is not None:
-            dtype = self.dtype
-        elif weight is not None and weight.dtype.is_floating_point:
-            dtype = weight.dtype
-        else:  # a quantized base (bitsandbytes): the adapters' own dtype
-            dtype = next(iter(layer_adapters(layer).values()), (torch.empty(0),))[0].dtype
+            return self.dtype
+        dtypes = {a.dtype for a, _ in layer_adapters(layer).values() if a.dtype.is_floating_point}
+        if not dtypes:  # no adapter yet: the base weight's dtype, or fp32 for a quantized one
+            weight = getattr(layer.get_base_layer(), "weight", None)
+            return weight.dtype if weight is not None and weight.dtype.is_floating_point else torch.float32
+        return max(dtypes, key=lambda d: torch.finfo(d).bits)
+
+    def _new_stack(self, layer: nn.Module) -> LoraStack:
+        dtype = self.stack_dtype(layer)
         ranks = [layer.r[n] for n in layer_adapters(layer)] or [1]
         device = weights_device(layer)
         return LoraStack(

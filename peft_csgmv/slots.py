@@ -9,10 +9,11 @@ Every adapter gets one slot index, the same in every layer. A layer's :class:`Lo
 * ``scalings``: ``(capacity,)`` fp32 — PEFT's ``layer.scaling[name]`` (``lora_alpha / r``, or ``lora_alpha / √r``
   with rsLoRA, with ``rank_pattern`` / ``alpha_pattern`` already applied by PEFT).
 
-Stacked dtype: by default the dtype of the layer's base weight (the activations' dtype), so the kernels run on
-tensor cores in bf16/fp16 models even though PEFT keeps adapter weights in fp32 there
-(``autocast_adapter_dtype``). ``enable_csgmv(model, dtype=torch.float32)`` keeps fp32 stacks instead (closer to
-PEFT's own numerics, slower). Host copies of ranks and scalings serve the torch backend without a device sync.
+Stacked dtype: by default the adapters' own (PEFT keeps them in fp32 on a bf16/fp16 model, ``autocast_adapter_dtype``;
+the stacks then hold fp32 and the kernels compute PEFT's numerics: fp32 products for fp32 activations, TF32 for
+half-precision ones, whose own rounding is far coarser). ``enable_csgmv(model, dtype=torch.bfloat16)`` stacks in the
+model's dtype instead (half the bytes, bf16 products: the numerics of PEFT with ``autocast_adapter_dtype=False``).
+Host copies of ranks and scalings serve the torch backend without a device sync.
 
 DoRA adapters add ``mag``: ``(capacity, out_features)`` fp32, the per-output scale ``magnitude / ‖W + scaling·B·A‖``
 of each slot (1 for plain LoRA slots), and ``bias``: the base layer's bias in fp32 (zeros for none); both exist only

@@ -48,12 +48,20 @@ def variants():
         cx = dict(BLOCK_M=block_m, BLOCK_R=64, BLOCK_K=64 if block_m >= 64 else 128)
         cx["DOT_PRECISION"] = "ieee" if dtype == "fp32" else "tf32"
         yield f"shrink {dtype} M{block_m}", shrink._shrink_kernel, types, cx
+    # fp32 adapters (PEFT's default) on a bf16 model: TF32 products
+    types = {"x_ptr": PTR["bf16"], "a_ptr": PTR["fp32"], "t_ptr": "*fp32", **INTS}
+    cx = dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, DOT_PRECISION="tf32")
+    yield "shrink bf16 x, fp32 A", shrink._shrink_kernel, types, cx
     for dtype, (dora, lora_bias) in itertools.product(PTR, ((False, False), (True, False), (False, True))):
         types = {"t_ptr": "*fp32", "b_ptr": PTR[dtype], "y_ptr": PTR[dtype], **INTS}
         types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32")
         cx = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
         cx.update(HAS_DORA=dora, HAS_LORA_BIAS=lora_bias)
         yield f"expand {dtype} dora={dora} lora_bias={lora_bias}", expand._expand_kernel, types, cx
+    types = {"t_ptr": "*fp32", "b_ptr": PTR["fp32"], "y_ptr": PTR["bf16"], **INTS}
+    types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32")
+    cx = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32", HAS_DORA=False, HAS_LORA_BIAS=False)
+    yield "expand fp32 B, bf16 y", expand._expand_kernel, types, cx
     for dtype, ids in (("bf16", "*i64"), ("fp32", "*i32")):  # ids of either width, read through stride_ids
         types = {"ids_ptr": ids, "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS}
         cx = dict(BLOCK_M=32, BLOCK_R=16)

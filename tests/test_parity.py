@@ -522,9 +522,9 @@ def test_adapter_lifecycle_after_enable(backend):
     check(["a1", "a3", "a2", "a1"], "after re-adding a1")
 
 
-def test_fp16_model_fp32_stacks():
-    """fp16 base model (PEFT keeps LoRA weights in fp32), enable_csgmv(dtype=float32), torch backend: within fp16
-    tolerance of PEFT. (Default fp16 stacks round the adapter weights: checked with a looser tolerance only.)"""
+def test_fp16_model_fp32_adapters():
+    """fp16 base model (PEFT keeps LoRA weights in fp32), torch backend: by default the stacks are fp32, the adapters'
+    own dtype, within fp16 tolerance of PEFT; ``dtype=float16`` rounds the adapter weights (looser tolerance)."""
     model = make(dtype=torch.float16)
     lora_a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["a0"].weight
     assert lora_a.dtype == torch.float32  # autocast_adapter_dtype
@@ -538,10 +538,10 @@ def test_fp16_model_fp32_stacks():
     assert_adapters_matter(outs)
     with torch.no_grad():
         peft_mixed = run(adapter_names=names)
-    enable_csgmv(model, backend="torch")  # default: stacks in the base weights' dtype
+    enable_csgmv(model, backend="torch", dtype=torch.float16)
     assert next(iter(model._csgmv.layers.values()))._csgmv_stack.a.dtype == torch.float16
     close(run(adapter_ids=names), peft_mixed, "fp16 stacks vs PEFT adapter_names", dtype=torch.bfloat16)
-    enable_csgmv(model, backend="torch", dtype=torch.float32)  # enabling again with another dtype restacks in it
+    enable_csgmv(model, backend="torch")  # enabling again with another dtype restacks in it: the adapters' own
     for layer in model._csgmv.layers.values():
         assert layer._csgmv_stack.a.dtype == torch.float32 and layer._csgmv_stack.b.dtype == torch.float32
     out = run(adapter_ids=names)

@@ -148,7 +148,7 @@ def expand_launch_args(
         BLOCK_M=_block(plan.chunk_size),
         BLOCK_N=block_n,
         BLOCK_R=_block(b.shape[2]),
-        DOT_PRECISION="ieee" if b.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if b.dtype == y.dtype == torch.float32 else "tf32",  # as in the shrink
         HAS_DORA=has_dora,
         HAS_LORA_BIAS=has_lora_bias,
     )

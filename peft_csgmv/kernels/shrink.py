@@ -175,7 +175,9 @@ def shrink_launch_args(x, a, ranks, plan, t, split_k, k_per_split, block_k, opti
         BLOCK_M=_block(plan.chunk_size),
         BLOCK_R=_block(a.shape[1]),
         BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        # fp32 weights: full fp32 products for fp32 activations (PEFT's numerics to accumulation order); TF32 for
+        # half-precision activations, whose own rounding is far coarser (bf16/fp16 weights: the dtype's own products).
+        DOT_PRECISION="ieee" if a.dtype == x.dtype == torch.float32 else "tf32",
     )
     return (plan.num_segments, split_k, 1), args, constexprs, options
 
