@@ -244,6 +244,9 @@ def patch_peft_path(module: nn.Module, executor: Executor) -> None:
 
 
 def unpatch_layer(layer: nn.Module) -> None:
+    stack = layer.__dict__.get("_csgmv_stack")
+    if stack is not None:  # PEFT's weights own their memory again
+        stack.release_shared()
     for attr in (
         "forward",
         "_csgmv_orig_forward",

@@ -180,6 +180,7 @@ class CsgmvState:
                     patch_layer(layer, self._new_stack(layer), self.executor)
                 elif layer._csgmv_stack.dtype != self.stack_dtype(layer):
                     # An adapter of a wider dtype arrived: the stack takes that dtype, every slot copied again.
+                    layer._csgmv_stack.release_shared()
                     layer._csgmv_stack = self._new_stack(layer)
                     self.stack_layer(layer, force=True)
                     continue
@@ -237,7 +238,9 @@ class CsgmvState:
             if stack.sources.get(slot) is not a:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
                 lora_bias = None if stack.embedding else getattr(layer.lora_B[name], "bias", None)
-                stack.set_slot(slot, a, b, layer.scaling[name], source=a, dora=dora, lora_bias=lora_bias)
+                # PEFT's weights become views into the stack where dtype and device allow: one copy of each adapter.
+                share = isinstance(a, nn.Parameter) and a.dtype == b.dtype == stack.dtype and a.device == stack.device
+                stack.set_slot(slot, a, b, layer.scaling[name], source=a, dora=dora, lora_bias=lora_bias, share=share)
         stack.ensure_capacity(self.registry.capacity)
         for slot in range(len(self.registry.names), stack.capacity):
             stack.clear_slot(slot)
@@ -541,13 +544,15 @@ def disable_csgmv(model):
 
 def csgmv_stats(model) -> dict:
     """What ``enable_csgmv`` holds for ``model`` (read-outs for benchmarks and monitoring): ``kernel_layers`` and
-    ``peft_path_modules`` (counts), ``stack_bytes`` (device memory of every stack), ``plans_cached`` (host-built plans
+    ``peft_path_modules`` (counts), ``stack_bytes`` (device memory of every stack), ``shared_bytes`` (of that, PEFT's
+    own adapter weights, which are views into the stacks: stored once), ``plans_cached`` (host-built plans
     kept for later calls with the same ids), ``static_plans`` (plans of compiled shapes)."""
     state: CsgmvState = model.__dict__["_csgmv"]
     return dict(
         kernel_layers=len(state.layers),
         peft_path_modules=len(state.peft_path),
         stack_bytes=sum(layer._csgmv_stack.nbytes for layer in state.layers.values()),
+        shared_bytes=sum(layer._csgmv_stack.shared_bytes for layer in state.layers.values()),
         plans_cached=state.executor.num_plans,
         static_plans=len(state.executor.statics),
     )

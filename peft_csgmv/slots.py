@@ -112,6 +112,8 @@ class LoraStack:
         self.ranks_host = [0] * capacity
         self.scalings_host = [0.0] * capacity
         self.sources: dict[int, nn.Module] = {}  # slot -> the lora_A module its weights came from
+        # slot -> PEFT's (lora_A, lora_B) weights that are views into this stack (see set_slot's ``share``)
+        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.lora_bias: torch.Tensor | None = (
             None  # (capacity, out) fp32 lora_B bias, once a lora_bias adapter is stacked
         )
@@ -146,6 +148,7 @@ class LoraStack:
         a[: self.capacity, : self.r_max] = self.a
         b[: self.capacity, :, : self.r_max] = self.b
         self.a, self.b = a, b
+        self._point_shared()
         extra = capacity - len(self.ranks_host)
         if extra > 0:
             if self.mag is not None:
@@ -166,9 +169,14 @@ class LoraStack:
         source=None,
         dora: tuple[torch.Tensor, torch.Tensor | None] | None = None,
         lora_bias: torch.Tensor | None = None,
+        share: bool = False,
     ) -> None:
         """Copy one adapter's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)`` weights into ``slot``; for DoRA,
-        ``dora = (mag (out,), base bias (out,) or None)``; ``lora_bias``: ``lora_B``'s bias ``(out,)``, if any."""
+        ``dora = (mag (out,), base bias (out,) or None)``; ``lora_bias``: ``lora_B``'s bias ``(out,)``, if any.
+
+        ``share``: ``lora_a`` / ``lora_b`` are PEFT's parameters, of this stack's dtype and device: afterwards they are
+        views into the slot (``.data`` re-pointed), so the adapter is stored once, and PEFT's forward, merges, saves
+        and in-place edits all work on the stack's memory (:meth:`release_shared` gives them their own again)."""
         r = lora_a.shape[0]
         if lora_a.shape[1] != self.in_features or lora_b.shape != (self.out_features, r):
             raise ValueError(
@@ -176,16 +184,23 @@ class LoraStack:
                 f"{self.in_features} → {self.out_features} features"
             )
         self._grow(slot + 1, r)
+        self._release(slot)
         with torch.no_grad():
+            # Copies first: the sources may be views of this very slot (a restack of shared weights).
+            a_val = lora_a.detach().to(device=self.device, dtype=self.dtype, copy=True)
+            b_val = lora_b.detach().to(device=self.device, dtype=self.dtype, copy=True)
             self.a[slot].zero_()
             self.b[slot].zero_()
-            self.a[slot, :r] = lora_a.detach().to(device=self.device, dtype=self.dtype)
-            self.b[slot, :, :r] = lora_b.detach().to(device=self.device, dtype=self.dtype)
+            self.a[slot, :r] = a_val
+            self.b[slot, :, :r] = b_val
             self.ranks[slot] = r
             self.scalings[slot] = float(scaling)
         self.ranks_host[slot] = r
         self.scalings_host[slot] = float(scaling)
         self.sources[slot] = source
+        if share:
+            self.shared[slot] = (lora_a, lora_b)
+            self._point_shared(slot)
         if dora is not None:
             mag, bias = dora
             if self.mag is None:
@@ -206,10 +221,35 @@ class LoraStack:
                 else:
                     self.lora_bias[slot] = lora_bias.detach().to(device=self.device, dtype=torch.float32)
 
+    def _point_shared(self, only: int | None = None) -> None:
+        """Re-point the shared parameters (of ``only``, or of every slot) at their views of the current tensors."""
+        for slot, (pa, pb) in self.shared.items():
+            if only is None or slot == only:
+                r = pa.shape[0]
+                pa.data, pb.data = self.a[slot, :r], self.b[slot, :, :r]
+
+    def _release(self, slot: int) -> None:
+        """Give a shared slot's parameters their own memory again (a copy of their values)."""
+        pair = self.shared.pop(slot, None)
+        if pair is not None:
+            for p in pair:
+                p.data = p.data.clone()
+
+    def release_shared(self) -> None:
+        """Every shared parameter owns its memory again (``disable_csgmv``, a layer unpatched or restacked)."""
+        for slot in list(self.shared):
+            self._release(slot)
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of PEFT's adapter weights that live in this stack instead of a second copy."""
+        return sum(p.numel() * p.element_size() for pair in self.shared.values() for p in pair)
+
     def clear_slot(self, slot: int) -> None:
         """Make ``slot`` a no-op in this layer (rank 0); its weight rows are zeroed."""
         if slot >= self.capacity:
             return
+        self._release(slot)
         with torch.no_grad():
             self.a[slot].zero_()
             self.b[slot].zero_()
@@ -230,4 +270,5 @@ class LoraStack:
         for n, t in moved.items():
             setattr(self, n, t)
         self.device = torch.device(device)
+        self._point_shared()  # PEFT's parameters were moved on their own: back to one copy, the stack's
         return self

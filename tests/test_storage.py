@@ -1,0 +1,133 @@
+"""One copy of every adapter: where the stack's dtype and device are the adapter's, PEFT's ``lora_A`` / ``lora_B``
+weights become views into csgmv's stacks. Checked by storage identity and by counting the bytes of every live
+tensor, and by what must keep working on those views: in-place edits seen by the next call without restacking,
+stock PEFT calls, merge / unmerge, ``save_pretrained``, ``delete_adapter``, ``disable_csgmv`` (PEFT owns its
+memory again)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ALL_LINEAR, BASE, DEVICE, add_adapters, close, make_batch, per_adapter, stitch, tiny_model
+from peft import PeftModel
+
+from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+NAMES = ["a0", BASE, "a1", "a2", "a0"]
+
+
+def _model(ranks=(8, 8, 8)):
+    model, _ = tiny_model("llama")
+    specs = {
+        f"a{i}": dict(r=r, lora_alpha=2 * r, target_modules=["embed_tokens", *ALL_LINEAR]) for i, r in enumerate(ranks)
+    }
+    return add_adapters(model, specs).to(DEVICE)
+
+
+def _lora_params(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _stack_tensors(model) -> list[torch.Tensor]:
+    out = []
+    for layer in model._csgmv.layers.values():
+        st = layer._csgmv_stack
+        out += [t for t in (st.a, st.b, st.ranks, st.scalings, st.mag, st.bias, st.lora_bias) if t is not None]
+    return out
+
+
+def _check_outputs(model, what: str, names=NAMES):
+    input_ids, mask = make_batch(len(names), 6)
+    outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+    close(got, stitch(outs, names), what)
+
+
+def test_adapters_are_stored_once():
+    model = _model()
+    params = _lora_params(model)
+    peft_bytes = _storage_bytes(params.values())
+    enable_csgmv(model, backend="torch")
+    stacks = {t.untyped_storage().data_ptr() for t in _stack_tensors(model)}
+    for name, p in params.items():
+        assert p.untyped_storage().data_ptr() in stacks, f"{name} is not stored in a stack"
+    total = _storage_bytes([*params.values(), *_stack_tensors(model)])
+    assert total <= 1.02 * peft_bytes, f"{total} bytes with csgmv against {peft_bytes} for PEFT alone"
+    assert csgmv_stats(model)["shared_bytes"] == peft_bytes
+    _check_outputs(model, "shared storage")
+
+
+def test_in_place_edits_are_seen_without_restacking():
+    model = _model()
+    enable_csgmv(model, backend="torch")
+    with torch.no_grad():
+        for name, p in _lora_params(model).items():
+            if ".a1" in name and "lora_B" in name:
+                p.mul_(3.0)
+    _check_outputs(model, "after an in-place edit")
+
+
+def test_stock_peft_merge_save_delete_on_shared_weights(tmp_path):
+    model = _model()
+    enable_csgmv(model, backend="torch")
+    input_ids, mask = make_batch(3, 5)
+    model.set_adapter("a2")
+    with torch.no_grad():
+        stock = model(input_ids, attention_mask=mask).logits  # no ids: PEFT's own forward on the shared weights
+        model.merge_adapter()
+        merged = model(input_ids, attention_mask=mask).logits
+        model.unmerge_adapter()
+        again = model(input_ids, attention_mask=mask).logits
+    close(merged, stock, "merged")
+    close(again, stock, "unmerged")
+    model.save_pretrained(tmp_path, selected_adapters=["a2"])
+    fresh, _ = tiny_model("llama")
+    loaded = PeftModel.from_pretrained(fresh.to(DEVICE), tmp_path / "a2", adapter_name="a2").eval()
+    with torch.no_grad():
+        close(loaded(input_ids, attention_mask=mask).logits, stock, "saved and loaded back")
+    held = model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["a0"].weight
+    kept = held.detach().clone()
+    model.delete_adapter("a0")
+    _check_outputs(model, "after delete_adapter", names=["a1", BASE, "a2"])
+    assert torch.equal(held, kept), "a deleted adapter's weight changed: its slot was reused while still shared"
+
+
+def test_disable_gives_peft_its_memory_back():
+    model = _model()
+    before = {n: p.detach().clone() for n, p in _lora_params(model).items()}
+    enable_csgmv(model, backend="torch")
+    held = _stack_tensors(model)  # kept alive, so no new tensor can take their addresses
+    stacks = {t.untyped_storage().data_ptr() for t in held}
+    disable_csgmv(model)
+    for name, p in _lora_params(model).items():
+        assert p.untyped_storage().data_ptr() not in stacks, f"{name} still lives in a stack"
+        assert torch.equal(p, before[name])
+
+
+def test_other_stack_dtype_keeps_a_separate_copy():
+    """``dtype=`` other than the adapters': the stack is a converted copy; PEFT's weights stay its own."""
+    model = _model()
+    enable_csgmv(model, backend="torch", dtype=torch.float64)
+    stacks = {t.untyped_storage().data_ptr() for t in _stack_tensors(model)}
+    assert not any(p.untyped_storage().data_ptr() in stacks for p in _lora_params(model).values())
+    assert csgmv_stats(model)["shared_bytes"] == 0
+
+
+def test_mixed_ranks_share_with_padding():
+    """Mixed ranks share too (views into slots padded to the layer's largest rank); the padding is the extra."""
+    model = _model(ranks=(2, 8, 16))
+    enable_csgmv(model, backend="torch")
+    stacks = {t.untyped_storage().data_ptr() for t in _stack_tensors(model)}
+    assert all(p.untyped_storage().data_ptr() in stacks for p in _lora_params(model).values())
+    _check_outputs(model, "mixed ranks, shared")
