@@ -155,20 +155,20 @@ class StaticPlan:
             self.buf.copy_(host)
 
 
-_EXECUTORS: dict[int, "weakref.ref[Executor]"] = {}
+_EXECUTORS: "weakref.WeakValueDictionary[int, Executor]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
 
 
 def active_calls() -> int:
     """How many csgmv calls are in progress, over all enabled models (0 between calls; a read-out for tests)."""
-    return sum(1 for ref in list(_EXECUTORS.values()) if (ex := ref()) is not None and ex.active)
+    return sum(1 for ex in list(_EXECUTORS.values()) if ex.active)
 
 
 @torch._dynamo.assume_constant_result
 def _static_plan_attr(executor: int, n: int, rows: int, tokens_per_row: int, device: str) -> str:
     """The executor attribute holding the :class:`StaticPlan` of a compiled shape, made (and filled for the call in
     progress) on first use. It runs when a graph is traced, outside the graph, and its answer is a constant of it."""
-    return _EXECUTORS[executor]().register_static(n, rows, tokens_per_row, torch.device(device))
+    return _EXECUTORS[executor].register_static(n, rows, tokens_per_row, torch.device(device))
 
 
 class Executor:
@@ -184,20 +184,30 @@ class Executor:
         self.plans: collections.OrderedDict = collections.OrderedDict()  # LRU: (slots, repeat, tpr, device) -> PlanRun
         self.statics: list[StaticPlan] = []
         self._triton: dict = {}
+        self._outer: list = []  # the calls a nested call interrupted (a model called again inside a call)
         self.id = next(_ids)
-        _EXECUTORS[self.id] = weakref.ref(self)
+        _EXECUTORS[self.id] = self
 
     # -- a call -----------------------------------------------------------------------------------------------------
 
     def begin(self, call: CallContext) -> None:
         """Open ``call``: the layers see it until :meth:`end`. Static plans of this many ids are rewritten for it."""
+        if self.call is not None:
+            self._outer.append(self.call)
+        self._open(call)
+
+    def end(self) -> None:
+        """Close the call in progress; an interrupted outer call is in progress again."""
+        if self._outer:
+            self._open(self._outer.pop())
+        else:
+            self.call, self.active, self.num_ids = None, False, 0
+
+    def _open(self, call: CallContext) -> None:
         for static in self.statics:
             if static.n == len(call.row_slots):
                 static.fill(call.row_slots)
         self.call, self.active, self.num_ids = call, True, len(call.row_slots)
-
-    def end(self) -> None:
-        self.call, self.active, self.num_ids = None, False, 0
 
     def triton_on(self, device: torch.device) -> bool:
         """Whether layers on ``device`` use the Triton kernels (the backend choice)."""

@@ -413,3 +413,25 @@ def test_warning_names_peft_path_modules():
     with pytest.warns(UserWarning, match=re.escape("1 module(s)") + r".*lm_head"):
         enable_csgmv(model)
     assert not any(ALL_LINEAR[0] in n for n in model._csgmv.peft_path)
+
+
+def test_nested_call_restores_the_outer_one(enabled):
+    """A model called with other ids inside a call (from a hook, say): after the inner call the outer one's layers see
+    the outer ids again."""
+    model, input_ids, mask, expected = enabled
+    layers = model.base_model.model.model.layers
+    inner = []
+
+    def hook(module, args):
+        if not inner:
+            inner.append(None)  # the inner call runs this hook too
+            inner[0] = model(input_ids, attention_mask=mask, adapter_ids=["a1", "a1", "a0"]).logits
+
+    handle = layers[0].register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            got = model(input_ids, attention_mask=mask, adapter_ids=["a0", None, "a1"]).logits
+    finally:
+        handle.remove()
+    assert inner[0] is not None and active_calls() == 0
+    close(got, expected, "outer call after a nested one")
