@@ -22,6 +22,7 @@ bookkeeping are untouched.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 from typing import Any, Iterator, Sequence
@@ -120,8 +121,13 @@ def _dora_scale(layer: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor
 class CsgmvState:
     """Everything ``enable_csgmv`` attached to one model: the slot registry, the patched layers and their stacks."""
 
-    def __init__(self, backend: str, dtype: torch.dtype | None) -> None:
+    def __init__(self, backend: str, dtype: torch.dtype | None, max_resident: int | None = None) -> None:
         self.dtype = dtype
+        # The host tier: at most this many adapters have slots (on the layers' device); the others' kernel-layer
+        # weights wait in (pinned) host memory and are brought into a slot when a call needs them, least recently
+        # used out. None: every adapter has a slot.
+        self.max_resident = max_resident
+        self.lru: collections.OrderedDict = collections.OrderedDict()  # resident names, least recently used first
         # Runs the layers' LoRA for each call; it restacks a layer through this state when PEFT rescales it.
         self.executor = Executor(backend, lambda layer: self.stack_layer(layer, force=True))
         self.registry = SlotRegistry()
@@ -158,8 +164,13 @@ class CsgmvState:
             names = list(model.peft_config)
             for gone in [n for n in self.registry.index if n not in names]:
                 self.registry.remove(gone)
+                self.lru.pop(gone, None)
             for name in names:
-                self.registry.add(name)
+                if name not in self.registry.index and (
+                    self.max_resident is None or len(self.registry.index) < self.max_resident
+                ):
+                    self.registry.add(name)
+                    self.lru[name] = None
             for mod_name, module in model.named_modules():
                 if isinstance(module, LoraLayer):
                     # The names PEFT's own check accepts: those some LoRA layer holds.
@@ -175,7 +186,10 @@ class CsgmvState:
                 if not is_patched(module):
                     patch_peft_path(module, self.executor)
                 module._csgmv_held = frozenset(_held_adapters(module))
+            hosted = [n for n in names if n not in self.registry.index]
             for layer in found.values():
+                for name in hosted:  # no slot: its weights wait in host memory
+                    _move_adapter(layer, name, _host_device())
                 if not is_patched(layer):
                     patch_layer(layer, self._new_stack(layer), self.executor)
                 elif layer._csgmv_stack.dtype != self.stack_dtype(layer):
@@ -273,12 +287,60 @@ class CsgmvState:
         )
 
     def release(self) -> None:
+        if self.max_resident is not None:  # PEFT holds every adapter on the device again
+            for layer in self.layers.values():
+                for name in layer_adapters(layer):
+                    _move_adapter(layer, name, layer._csgmv_stack.device)
         for module in [*self.layers.values(), *self.peft_path.values()]:
             unpatch_layer(module)
         self.layers, self.peft_path = {}, {}
         self.executor.clear_plans()
 
     # -- per call -------------------------------------------------------------------------------------------------
+
+    # -- the host tier ----------------------------------------------------------------------------------------------
+
+    def _check_residency(self, needed, what: str) -> None:
+        if self.max_resident is not None and len(needed) > self.max_resident:
+            raise ValueError(
+                f"this call's `{what}` need {len(needed)} distinct adapters, more than the {self.max_resident} that "
+                f"fit on the device (enable_csgmv(..., max_resident_adapters={self.max_resident})): split the batch "
+                "or raise max_resident_adapters"
+            )
+
+    def make_resident(self, needed) -> None:
+        """Give every adapter in ``needed`` a slot (host tier only): the least recently used residents that are not
+        needed go back to host memory, the needed ones come in (copied into their slots; PEFT's weights become views
+        of them again). ``needed`` fits: :meth:`_check_residency` ran first."""
+        if self.max_resident is None:
+            return
+        missing = [n for n in needed if n not in self.registry.index]
+        if missing:
+            victims = [n for n in self.lru if n not in needed]
+            for name in missing:
+                if len(self.registry.index) >= self.max_resident:
+                    self._evict(victims.pop(0))
+                for layer in self.layers.values():
+                    _move_adapter(layer, name, layer._csgmv_stack.device)
+                self.registry.add(name)
+                self.lru[name] = None
+            for layer in self.layers.values():
+                self.stack_layer(layer)
+        for name in needed:
+            self.lru.move_to_end(name)
+
+    def _evict(self, name: str) -> None:
+        slot = self.registry.index[name]
+        for layer in self.layers.values():
+            layer._csgmv_stack.forget(slot)  # its weights leave the slot as they are (edits included)
+            _move_adapter(layer, name, _host_device(), copy=True)
+        self.registry.remove(name)
+        self.lru.pop(name)
+
+    @property
+    def resident(self) -> list[str]:
+        """The adapters with a slot, least recently used first."""
+        return list(self.lru) if self.max_resident is not None else list(self.registry.index)
 
     def restack_rescaled(self) -> None:
         """Restack the layers whose ``scaling`` dict PEFT replaced (``peft.helpers.rescale_adapter_scale`` assigns a new
@@ -311,8 +373,33 @@ class CsgmvState:
             )
         if not self.dora_refused.isdisjoint(ids):
             raise ValueError(PEFT_DORA_ERROR.format(arg=arg))
+        needed = list(dict.fromkeys(i for i in ids if i not in BASE_NAMES))  # in order of first use
+        self._check_residency(needed, arg)
+        self.make_resident(needed)
         index = self.registry.index
         return tuple(-1 if i in BASE_NAMES else index[i] for i in ids)
+
+
+def _host_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _move_adapter(layer: nn.Module, name: str, device: torch.device, copy: bool = False) -> None:
+    """Move adapter ``name``'s weights in a kernel layer to ``device`` (to host memory: pinned where CUDA is, so the
+    copy back is asynchronous); ``copy``: copy them even where they are on ``device`` already (out of a slot)."""
+    params = []
+    for holder in (layer.lora_A, layer.lora_B):
+        if name in holder:
+            params += list(holder[name].parameters())
+    for holder in (layer.lora_embedding_A, layer.lora_embedding_B):
+        if name in holder:
+            params.append(holder[name])
+    if name in getattr(layer, "lora_magnitude_vector", {}):
+        params += list(layer.lora_magnitude_vector[name].parameters())
+    for p in params:
+        if copy or p.device != device:
+            data = p.data.to(device, copy=True)
+            p.data = data.pin_memory() if device.type == "cpu" and torch.cuda.is_available() else data
 
 
 def _check_ids(ids, arg: str) -> None:
@@ -424,7 +511,13 @@ def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | N
     state: CsgmvState = model._csgmv
     ids, arg = _pop_ids(kwargs)
     if ids is None or not model.has_active_enabled_adapter:
-        # No ids, or under ``disable_adapter()``: PEFT ignores adapter_names there, and so do we.
+        # No ids, or under ``disable_adapter()``: PEFT ignores adapter_names there, and so do we. With the host tier,
+        # PEFT's own forward needs the active adapters' weights on the device.
+        if state.max_resident is not None and model.has_active_enabled_adapter:
+            state.sync(model)
+            active = [n for n in model.active_adapters if n in model.peft_config]
+            state._check_residency(active, "active adapters")
+            state.make_resident(active)
         return None
     state.sync(model)
     if state.peft_only is not None:
@@ -483,7 +576,9 @@ def _generate(self, *args: Any, **kwargs: Any):
     return _run(self, type(self).generate, args, kwargs, generate=True)
 
 
-def enable_csgmv(model, backend: str = "auto", dtype: torch.dtype | None = None):
+def enable_csgmv(
+    model, backend: str = "auto", dtype: torch.dtype | None = None, max_resident_adapters: int | None = None
+):
     """Patch ``model`` (a ``peft.PeftModel``) in place for fast mixed-adapter batches.
 
     Afterwards ``model(..., adapter_ids=[...])`` and ``model.generate(..., adapter_ids=[...])`` apply one adapter per
@@ -498,24 +593,32 @@ def enable_csgmv(model, backend: str = "auto", dtype: torch.dtype | None = None)
     Args:
         model: the ``PeftModel``. Returned for chaining; patched in place.
         backend: ``"auto"`` (Triton kernels on CUDA, the torch reference on CPU), ``"triton"`` or ``"torch"``.
-        dtype: dtype of the stacked adapter weights; default the base layer's weight dtype (see
-            :mod:`peft_csgmv.slots`).
+        dtype: dtype of the stacked adapter weights; default the adapters' own (see :mod:`peft_csgmv.slots`).
+        max_resident_adapters: keep at most this many adapters' kernel-layer weights on the device; the others wait
+            in (pinned) host memory and are copied into a free slot when a call needs them, least recently used out.
+            A call that needs more distinct adapters fails before anything runs. Default: all on the device.
 
     Calling it again on an enabled model restacks every adapter (use it after editing adapter weights in place).
     Adding, loading and deleting adapters through PEFT is picked up on the next call without it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if max_resident_adapters is not None and (
+        not isinstance(max_resident_adapters, int)
+        or isinstance(max_resident_adapters, bool)
+        or max_resident_adapters < 1
+    ):
+        raise ValueError(f"max_resident_adapters must be a positive int or None; got {max_resident_adapters!r}")
     _check_model(model)
     state = model.__dict__.get("_csgmv")
     if state is not None:
-        if dtype == state.dtype:
+        if dtype == state.dtype and max_resident_adapters == state.max_resident:
             state.executor.set_backend(backend)
             state.sync(model, force=True)
             return model
-        # A restack copies into the existing stacks, which keep their dtype: build them afresh for the new one.
+        # A restack copies into the existing stacks, which keep their dtype and size: build them afresh.
         disable_csgmv(model)
-    state = CsgmvState(backend, dtype)
+    state = CsgmvState(backend, dtype, max_resident_adapters)
     try:
         state.sync(model, force=True)
     except BaseException:
@@ -546,7 +649,8 @@ def csgmv_stats(model) -> dict:
     """What ``enable_csgmv`` holds for ``model`` (read-outs for benchmarks and monitoring): ``kernel_layers`` and
     ``peft_path_modules`` (counts), ``stack_bytes`` (device memory of every stack), ``shared_bytes`` (of that, PEFT's
     own adapter weights, which are views into the stacks: stored once), ``plans_cached`` (host-built plans
-    kept for later calls with the same ids), ``static_plans`` (plans of compiled shapes)."""
+    kept for later calls with the same ids), ``static_plans`` (plans of compiled shapes), ``resident`` (the adapters
+    with a slot on the device, least recently used first with ``max_resident_adapters``)."""
     state: CsgmvState = model.__dict__["_csgmv"]
     return dict(
         kernel_layers=len(state.layers),
@@ -555,6 +659,7 @@ def csgmv_stats(model) -> dict:
         shared_bytes=sum(layer._csgmv_stack.shared_bytes for layer in state.layers.values()),
         plans_cached=state.executor.num_plans,
         static_plans=len(state.executor.statics),
+        resident=state.resident,
     )
 
 

@@ -235,6 +235,12 @@ class LoraStack:
             for p in pair:
                 p.data = p.data.clone()
 
+    def forget(self, slot: int) -> None:
+        """Stop sharing ``slot`` with PEFT's parameters, leaving them as they are (views of the slot until the caller
+        moves them; the host tier moves them to host memory at once)."""
+        self.shared.pop(slot, None)
+        self.sources.pop(slot, None)
+
     def release_shared(self) -> None:
         """Every shared parameter owns its memory again (``disable_csgmv``, a layer unpatched or restacked)."""
         for slot in list(self.shared):

@@ -1,0 +1,102 @@
+"""The host tier: ``enable_csgmv(model, max_resident_adapters=N)`` keeps at most N adapters in slots on the device; the
+others' kernel-layer weights wait in host memory (pinned where CUDA is) and come into a slot when a call needs them,
+the least recently used resident out. Checked here on the bookkeeping (which adapters are resident, in what order),
+on results against stock PEFT through evictions, on a call that needs more adapters than fit (refused before
+anything runs or moves), and on stock PEFT calls with an evicted adapter active."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ALL_LINEAR, BASE, DEVICE, add_adapters, close, make_batch, per_adapter, stitch, tiny_model
+
+from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv
+from peft_csgmv.executor import active_calls
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+ADAPTERS = ["a0", "a1", "a2", "a3", "a4"]
+
+
+@pytest.fixture
+def tiered():
+    model, _ = tiny_model("llama")
+    specs = {
+        name: dict(r=4 + 2 * i, lora_alpha=8, target_modules=(["embed_tokens"] if i % 2 else []) + ALL_LINEAR)
+        for i, name in enumerate(ADAPTERS)
+    }
+    model = add_adapters(model, specs).to(DEVICE)
+    input_ids, mask = make_batch(4, 6)
+    # Every adapter's own stock PEFT run, before enabling: the reference for every call below.
+    outs = per_adapter(model, [*ADAPTERS, BASE], lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    return model, input_ids, mask, outs
+
+
+def _call(model, input_ids, mask, outs, names):
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+    close(got, stitch(outs, names), f"ids {names}")
+
+
+def _weights(model, name):
+    return [p for n, p in model.named_parameters() if f".{name}." in n and "lora_" in n]
+
+
+def test_adapters_come_and_go_least_recently_used_first(tiered):
+    model, input_ids, mask, outs = tiered
+    assert csgmv_stats(model)["resident"] == ["a0", "a1"]
+    assert all(p.device.type == "cpu" for p in _weights(model, "a3"))  # waiting in host memory
+    _call(model, input_ids, mask, outs, ["a1", BASE, "a1", "a1"])  # a1 used: a0 is now the least recent
+    assert csgmv_stats(model)["resident"] == ["a0", "a1"]
+    _call(model, input_ids, mask, outs, ["a2", "a1", BASE, "a2"])  # a2 comes in, a0 (least recent) goes
+    assert csgmv_stats(model)["resident"] == ["a2", "a1"]  # a call uses its adapters in order of first use
+    _call(model, input_ids, mask, outs, ["a3", "a4", "a3", BASE])  # both go, both come
+    assert csgmv_stats(model)["resident"] == ["a3", "a4"]
+    _call(model, input_ids, mask, outs, ["a0", "a2", BASE, "a0"])  # the evicted ones again, with their weights
+    assert csgmv_stats(model)["resident"] == ["a0", "a2"]
+    assert csgmv_stats(model)["stack_bytes"] == csgmv_stats(model)["shared_bytes"] + sum(
+        layer._csgmv_stack.nbytes - layer._csgmv_stack.shared_bytes for layer in model._csgmv.layers.values()
+    )
+
+
+def test_call_needing_more_adapters_than_fit_is_refused_first(tiered, kernel_calls):
+    model, input_ids, mask, outs = tiered
+    before = csgmv_stats(model)["resident"]
+    with pytest.raises(ValueError, match=r"need 3 distinct adapters, more than the 2 that fit on the device"):
+        model(input_ids, attention_mask=mask, adapter_ids=["a2", "a3", "a4", BASE])
+    assert kernel_calls == [] and active_calls() == 0
+    assert csgmv_stats(model)["resident"] == before, "a refused call moved adapters"
+    _call(model, input_ids, mask, outs, ["a0", "a1", BASE, "a0"])
+
+
+def test_stock_call_with_an_evicted_adapter_active(tiered):
+    model, input_ids, mask, outs = tiered
+    model.set_adapter("a4")  # in host memory
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=mask).logits  # no ids: PEFT's own forward
+    close(got, outs["a4"], "stock call on an adapter that was in host memory")
+    assert "a4" in csgmv_stats(model)["resident"]
+
+
+def test_edits_survive_eviction_and_disable_brings_everything_back(tiered):
+    model, input_ids, mask, outs = tiered
+    with torch.no_grad():
+        for p in _weights(model, "a0"):
+            p.mul_(1.0)  # an in-place edit through the shared view (kept trivial: the reference stays right)
+    _call(model, input_ids, mask, outs, ["a3", "a4", BASE, "a3"])  # a0 and a1 go to host memory
+    _call(model, input_ids, mask, outs, ["a0", "a1", BASE, "a0"])  # and come back
+    disable_csgmv(model)
+    device = model.base_model.model.model.embed_tokens.weight.device
+    assert all(p.device == device for n, p in model.named_parameters() if "lora_" in n)
+    for name in ADAPTERS:
+        model.set_adapter(name)
+        with torch.no_grad():
+            close(model(input_ids, attention_mask=mask).logits, outs[name], f"stock PEFT {name} after disable")
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_max_resident(bad):
+    model, targets = tiny_model("llama")
+    model = add_adapters(model, {"a0": dict(r=4, target_modules=targets)})
+    with pytest.raises(ValueError, match="max_resident_adapters must be a positive int"):
+        enable_csgmv(model, max_resident_adapters=bad)
