@@ -5,6 +5,7 @@ out = model.generate(input_ids, attention_mask=mask, adapter_ids=["legal", None,
 disable_csgmv(model)
 """
 
+from . import _compat  # noqa: F401  (first: raises ImportError below the dependency floors)
 from .model import adapter_ids_scope, csgmv_stats, disable_csgmv, enable_csgmv, is_csgmv_enabled
 from .plan import BatchPlan
 

@@ -1,0 +1,92 @@
+"""Version floors, checked when ``peft_csgmv`` is imported, and the few spellings that differ between the transformers
+versions it supports.
+
+The floors are the oldest releases the whole test suite passes on (``.ci/run`` runs it on them pinned exactly, after
+the run on the newest releases); ``pyproject.toml`` declares the same numbers. Below them things break, mostly in ways
+that do not name the cause: peft < 0.18 lacks ``has_active_enabled_adapter`` (every mixed call fails), peft < 0.19
+lacks ``add_adapter(..., autocast_adapter_dtype=)`` (the benchmark) and does not import with transformers 5, and on
+peft 0.19 the suite's drop-in tests cannot run (no GLoRA, one ``target_parameters`` adapter per model); triton < 3.4
+computes some kernels wrongly under its interpreter and fails to compile others for sm_90.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from importlib import metadata
+
+# Keep in step with pyproject.toml's dependencies (tests/test_compat.py checks that they agree).
+FLOORS = {
+    "peft": "0.20.0",
+    "transformers": "4.56.0",
+    "triton": "3.4.0",
+    "accelerate": "1.0.0",
+}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release part of a version string: ``"5.25.0.dev0"`` -> ``(5, 25, 0)``, ``"2.13.0+cpu"`` ->
+    ``(2, 13, 0)`` (a pre-release of a floor counts as the floor)."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break
+    while parts and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def too_old(found: dict[str, str | None] | None = None) -> list[str]:
+    """One message per installed package below its floor (packages not installed are not this check's business).
+    ``found`` maps package to version, for tests; by default the installed versions are read."""
+    problems = []
+    for package, floor in FLOORS.items():
+        if found is not None:
+            version = found.get(package)
+        else:
+            try:
+                version = metadata.version(package)
+            except metadata.PackageNotFoundError:
+                version = None
+        if version is not None and _release(version) < _release(floor):
+            problems.append(
+                f"peft_csgmv needs {package}>={floor}, found {package} {version} (pip install -U '{package}>={floor}')"
+            )
+    return problems
+
+
+def check_versions(found: dict[str, str | None] | None = None) -> None:
+    """Raise ImportError with one line per package below its floor."""
+    problems = too_old(found)
+    if problems:
+        raise ImportError("; ".join(problems))
+
+
+def cache_kwarg(model) -> str:
+    """The name of a transformers model's KV-cache argument: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` is deprecated), ``past_key_values`` before. ``model`` may be a PeftModel."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        params = inspect.signature(type(base).forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(output):
+    """The KV cache of a model output: ``output.cache`` where the output class has that field, else
+    ``output.past_key_values`` (reading the old name warns where the new one exists)."""
+    if dataclasses.is_dataclass(output) and any(f.name == "cache" for f in dataclasses.fields(output)):
+        return output.cache
+    return output.past_key_values
+
+
+check_versions()  # on import: peft_csgmv/__init__.py imports this module before anything that needs the floors
