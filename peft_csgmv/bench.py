@@ -145,6 +145,20 @@ def add_adapters(model, n: int, ranks: list[int], device: torch.device, fp32_ada
     return peft_model.eval()
 
 
+def cpu_note(args) -> str:
+    """The line a CPU run starts with: what runs there, what its times are worth, and how long it takes."""
+    if args.config:
+        span = "its time grows with the model and --batch, --prompt, --new-tokens (--model tiny: a minute or two)"
+    elif args.model == "tiny":
+        span = "the tiny model takes a minute or two at the default sizes"
+    else:
+        span = f"the {args.model} model takes hours at these sizes (--model tiny: a minute or two)"
+    return (
+        "bench on the cpu: csgmv runs its plain-torch backend (the Triton kernels need CUDA), so these times say "
+        f"nothing of its GPU speed and swing from run to run; {span}"
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="peft-csgmv bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -169,8 +183,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--rounds",
         type=int,
-        default=3,
-        help="rounds over the PEFT one-adapter and csgmv rows (alternating; medians over rounds are reported)",
+        default=None,
+        help="rounds over the PEFT one-adapter and csgmv rows (alternating; medians over rounds are reported) "
+        "(default: 3 on CUDA, 1 on the CPU)",
     )
     p.add_argument("--fp32-adapters", action="store_true", help="keep adapter weights in fp32 (PEFT's default)")
     p.add_argument("--csgmv-only", action="store_true", help="skip the PEFT adapter_names rows")
@@ -180,14 +195,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from . import csgmv_stats, disable_csgmv, enable_csgmv
+    from ._compat import cache_kwarg, output_cache
 
     device, dtype = device_and_dtype(args.device)
+    if args.rounds is None:
+        args.rounds = 3 if device.type == "cuda" else 1
+    if device.type != "cuda":
+        print(cpu_note(args), flush=True)
     ranks = [int(r) for r in args.ranks.split(",")]
     distinct = [int(d) for d in args.distinct.split(",") if int(d) <= args.adapters]
     timer = Timer(device)
     model = build_model(args.model, device, dtype, args.config)
     model_label = os.path.basename(os.path.normpath(args.config)) if args.config else args.model
     vocab = model.config.vocab_size
+    cache_name = cache_kwarg(model)  # "cache" from transformers 5.24 on, "past_key_values" before
     g = torch.Generator(device="cpu").manual_seed(1)
     input_ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=g).to(device)
     mask = torch.ones_like(input_ids)
@@ -203,10 +224,10 @@ def main(argv=None) -> int:
                 lambda: call("forward", input_ids=input_ids, attention_mask=mask, use_cache=False), args.repeats
             )
             out = call("forward", input_ids=input_ids, attention_mask=mask, use_cache=True)
-            cache = out.past_key_values
+            cache = output_cache(out)
             decode = timer(
                 lambda: call(
-                    "forward", input_ids=step_ids, attention_mask=step_mask, past_key_values=cache, use_cache=True
+                    "forward", input_ids=step_ids, attention_mask=step_mask, use_cache=True, **{cache_name: cache}
                 ),
                 args.repeats * 2,
                 before=lambda: _crop(cache, args.prompt),

@@ -36,6 +36,7 @@ from helpers import (
 from peft import LoraConfig
 
 from peft_csgmv import disable_csgmv, enable_csgmv, is_csgmv_enabled
+from peft_csgmv._compat import cache_kwarg, output_cache
 from peft_csgmv.executor import active_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -237,7 +238,8 @@ def test_kv_cache_decode(backend):
 
     def two_steps(**kw):
         first = model(input_ids, attention_mask=mask, use_cache=True, **kw)
-        second = model(next_ids, attention_mask=mask2, past_key_values=first.past_key_values, use_cache=True, **kw)
+        cache = {cache_kwarg(model): output_cache(first)}  # transformers 5.24 renamed past_key_values to cache
+        second = model(next_ids, attention_mask=mask2, use_cache=True, **cache, **kw)
         return torch.cat([first.logits, second.logits], dim=1)
 
     outs = per_adapter(model, names, two_steps)
