@@ -1,21 +1,33 @@
 """Batch generation over a JSONL file of prompts, each with its own adapter (``peft-csgmv generate``).
 
 Input: one JSON object per line, ``{"prompt": "...", "adapter": "legal", "id": 17}``; ``adapter`` absent, null or
-``"__base__"`` means the base model; ``id`` is optional and echoed. Output: one JSON object per input line,
-``{"line": 3, "id": 17, "adapter": "legal", "completion": "...", "new_tokens": 42}``, written (and flushed) as soon
-as its batch finishes. Rows are grouped by prompt length into batches; one batch mixes adapters freely.
+``"__base__"`` means the base model; ``id`` is optional and echoed; blank lines are skipped.
 
-Resuming: lines already in the output (by ``line``) are skipped, so an interrupted run continues where it stopped;
-a torn last line from an interruption is cut off first. Bad input lines (not JSON, no prompt, unknown adapter) are
-all reported with their line numbers before anything runs; with ``on_error="stop"`` the run stops there, with
-``"skip"`` each gets an ``{"line": n, "error": "..."}`` record in the output, so no row is ever dropped silently.
+Output: one JSON object per non-blank input line, ``{"line": 3, "id": 17, "adapter": "legal", "completion": "...",
+"new_tokens": 42, "input_sha1": "..."}``, or ``{"line": 5, "error": "...", "input_sha1": "..."}`` for a bad line
+under ``--on-error skip``. ``input_sha1`` is the SHA-1 of the input line's text (UTF-8, surrounding whitespace
+stripped): it ties each record to the content it was made from.
+
+Order: during a run, each batch's records are appended and flushed as soon as the batch finishes (batches are grouped
+by prompt length, so this is not input order; each line of the file is always a complete record). When the run
+completes, the file is rewritten in input order. An interrupted run leaves its finished batches' records.
+
+Resuming goes by content. A line is done when the output holds a completion record with its line number and its
+``input_sha1``; every other line is generated: new lines, lines edited since their record was written (the stale
+record is dropped) and lines that have an error record (error records are retried on every run). An output that
+holds completion records but none for this input belongs to another input: it is refused (``OutputMismatch``)
+unless ``overwrite`` is given, which starts it afresh. A torn last line (an interrupted write) is cut off; an output
+whose lines are not result records is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import inspect
 import json
 import os
+import tempfile
 import time
 from typing import Any, Iterable
 
@@ -31,6 +43,7 @@ class Row:
     adapter: str | None
     id: Any = None
     has_id: bool = False
+    sha1: str = ""  # fingerprint of the input line (see ``fingerprint``)
 
 
 class InputError(ValueError):
@@ -43,15 +56,47 @@ class InputError(ValueError):
         super().__init__(f"{len(errors)} bad input line(s):\n{shown}{more}")
 
 
-def read_rows(
+class OutputMismatch(ValueError):
+    """The output file holds another input's results, or is not a peft-csgmv output at all."""
+
+
+def fingerprint(text: str | bytes) -> str:
+    """SHA-1 (hex) of an input line's text, surrounding whitespace stripped."""
+    if isinstance(text, str):
+        text = text.encode("utf-8")
+    return hashlib.sha1(text.strip()).hexdigest()
+
+
+@dataclasses.dataclass
+class InputFile:
+    """A parsed input: good rows, bad lines as ``(line, message)``, and every non-blank line's fingerprint."""
+
+    rows: list[Row]
+    errors: list[tuple[int, str]]
+    sha1: dict[int, str]
+
+    @property
+    def lines(self) -> int:
+        """Non-blank lines."""
+        return len(self.sha1)
+
+
+def read_input(
     path: str, adapters: Iterable[str], prompt_key: str = "prompt", adapter_key: str = "adapter"
-) -> tuple[list[Row], list[tuple[int, str]]]:
-    """Parse the input; returns the good rows and ``(line, message)`` for every bad one. Blank lines are skipped."""
+) -> InputFile:
+    """Parse the input file (see the module docstring). Blank lines are skipped; every other line becomes a row or
+    an error."""
     known = set(adapters)
-    rows, errors = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, start=1):
-            if not text.strip():
+    rows, errors, sha1 = [], [], {}
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            sha1[n] = fingerprint(raw)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                errors.append((n, "not valid UTF-8 text"))
                 continue
             try:
                 obj = json.loads(text)
@@ -73,28 +118,114 @@ def read_rows(
                     (n, f"unknown adapter {adapter!r}; loaded: {', '.join(sorted(known))} (or null for base)")
                 )
                 continue
-            rows.append(Row(line=n, prompt=prompt, adapter=adapter, id=obj.get("id"), has_id="id" in obj))
-    return rows, errors
+            rows.append(Row(line=n, prompt=prompt, adapter=adapter, id=obj.get("id"), has_id="id" in obj, sha1=sha1[n]))
+    return InputFile(rows, errors, sha1)
 
 
-def finished_lines(path: str) -> set[int]:
-    """Input lines already in the output file. A torn last line (an interrupted write) is cut off the file."""
-    if not os.path.exists(path):
-        return set()
-    done: set[int] = set()
-    good_bytes = 0
+def read_rows(
+    path: str, adapters: Iterable[str], prompt_key: str = "prompt", adapter_key: str = "adapter"
+) -> tuple[list[Row], list[tuple[int, str]]]:
+    """Parse the input; returns the good rows and ``(line, message)`` for every bad one. Blank lines are skipped."""
+    parsed = read_input(path, adapters, prompt_key, adapter_key)
+    return parsed.rows, parsed.errors
+
+
+@dataclasses.dataclass
+class Resume:
+    """What an existing output holds for an input: ``done`` maps line to its completion record (kept as is);
+    ``stale`` counts completion records for lines since edited or gone, ``retry`` error records (their lines are
+    tried again); ``rewrite`` says the file must be rewritten before appending (records to drop, a torn tail)."""
+
+    done: dict[int, dict]
+    stale: int = 0
+    retry: int = 0
+    rewrite: bool = False
+
+
+def _read_records(path: str) -> tuple[list[dict], bool]:
+    """The records of an existing output, and whether a torn last line (an interrupted write) was left out. A complete
+    line that is not a result record raises OutputMismatch."""
     with open(path, "rb") as f:
-        for raw in f:
-            try:
-                record = json.loads(raw)
-                done.add(int(record["line"]))
-            except (ValueError, KeyError, TypeError):
-                break  # torn or foreign line: everything from here is rewritten
-            good_bytes += len(raw)
-    if good_bytes != os.path.getsize(path):
-        with open(path, "r+b") as f:
-            f.truncate(good_bytes)
-    return done
+        data = f.read()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    records, torn = [], bool(tail.strip())
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("line"), int):
+            raise OutputMismatch(f"line {n} is not a peft-csgmv result record")
+        records.append(record)
+    return records, torn
+
+
+def resume_state(out_path: str, parsed: InputFile, overwrite: bool = False) -> Resume:
+    """Match an existing output against the input (see the module docstring). Raises OutputMismatch when the output
+    holds only other content's results, or is not a peft-csgmv output; ``overwrite`` starts it afresh instead."""
+    if not os.path.exists(out_path):
+        return Resume(done={})
+    if overwrite:
+        return Resume(done={}, rewrite=os.path.getsize(out_path) > 0)
+    records, torn = _read_records(out_path)
+    done: dict[int, dict] = {}
+    completions = stale = retry = 0
+    for record in records:
+        if "error" in record:
+            retry += 1
+            continue
+        completions += 1
+        line = record["line"]
+        if record.get("input_sha1") is not None and parsed.sha1.get(line) == record["input_sha1"]:
+            done[line] = record  # a later record for the same line wins
+        else:
+            stale += 1
+    if completions and not done:
+        raise OutputMismatch(f"it holds {completions} results, none for a line of this input (another input's output?)")
+    kept = len(done)
+    return Resume(done=done, stale=stale, retry=retry, rewrite=torn or kept != len(records))
+
+
+def _rewrite(path: str, records: Iterable[dict]) -> None:
+    """Replace ``path`` with ``records`` at once (a temporary file beside it, then a rename)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".peft-csgmv-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def start_output(out_path: str, resume: Resume, parsed: InputFile, error_records: bool) -> None:
+    """Make the output hold only the records ``resume`` keeps, then append an error record for every bad line when
+    ``error_records``."""
+    if resume.rewrite:
+        _rewrite(out_path, sorted(resume.done.values(), key=lambda r: r["line"]))
+    errors = parsed.errors if error_records else []
+    with open(out_path, "a", encoding="utf-8") as out:
+        out.write(
+            "".join(json.dumps({"line": n, "error": msg, "input_sha1": parsed.sha1[n]}) + "\n" for n, msg in errors)
+        )
+
+
+def finish_output(out_path: str, parsed: InputFile) -> None:
+    """Rewrite a completed output in input order, one record per input line (the last one written for a line)."""
+    if not os.path.exists(out_path):
+        return
+    records, _ = _read_records(out_path)
+    by_line = {r["line"]: r for r in records if r["line"] in parsed.sha1}
+    ordered = [by_line[n] for n in sorted(by_line)]
+    if ordered != records:
+        _rewrite(out_path, ordered)
 
 
 def batches_by_length(rows: list[Row], lengths: list[int], batch_size: int) -> list[list[int]]:
@@ -116,50 +247,65 @@ def generate_rows(
     progress: bool = True,
     **generate_kwargs,
 ) -> dict:
-    """Generate a completion for every row (mixed adapters per batch) and append each result to ``out_path`` as soon
-    as its batch finishes. ``model`` must be csgmv-enabled. Returns counts and timing."""
+    """Generate a completion for every row (mixed adapters per batch) and append each batch's records to
+    ``out_path`` as soon as it finishes (one write of complete lines, flushed). ``model`` must be csgmv-enabled.
+    Returns counts and timing."""
     from tqdm.auto import tqdm
 
     lengths = [len(ids) for ids in tokenizer([r.prompt for r in rows])["input_ids"]] if rows else []
     device = _input_device(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    new_tokens_total, started = 0, time.perf_counter()
+    new_tokens_total, written, started = 0, 0, time.perf_counter()
     bar = tqdm(total=len(rows), unit="row", disable=not progress, dynamic_ncols=True)
-    with open(out_path, "a", encoding="utf-8") as out:
-        for batch in batches_by_length(rows, lengths, batch_size):
-            brows = [rows[i] for i in batch]
-            enc = tokenizer([r.prompt for r in brows], return_tensors="pt", padding=True, padding_side="left")
-            enc = {k: v.to(device) for k, v in enc.items()}
-            seqs = model.generate(**enc, adapter_ids=[r.adapter for r in brows], pad_token_id=pad_id, **generate_kwargs)
-            new = seqs[:, enc["input_ids"].shape[1] :].cpu()
-            for r, ids in zip(brows, new):
-                ids = ids[ids != pad_id] if pad_id is not None else ids
-                record = {"line": r.line}
-                if r.has_id:
-                    record["id"] = r.id
-                record.update(adapter=r.adapter, completion=tokenizer.decode(ids, skip_special_tokens=True),
-                              new_tokens=int(ids.numel()))  # fmt: skip
-                new_tokens_total += int(ids.numel())
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-            elapsed = time.perf_counter() - started
-            bar.update(len(brows))
-            bar.set_postfix(tok_s=f"{new_tokens_total / max(elapsed, 1e-9):.1f}")
-    bar.close()
+    try:
+        with open(out_path, "a", encoding="utf-8") as out:
+            for batch in batches_by_length(rows, lengths, batch_size):
+                brows = [rows[i] for i in batch]
+                enc = tokenizer([r.prompt for r in brows], return_tensors="pt", padding=True, padding_side="left")
+                # Only what every causal LM's generate takes (a tokenizer may add token_type_ids, which older
+                # transformers refuse for models that do not use them).
+                input_ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+                seqs = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    adapter_ids=[r.adapter for r in brows],
+                    pad_token_id=pad_id,
+                    **generate_kwargs,
+                )
+                new = seqs[:, input_ids.shape[1] :].cpu()
+                lines = []
+                for r, ids in zip(brows, new):
+                    ids = ids[ids != pad_id] if pad_id is not None else ids
+                    record = {"line": r.line}
+                    if r.has_id:
+                        record["id"] = r.id
+                    record.update(adapter=r.adapter, completion=tokenizer.decode(ids, skip_special_tokens=True),
+                                  new_tokens=int(ids.numel()), input_sha1=r.sha1)  # fmt: skip
+                    new_tokens_total += int(ids.numel())
+                    lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+                out.write("".join(lines))
+                out.flush()
+                written += len(brows)
+                elapsed = time.perf_counter() - started
+                bar.update(len(brows))
+                bar.set_postfix(tok_s=f"{new_tokens_total / max(elapsed, 1e-9):.1f}")
+    finally:
+        bar.close()
     elapsed = time.perf_counter() - started
-    return dict(rows=len(rows), new_tokens=new_tokens_total, seconds=elapsed)
+    return dict(rows=written, new_tokens=new_tokens_total, seconds=elapsed)
 
 
-def write_errors(out_path: str, errors: list[tuple[int, str]], skip: set[int]) -> int:
-    """Append an error record for each bad line not yet in the output; returns how many were written."""
-    written = 0
-    with open(out_path, "a", encoding="utf-8") as out:
-        for n, msg in errors:
-            if n not in skip:
-                out.write(json.dumps({"line": n, "error": msg}) + "\n")
-                written += 1
-    return written
+def _drop_unused_inputs(model, tokenizer) -> None:
+    """Keep the tokenizer from returning inputs the model's forward does not take (``token_type_ids`` for most
+    causal LMs), which transformers' ``generate`` refuses."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        params = inspect.signature(type(base).forward).parameters
+    except (TypeError, ValueError):
+        return
+    names = list(getattr(tokenizer, "model_input_names", []))
+    if "token_type_ids" in names and "token_type_ids" not in params:
+        tokenizer.model_input_names = [n for n in names if n != "token_type_ids"]
 
 
 def load_model(
@@ -188,6 +334,7 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(base)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    _drop_unused_inputs(model, tokenizer)
     names = iter(adapters.items())
     name, path = next(names)
     model = PeftModel.from_pretrained(model, path, adapter_name=name, autocast_adapter_dtype=False)

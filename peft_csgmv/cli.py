@@ -1,9 +1,12 @@
-"""The ``peft-csgmv`` command. With no arguments it runs the demo: a small random-weight model with several adapters
-of different ranks, one mixed batch through stock PEFT and through csgmv, and whether they agree."""
+"""The ``peft-csgmv`` command: the demo (the default), ``generate`` (batch generation from JSONL, see batch.py) and
+``bench`` (see bench.py). Every problem with ``generate``'s arguments is found before the model loads and reported
+as one line naming the argument (exit 2); Ctrl-C stops with one line (exit 130)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 import time
 
@@ -50,6 +53,11 @@ def demo(device: str | None = None, seed: int = 0) -> bool:
         f"peft_csgmv demo on {dev} ({dtype}): {len(adapters)} adapters (ranks {list(adapters.values())}), "
         f"batch {batch} × {length} tokens, rows {names}"
     )
+    if dev.type == "cpu":
+        print(
+            "on cpu csgmv runs its plain-torch backend (the Triton kernels need CUDA): the times below say nothing "
+            "of its speed on a GPU, and swing from run to run"
+        )
 
     greedy = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -83,6 +91,42 @@ def demo(device: str | None = None, seed: int = 0) -> bool:
     return agree and (same_tokens or dtype != torch.float32)
 
 
+DESCRIPTION = """\
+Fast mixed-adapter LoRA batches for HuggingFace transformers + PEFT.
+
+With no command, runs the demo: a small random-weight model with four adapters, one mixed batch through stock PEFT
+and through csgmv, whether they agree and the time of each."""
+
+GENERATE_DESCRIPTION = """\
+Generate a completion for every line of a JSONL file, each line with its own adapter; batches mix adapters freely.
+
+input:  one JSON object per line: {"prompt": "...", "adapter": "legal", "id": 17}; "adapter" absent, null or
+        "__base__" means the base model; "id" is optional and echoed; blank lines are skipped.
+output: one JSON object per input line: {"line": 3, "id": 17, "adapter": "legal", "completion": "...",
+        "new_tokens": 42, "input_sha1": "..."}, or {"line": 5, "error": "...", ...} for a bad line under
+        --on-error skip. input_sha1 is the SHA-1 of the input line's text (surrounding whitespace stripped).
+order:  records are appended batch by batch as each batch finishes (batches are grouped by prompt length); when the
+        run completes the file is rewritten in input order.
+resume: run the same command again. A line is done when the output holds a completion for it with the same
+        input_sha1; new lines, edited lines and lines with an error record are generated (stale records are
+        dropped). An output holding another input's results is refused, unless --overwrite.
+checks: paths, adapters and options are checked before the model loads: each problem is one line, exit 2. Bad
+        input lines are all listed before anything runs. An input with no lines exits 0 without an output.
+        Ctrl-C stops after writing the finished batches (exit 130): rerun the same command to resume."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; every option's help ends with its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.required or action.default is argparse.SUPPRESS or "default" in text or not action.option_strings:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
 def _adapter_arg(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
@@ -90,38 +134,182 @@ def _adapter_arg(text: str) -> tuple[str, str]:
     return name, path
 
 
-def generate_command(args) -> int:
-    """``peft-csgmv generate``: see peft_csgmv/batch.py."""
-    from .batch import InputError, finished_lines, generate_rows, load_model, read_rows, write_errors
+def _number(kind, low, high=None, low_open=False, what=""):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
 
-    adapters = dict(args.adapter)
-    if len(adapters) != len(args.adapter):
-        print("error: an adapter name is given twice", file=sys.stderr)
+    return parse
+
+
+# A hub repo id: "name" or "owner/name" (what is not a local path and not shaped like this is a missing folder).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+def _hub_id_shaped(value: str) -> bool:
+    return bool(_HUB_ID.match(value)) and ".." not in value and not value.endswith((".json", ".jsonl"))
+
+
+def _folder_problem(label: str, value: str, needed: str, kind: str) -> str | None:
+    """A local folder must hold ``needed``; a value that names nothing here must look like a hub id."""
+    if os.path.isdir(value):
+        if os.path.isfile(os.path.join(value, needed)):
+            return None
+        nested = sorted(d for d in os.listdir(value) if os.path.isfile(os.path.join(value, d, needed)))
+        hint = f" (there is one in {os.path.join(value, nested[0])}: give that folder)" if nested else ""
+        return f"{label}: no {needed} in {value}{hint}"
+    if os.path.exists(value):
+        return f"{label}: {value} is a file, not a {kind} folder"
+    if _hub_id_shaped(value):
+        return None  # a hub id: looked up before the model loads (_hub_problem)
+    return f"{label}: no such folder: {value}"
+
+
+def _hub_problem(label: str, repo: str, needed: str) -> str | None:
+    """For a value that is no local folder: is it a hub repo holding ``needed``? One quick request, no retries."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(repo, needed), str):
+            return None
+        if constants.HF_HUB_OFFLINE:
+            return f"{label}: no such local folder, and not in the hub cache (offline mode is on)"
+        from huggingface_hub import HfApi
+
+        if HfApi().file_exists(repo, needed):
+            return None
+        return f"{label}: no such local folder, and no hub repo {repo} with a {needed} (or no access to it)"
+    except Exception as e:  # noqa: BLE001 - any failure to ask is reported, in one line
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"{label}: no such local folder, and the hub could not be asked about it ({type(e).__name__}: {reason})"
+
+
+def _labels(args) -> tuple[str, list[tuple[str, str]]]:
+    return f"--base {args.base}", [(f"--adapter {name}={path}", path) for name, path in args.adapter]
+
+
+def check_generate_args(args) -> list[str]:
+    """Every problem with ``generate``'s paths and options that can be seen without loading anything, one line
+    each (hub ids are looked up by ``check_hub_args``)."""
+    problems = []
+    names = [name for name, _ in args.adapter]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"--adapter {name}=...: the name {name!r} is given {names.count(name)} times")
+    if "__base__" in names:
+        problems.append("--adapter __base__=...: __base__ is the base model's name; choose another")
+
+    inp = args.input
+    if not os.path.exists(inp):
+        problems.append(f"--input {inp}: no such file")
+    elif os.path.isdir(inp):
+        problems.append(f"--input {inp}: is a folder, not a file")
+    else:
+        try:
+            with open(inp, "rb"):
+                pass
+        except OSError as e:
+            problems.append(f"--input {inp}: cannot be read ({e.strerror or e})")
+
+    out = args.output
+    parent = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        problems.append(f"--output {out}: is a folder; give a file path (e.g. {os.path.join(out, 'out.jsonl')})")
+    elif not os.path.isdir(parent):
+        problems.append(f"--output {out}: its folder {parent} does not exist")
+    elif not os.access(parent, os.W_OK) or (os.path.exists(out) and not os.access(out, os.W_OK)):
+        problems.append(f"--output {out}: cannot be written")
+    elif os.path.isfile(inp) and os.path.exists(out) and os.path.samefile(inp, out):
+        problems.append(f"--output {out}: is the --input file")
+
+    base_label, adapter_labels = _labels(args)
+    problem = _folder_problem(base_label, args.base, "config.json", "model")
+    if problem:
+        problems.append(problem)
+    for label, path in adapter_labels:
+        problem = _folder_problem(label, path, "adapter_config.json", "adapter")
+        if problem:
+            problems.append(problem)
+
+    if args.device and args.device_map:
+        problems.append(f"--device {args.device} and --device-map {args.device_map}: give one of them")
+    elif args.device:
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            problems.append(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
+        else:
+            if device.type == "cuda" and not torch.cuda.is_available():
+                problems.append(f"--device {args.device}: no CUDA device here (--device cpu runs on the CPU)")
+    return problems
+
+
+def check_hub_args(args) -> list[str]:
+    """``--base`` and ``--adapter`` values that are no local folder: each must be a hub repo (one request each)."""
+    base_label, adapter_labels = _labels(args)
+    wanted = [(base_label, args.base, "config.json")] + [(lb, p, "adapter_config.json") for lb, p in adapter_labels]
+    missing = [(label, value, needed) for label, value, needed in wanted if not os.path.exists(value)]
+    return [problem for problem in (_hub_problem(*m) for m in missing) if problem]
+
+
+def generate_command(args, prog: str = "peft-csgmv generate") -> int:
+    """``peft-csgmv generate``: see peft_csgmv/batch.py."""
+    from . import batch
+
+    def fail(problems: list[str]) -> int:
+        for problem in problems:
+            print(f"{prog}: error: {problem}", file=sys.stderr)
         return 2
-    rows, errors = read_rows(args.input, adapters, args.prompt_key, args.adapter_key)
-    if errors:
-        print(InputError(errors), file=sys.stderr)
+
+    problems = check_generate_args(args)
+    if problems:
+        return fail(problems)
+    adapters = dict(args.adapter)
+    parsed = batch.read_input(args.input, adapters, args.prompt_key, args.adapter_key)
+    if not parsed.lines:
+        print("input has no lines: nothing to do", file=sys.stderr)
+        return 0
+    if parsed.errors:
+        print(batch.InputError(parsed.errors), file=sys.stderr)
         if args.on_error == "stop":
             print("stopped before generating anything (use --on-error skip to skip bad lines)", file=sys.stderr)
             return 2
-    done = finished_lines(args.output)
-    todo = [r for r in rows if r.line not in done]
-    if errors:
-        write_errors(args.output, errors, done)
+    try:
+        resume = batch.resume_state(args.output, parsed, overwrite=args.overwrite)
+    except batch.OutputMismatch as e:
+        return fail([f"--output {args.output}: {e}; give another --output, or --overwrite to start it afresh"])
+    todo = [r for r in parsed.rows if r.line not in resume.done]
+    notes = []
+    if resume.stale:
+        notes.append(f"{resume.stale} results dropped (their lines changed or are gone)")
+    if resume.retry:
+        notes.append(f"{resume.retry} error records from an earlier run (those lines are read again)")
     print(
-        f"{len(rows)} rows ({len(rows) - len(todo)} already done), {len(errors)} bad lines; {len(adapters)} adapters",
+        f"{parsed.lines} lines: {len(todo)} to generate, {len(resume.done)} already done, {len(parsed.errors)} bad; "
+        f"{len(adapters)} adapters" + "".join(f"; {n}" for n in notes),
         file=sys.stderr,
     )
+    if todo:
+        problems = check_hub_args(args)
+        if problems:
+            return fail(problems)
+    batch.start_output(args.output, resume, parsed, error_records=bool(parsed.errors))
     if not todo:
+        batch.finish_output(args.output, parsed)
         return 0
-    model, tokenizer = load_model(args.base, adapters, args.dtype, args.device_map, args.device, args.backend)
+    model, tokenizer = batch.load_model(args.base, adapters, args.dtype, args.device_map, args.device, args.backend)
     torch.manual_seed(args.seed)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
     if args.do_sample:
         gen.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    stats = generate_rows(
+    stats = batch.generate_rows(
         model, tokenizer, todo, args.output, batch_size=args.batch_size, progress=not args.no_progress, **gen
     )
+    batch.finish_output(args.output, parsed)
     print(
         f"wrote {stats['rows']} rows, {stats['new_tokens']} new tokens in {stats['seconds']:.1f} s "
         f"({stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) to {args.output}",
@@ -130,58 +318,114 @@ def generate_command(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="peft-csgmv", description=__doc__)
-    sub = parser.add_subparsers(dest="command")
-    p_demo = sub.add_parser("demo", help="run the demo (the default)")
-    p_demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command's parser and its sub-parsers by name."""
+    parser = argparse.ArgumentParser(prog="peft-csgmv", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="{demo,generate,bench}")
+    p_demo = sub.add_parser(
+        "demo", help="run the demo (the default)", description=DESCRIPTION, formatter_class=_HelpFormatter
+    )
+    p_demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if there is one)")
 
-    p_gen = sub.add_parser("generate", help="generate for a JSONL file of prompts, each with its own adapter")
-    p_gen.add_argument("--base", required=True, help="base model (path or hub id)")
+    p_gen = sub.add_parser(
+        "generate",
+        help="generate for a JSONL file of prompts, each with its own adapter (resumable)",
+        description=GENERATE_DESCRIPTION,
+        formatter_class=_HelpFormatter,
+    )
+    p_gen.add_argument("--base", required=True, help="base model: a local folder or a hub id (required)")
     p_gen.add_argument(
         "--adapter",
         action="append",
         type=_adapter_arg,
         required=True,
         metavar="NAME=PATH",
-        help="a LoRA adapter to load (repeat for more)",
+        help="a LoRA adapter to load under NAME, from a local folder or a hub id; repeat for more (required)",
     )
-    p_gen.add_argument("--input", required=True, help='JSONL: {"prompt": ..., "adapter": NAME|null, "id": ...}')
-    p_gen.add_argument("--output", required=True, help="JSONL results; an existing file is resumed")
-    p_gen.add_argument("--batch-size", type=int, default=16)
-    p_gen.add_argument("--max-new-tokens", type=int, default=128)
+    p_gen.add_argument(
+        "--input",
+        required=True,
+        help='JSONL file, one {"prompt": ..., "adapter": NAME|null, "id": ...} a line (required)',
+    )
+    p_gen.add_argument(
+        "--output", required=True, help="JSONL file for the results; an existing one is resumed (required)"
+    )
+    p_gen.add_argument(
+        "--overwrite", action="store_true", help="start the output afresh, dropping what it holds, instead of resuming"
+    )
+    positive = _number(int, 1, what="1 or more")
+    p_gen.add_argument("--batch-size", type=positive, default=16, help="rows per generate call")
+    p_gen.add_argument("--max-new-tokens", type=positive, default=128, help="new tokens per row at most")
     p_gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p_gen.add_argument("--temperature", type=float, default=1.0)
-    p_gen.add_argument("--top-p", type=float, default=1.0)
-    p_gen.add_argument("--top-k", type=int, default=50)
-    p_gen.add_argument("--seed", type=int, default=0)
-    p_gen.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
-    p_gen.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto")
-    p_gen.add_argument("--device", default=None, help="without --device-map: cuda or cpu (default: cuda if present)")
-    p_gen.add_argument("--backend", choices=["auto", "triton", "torch"], default="auto")
+    p_gen.add_argument(
+        "--temperature",
+        type=_number(float, 0.0, low_open=True, what="a number above 0"),
+        default=1.0,
+        help="sampling temperature (with --do-sample)",
+    )
+    p_gen.add_argument(
+        "--top-p",
+        type=_number(float, 0.0, 1.0, low_open=True, what="a number in (0, 1]"),
+        default=1.0,
+        help="nucleus sampling: keep the likeliest tokens up to this probability mass (with --do-sample)",
+    )
+    p_gen.add_argument(
+        "--top-k",
+        type=_number(int, 0, what="0 or more"),
+        default=50,
+        help="sample among this many likeliest tokens, 0 for all (with --do-sample)",
+    )
+    p_gen.add_argument("--seed", type=int, default=0, help="random seed (torch.manual_seed) for sampling")
+    p_gen.add_argument(
+        "--dtype",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        default="auto",
+        help="dtype the base model is loaded in; auto: the checkpoint's own",
+    )
+    p_gen.add_argument(
+        "--device-map", default=None, help="accelerate device map, e.g. auto (default: none, the model on --device)"
+    )
+    p_gen.add_argument(
+        "--device", default=None, help="without --device-map: cuda, cuda:1 or cpu (default: cuda if there is one)"
+    )
+    p_gen.add_argument(
+        "--backend",
+        choices=["auto", "triton", "torch"],
+        default="auto",
+        help="csgmv's LoRA kernels: triton (CUDA), torch (plain torch, any device); auto: triton on CUDA, else torch",
+    )
     p_gen.add_argument(
         "--on-error",
         choices=["stop", "skip"],
         default="stop",
-        help="bad input lines: stop before generating (default) or skip them with an error record",
+        help="bad input lines: stop before generating, or skip them with an error record (retried on the next run)",
     )
-    p_gen.add_argument("--prompt-key", default="prompt")
-    p_gen.add_argument("--adapter-key", default="adapter")
-    p_gen.add_argument("--no-progress", action="store_true")
+    p_gen.add_argument("--prompt-key", default="prompt", help="input field that holds the prompt")
+    p_gen.add_argument("--adapter-key", default="adapter", help="input field that holds the adapter name")
+    p_gen.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sub.add_parser("bench", help="end-to-end benchmark against PEFT (options: peft-csgmv bench --help)", add_help=False)
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":
-        from .bench import main as bench_main
+    return parser, {"demo": p_demo, "generate": p_gen}
 
-        return bench_main(argv[1:])
-    args = parser.parse_args(argv)
-    if args.command in (None, "demo"):
-        return 0 if demo(getattr(args, "device", None)) else 1
-    if args.command == "generate":
-        return generate_command(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv else "demo"
+    try:
+        if command == "bench":
+            from .bench import main as bench_main
+
+            return bench_main(argv[1:])
+        parser, subparsers = build_parser()
+        args = parser.parse_args(argv)
+        command = args.command or "demo"
+        if command == "demo":
+            return 0 if demo(getattr(args, "device", None)) else 1
+        return generate_command(args, subparsers["generate"].prog)
+    except KeyboardInterrupt:
+        hint = ": rerun the same command to resume" if command == "generate" else ""
+        print(f"\ninterrupted{hint}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

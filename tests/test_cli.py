@@ -1,8 +1,11 @@
-"""The ``peft-csgmv`` command: demo, batch generation from JSONL (parity with stock PEFT, bad lines, resume), bench."""
+"""The ``peft-csgmv`` command: demo, batch generation from JSONL (parity with stock PEFT, bad lines, resume by content,
+another input refused, error records retried, Ctrl-C, every bad path or adapter one line before the model loads, an
+empty input, help texts), bench."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -62,14 +65,15 @@ def _stock_completions(checkout):
     out = []
     for row in PROMPTS:
         enc = tok([row["prompt"]], return_tensors="pt")
+        ids = {k: enc[k] for k in ("input_ids", "attention_mask")}  # not token_type_ids (transformers 4.x adds them)
         adapter = row.get("adapter")
         with torch.no_grad():
             if adapter in (None, "__base__"):
                 with model.disable_adapter():
-                    seq = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=0)
+                    seq = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
             else:
                 model.set_adapter(adapter)
-                seq = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=0)
+                seq = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         new = seq[0, enc["input_ids"].shape[1] :]
         out.append(tok.decode(new[new != 0], skip_special_tokens=True))
     return out
@@ -138,17 +142,21 @@ def test_resume_skips_finished_rows_and_cuts_a_torn_line(checkout, tmp_path, mon
     assert {r["line"]: r["completion"] for r in resumed} == {r["line"]: r["completion"] for r in full}
 
 
-def test_demo_agrees():
+def test_demo_agrees(capsys):
     assert main(["demo", "--device", "cpu"]) == 0
+    assert "on cpu csgmv runs its plain-torch backend" in capsys.readouterr().out
 
 
-def test_bench_writes_json_and_plot(tmp_path):
+def test_bench_writes_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     rc = main(["bench", "--model", "tiny", "--adapters", "4", "--distinct", "1,4", "--batch", "4", "--prompt", "8",
                "--new-tokens", "2", "--repeats", "1", "--device", "cpu",
                "--out", str(out), "--plot", str(png)])  # fmt: skip
     assert rc == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("bench on the cpu: csgmv runs its plain-torch backend") and "a minute or two" in first
     data = json.loads(out.read_text())
+    assert data["meta"]["args"]["rounds"] == 1  # the CPU default
     rows = {r["row"] for r in data["results"]}
     assert {
         "base model, no LoRA",
@@ -184,3 +192,279 @@ def test_bench_any_config(tmp_path):
                "--out", str(out)])  # fmt: skip
     assert rc == 0
     assert {r["row"] for r in json.loads(out.read_text())["results"]} >= {"peft_csgmv, 2 distinct", "PEFT one adapter"}
+
+
+# --- argument checks: each problem one line naming the argument, exit 2, before the model loads ---------------------
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    import peft_csgmv.batch as batch
+
+    def refuse(*a, **kw):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(batch, "load_model", refuse)
+
+
+def _errors(err):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and all(line.startswith("peft-csgmv generate: error: ") for line in lines), err
+    assert "Traceback" not in err
+    return [line[len("peft-csgmv generate: error: ") :] for line in lines]
+
+
+def _replace(args, option, value):
+    args = list(args)
+    args[args.index(option) + 1] = value
+    return args
+
+
+def test_bad_paths_each_one_line_before_the_model_loads(checkout, tmp_path, capsys, no_model_load):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, PROMPTS[:2])
+    good = _args(checkout, inp, out)
+    base, adapters = checkout
+    cases = {
+        "--input": (_replace(good, "--input", str(tmp_path / "missing.jsonl")), "no such file"),
+        "--input ": (_replace(good, "--input", str(tmp_path)), "is a folder"),
+        "--output": (_replace(good, "--output", str(tmp_path / "no_dir" / "out.jsonl")), "does not exist"),
+        "--output ": (_replace(good, "--output", str(tmp_path)), "is a folder"),
+        "--output  ": (_replace(good, "--output", str(inp)), "is the --input file"),
+        "--base": (_replace(good, "--base", str(tmp_path / "no_model")), "no such folder"),
+        "--base ": (_replace(good, "--base", str(tmp_path)), "no config.json"),
+        "--adapter legal=": (
+            _replace(good, "--adapter", f"legal={tmp_path / 'no_adapter'}"),
+            "no such folder",
+        ),
+        "--adapter legal= ": (_replace(good, "--adapter", f"legal={base}"), "no adapter_config.json"),
+        "--device": (good + ["--device", "nonsense"], "not a device"),
+        "--device ": (good + ["--device-map", "cpu"], "give one of them"),
+    }
+    for start, (args, words) in cases.items():
+        assert main(args) == 2, start
+        (problem,) = _errors(capsys.readouterr().err)
+        assert problem.startswith(start.strip()) and words in problem, (start, problem)
+    assert not out.exists()
+    # Several problems at once: every one, one line each.
+    args = _replace(_replace(good, "--input", str(tmp_path / "missing.jsonl")), "--output", str(tmp_path))
+    args += ["--adapter", f"code={tmp_path / 'nope'}", "--adapter", f"legal={adapters['legal']}"]
+    assert main(args) == 2
+    problems = _errors(capsys.readouterr().err)
+    assert [p.split(":")[0] for p in problems] == [
+        "--adapter legal=...",
+        f"--input {tmp_path / 'missing.jsonl'}",
+        f"--output {tmp_path}",
+        f"--adapter code={tmp_path / 'nope'}",
+    ]
+
+
+def test_adapter_folder_of_a_nested_save_is_pointed_to(checkout, tmp_path, capsys, no_model_load):
+    """``save_pretrained`` puts a non-default adapter in a sub-folder: the message names the folder to give."""
+    inp = tmp_path / "in.jsonl"
+    _write(inp, PROMPTS[:1])
+    base, adapters = checkout
+    parent = os.path.dirname(adapters["legal"])
+    assert main(_replace(_args(checkout, inp, tmp_path / "o.jsonl"), "--adapter", f"legal={parent}")) == 2
+    (problem,) = _errors(capsys.readouterr().err)
+    assert problem.startswith(f"--adapter legal={parent}: no adapter_config.json") and adapters["legal"] in problem
+
+
+def test_hub_id_that_is_no_repo_is_one_line_before_the_model_loads(checkout, tmp_path, capsys, monkeypatch):
+    """A value that is no local folder but looks like a hub id is looked up with one request (here the hub is out of
+    reach) before the model loads."""
+    import huggingface_hub
+
+    import peft_csgmv.batch as batch
+
+    def offline(self, repo, filename, **kw):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "file_exists", offline)
+    monkeypatch.setattr(batch, "load_model", lambda *a, **k: pytest.fail("the model must not load"))
+    inp = tmp_path / "in.jsonl"
+    _write(inp, PROMPTS[:1])
+    assert main(_replace(_args(checkout, inp, tmp_path / "o.jsonl"), "--adapter", "legal=adapters/legal")) == 2
+    err = capsys.readouterr().err
+    (problem,) = [line for line in err.splitlines() if "error:" in line]
+    assert problem.startswith("peft-csgmv generate: error: --adapter legal=adapters/legal: no such local folder")
+    assert "ConnectionError" in problem
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_bad_numbers_refused_by_the_parser(checkout, tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    _write(inp, PROMPTS[:1])
+    for option, value in [
+        ("--batch-size", "0"),
+        ("--max-new-tokens", "-1"),
+        ("--top-p", "1.5"),
+        ("--temperature", "0"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(_args(checkout, inp, tmp_path / "o.jsonl", option, value))
+        assert e.value.code == 2
+        assert f"argument {option}: expected" in capsys.readouterr().err
+
+
+def test_empty_input_says_so_and_writes_nothing(checkout, tmp_path, capsys, no_model_load):
+    out = tmp_path / "out.jsonl"
+    for text in ["", "\n  \n\n"]:
+        inp = tmp_path / "in.jsonl"
+        inp.write_text(text)
+        assert main(_args(checkout, inp, out)) == 0
+        assert capsys.readouterr().err.strip() == "input has no lines: nothing to do"
+        assert not out.exists()
+
+
+# --- resume by content --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def generated(monkeypatch):
+    """The input lines each run generates (a spy on batch.generate_rows)."""
+    import peft_csgmv.batch as batch
+
+    runs = []
+    real = batch.generate_rows
+
+    def spy(model, tokenizer, rows, *a, **kw):
+        runs.append(sorted(r.line for r in rows))
+        return real(model, tokenizer, rows, *a, **kw)
+
+    monkeypatch.setattr(batch, "generate_rows", spy)
+    return runs
+
+
+def _in_input_order(path, n):
+    records = _records(path)
+    assert [r["line"] for r in records] == list(range(1, n + 1)), "one record per input line, in input order"
+    return records
+
+
+def test_another_input_is_refused_in_one_line(checkout, tmp_path, capsys, generated):
+    inp, other, out = tmp_path / "in.jsonl", tmp_path / "other.jsonl", tmp_path / "out.jsonl"
+    _write(inp, PROMPTS[:4])
+    _write(other, [{"prompt": f"something else {i}", "adapter": "chat"} for i in range(5)])
+    assert main(_args(checkout, inp, out)) == 0
+    before = out.read_text()
+    capsys.readouterr()
+    assert main(_args(checkout, other, out)) == 2
+    (problem,) = _errors(capsys.readouterr().err)
+    assert problem.startswith(f"--output {out}: it holds 4 results, none for a line of this input") and (
+        "--overwrite" in problem
+    )
+    assert out.read_text() == before and generated == [[1, 2, 3, 4]]
+    assert main(_args(checkout, other, out, "--overwrite")) == 0
+    records = _in_input_order(out, 5)
+    assert generated[-1] == [1, 2, 3, 4, 5] and all(r["adapter"] == "chat" for r in records)
+
+
+def test_a_file_that_is_no_output_is_refused_not_truncated(checkout, tmp_path, capsys, no_model_load):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "notes.txt"
+    _write(inp, PROMPTS[:2])
+    out.write_text("my notes\nsecond line\n")
+    assert main(_args(checkout, inp, out)) == 2
+    (problem,) = _errors(capsys.readouterr().err)
+    assert problem.startswith(f"--output {out}: line 1 is not a peft-csgmv result record")
+    assert out.read_text() == "my notes\nsecond line\n"
+
+
+def test_edited_lines_are_generated_again_and_the_rest_resumed(checkout, tmp_path, capsys, generated):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [dict(r) for r in PROMPTS]
+    _write(inp, rows)
+    assert main(_args(checkout, inp, out)) == 0
+    first = {r["line"]: r for r in _in_input_order(out, len(rows))}
+    rows[2] = {"prompt": "an edited prompt", "adapter": "legal"}
+    _write(inp, rows[:6])  # line 3 edited, line 7 gone
+    capsys.readouterr()
+    assert main(_args(checkout, inp, out)) == 0
+    assert generated[-1] == [3]
+    assert "2 results dropped" in capsys.readouterr().err
+    records = {r["line"]: r for r in _in_input_order(out, 6)}
+    assert records[3]["adapter"] == "legal" and records[3]["completion"] != first[3]["completion"]
+    assert all(records[n] == first[n] for n in (1, 2, 4, 5, 6))
+    assert main(_args(checkout, inp, out)) == 0 and len(generated) == 2, "nothing left to do"
+
+
+def test_error_records_are_retried_once_the_input_is_fixed(checkout, tmp_path, capsys, generated):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [PROMPTS[0], "{broken", PROMPTS[2], {"prompt": "x", "adapter": "nope"}]
+    _write(inp, lines)
+    assert main(_args(checkout, inp, out, "--on-error", "skip")) == 0
+    records = _in_input_order(out, 4)
+    assert ["error" in r for r in records] == [False, True, False, True]
+    # Unchanged input: the bad lines are read again (and are still bad), nothing is generated.
+    assert main(_args(checkout, inp, out, "--on-error", "skip")) == 0
+    assert generated == [[1, 3]] and _records(out) == records
+    # Fixed input: those lines are generated now, the others are kept.
+    lines[1], lines[3] = PROMPTS[1], {"prompt": "x", "adapter": "chat"}
+    _write(inp, lines)
+    capsys.readouterr()
+    assert main(_args(checkout, inp, out)) == 0
+    assert "2 error records from an earlier run" in capsys.readouterr().err
+    assert generated[-1] == [2, 4]
+    fixed = _in_input_order(out, 4)
+    assert all("completion" in r for r in fixed) and fixed[0] == records[0] and fixed[2] == records[2]
+
+
+def test_ctrl_c_stops_in_one_line_and_a_rerun_finishes(checkout, tmp_path, capsys, monkeypatch, generated):
+    """Ctrl-C during the second batch: exit 130, one line, the first batch's records kept (complete lines); the same
+    command again generates only the rest, and the result equals an uninterrupted run's."""
+    import peft_csgmv.batch as batch
+
+    inp, out, full = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "full.jsonl"
+    _write(inp, PROMPTS)
+    assert main(_args(checkout, inp, full)) == 0
+    real_load = batch.load_model
+    seen_inputs = []
+
+    def load_then_break(*a, **kw):
+        model, tokenizer = real_load(*a, **kw)
+        real_generate = model.generate
+
+        def generate(**kwargs):
+            seen_inputs.append(sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
+            if len(seen_inputs) == 2:
+                raise KeyboardInterrupt
+            return real_generate(**kwargs)
+
+        model.generate = generate
+        return model, tokenizer
+
+    monkeypatch.setattr(batch, "load_model", load_then_break)
+    capsys.readouterr()
+    assert main(_args(checkout, inp, out)) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "interrupted: rerun the same command to resume" and "Traceback" not in err
+    assert seen_inputs[0] == ["attention_mask", "input_ids"], "generate gets the ids and the mask only"
+    kept = _records(out)
+    assert len(kept) == 3 and out.read_text().endswith("\n"), "the first batch (3 rows), complete lines"
+    monkeypatch.setattr(batch, "load_model", real_load)
+    assert main(_args(checkout, inp, out)) == 0
+    assert generated[-1] == sorted(set(range(1, len(PROMPTS) + 1)) - {r["line"] for r in kept})
+    assert _in_input_order(out, len(PROMPTS)) == _records(full)
+
+
+# --- help ---------------------------------------------------------------------------------------------------------
+
+
+def test_every_generate_option_has_help_and_its_default(capsys):
+    from peft_csgmv.cli import build_parser
+
+    parser, subparsers = build_parser()
+    for action in subparsers["generate"]._actions:
+        if "-h" in action.option_strings:
+            continue
+        text = subparsers["generate"]._get_formatter()._get_help_string(action)
+        assert len(action.help or "") > 10, action.option_strings
+        assert "(required)" in text if action.required else "default" in text, (action.option_strings, text)
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    assert "(default: 16)" in text and "(default: 128)" in text and "input_sha1" in text
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert "``" not in top and ":func:" not in top and "generate" in top
