@@ -1,5 +1,5 @@
 """Version floors, checked when ``peft_csgmv`` is imported, and the few spellings that differ between the transformers
-versions it supports.
+versions it supports. Imported first, it also keeps a Ctrl-C during the ``peft-csgmv`` command's imports to one line.
 
 The floors are the oldest releases the whole test suite passes on (``.ci/run`` runs it on them pinned exactly, after
 the run on the newest releases); ``pyproject.toml`` declares the same numbers. Below them things break, mostly in ways
@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import signal
+import sys
+import threading
 from importlib import metadata
 
 # Keep in step with pyproject.toml's dependencies (tests/test_compat.py checks that they agree).
@@ -89,4 +93,34 @@ def output_cache(output):
     return output.past_key_values
 
 
-check_versions()  # on import: peft_csgmv/__init__.py imports this module before anything that needs the floors
+def _interrupted_while_importing(signum, frame) -> None:
+    """Ctrl-C while the ``peft-csgmv`` command is still importing torch, transformers and peft (seconds): its one
+    line and exit status 130, as ``cli.main`` gives once it runs, instead of a traceback from deep in an import."""
+    hint = ": rerun the same command to resume" if sys.argv[1:2] == ["generate"] else ""
+    sys.stderr.write(f"\ninterrupted{hint}\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+def quiet_interrupts_while_importing() -> None:
+    """Install :func:`_interrupted_while_importing` when this process is the ``peft-csgmv`` command (its console
+    script) and Ctrl-C has Python's own handler; ``cli.main`` puts Python's handler back first thing."""
+    if os.path.basename(sys.argv[0] if sys.argv else "") != "peft-csgmv":
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_while_importing)
+
+
+def restore_interrupts() -> None:
+    """Python's own Ctrl-C handler (KeyboardInterrupt) again, where :func:`quiet_interrupts_while_importing` had
+    replaced it."""
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# On import (peft_csgmv/__init__.py imports this module first, before torch, transformers and peft).
+quiet_interrupts_while_importing()
+check_versions()

@@ -409,6 +409,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ._compat import restore_interrupts
+
+    restore_interrupts()  # Ctrl-C raises KeyboardInterrupt again, handled below
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv else "demo"
     try:

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -468,3 +472,55 @@ def test_every_generate_option_has_help_and_its_default(capsys):
         main(["--help"])
     top = capsys.readouterr().out
     assert "``" not in top and ":func:" not in top and "generate" in top
+
+
+def _console_script():
+    path = os.path.join(os.path.dirname(sys.executable), "peft-csgmv")
+    if not os.path.exists(path) or not os.path.isdir("/proc/self"):
+        pytest.skip("needs the installed peft-csgmv script and /proc")
+    return path
+
+
+def _interrupt(args, ready, timeout=120):
+    """Start the command, wait until ``ready(pid)``, send SIGINT; return (exit status, stderr)."""
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready(proc.pid):
+            assert proc.poll() is None, f"finished before the signal: {proc.communicate()[1]}"
+            assert time.monotonic() < deadline, "never got ready"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        return proc.wait(timeout=timeout), proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+def test_real_ctrl_c_while_importing_and_while_generating(checkout, tmp_path):
+    """SIGINT to the real command, once while it still imports torch and friends, once after its first batch: each
+    time one line and exit status 130, no traceback; the same command then finishes the rest."""
+    script = _console_script()
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    adapters = [None, "legal", "chat"]
+    _write(inp, [{"prompt": f"prompt {i} " + "x" * (i % 20), "adapter": adapters[i % 3]} for i in range(60)])
+    args = [script] + _args(checkout, inp, out, "--max-new-tokens", "16")
+
+    def importing_torch(pid):
+        with open(f"/proc/{pid}/maps") as maps:
+            return "libtorch" in maps.read()
+
+    def first_batch_written(pid):
+        return out.exists() and out.stat().st_size > 0
+
+    for ready in (importing_torch, first_batch_written):
+        status, err = _interrupt(args, ready)
+        assert status == 130, err
+        assert err.strip().splitlines()[-1] == "interrupted: rerun the same command to resume", err
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    kept = _records(out)
+    assert 0 < len(kept) < 60 and out.read_text().endswith("\n")
+    assert main(_args(checkout, inp, out, "--max-new-tokens", "16")) == 0
+    records = _in_input_order(out, 60)
+    assert all("completion" in r for r in records)
