@@ -104,8 +104,13 @@ def _interrupted_while_importing(signum, frame) -> None:
 
 def quiet_interrupts_while_importing() -> None:
     """Install :func:`_interrupted_while_importing` when this process is the ``peft-csgmv`` command (its console
-    script) and Ctrl-C has Python's own handler; ``cli.main`` puts Python's handler back first thing."""
-    if os.path.basename(sys.argv[0] if sys.argv else "") != "peft-csgmv":
+    script, or ``python -m peft_csgmv``) and Ctrl-C has Python's own handler; ``cli.main`` puts Python's handler back
+    first thing."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    orig = list(getattr(sys, "orig_argv", []))
+    # python -m peft_csgmv: while the package imports, argv[0] is "-m" and orig_argv holds "-m", "peft_csgmv"
+    as_module = argv0 == "-m" and any(a == "-m" and b == "peft_csgmv" for a, b in zip(orig, orig[1:]))
+    if os.path.basename(argv0) != "peft-csgmv" and not as_module:
         return
     if threading.current_thread() is not threading.main_thread():
         return
