@@ -178,7 +178,7 @@ def _hub_problem(label: str, repo: str, needed: str) -> str | None:
         if isinstance(try_to_load_from_cache(repo, needed), str):
             return None
         if constants.HF_HUB_OFFLINE:
-            return f"{label}: no such local folder, and not in the hub cache (offline mode is on)"
+            return f"{label}: no such local folder, and not in the hub cache (offline)"
         from huggingface_hub import HfApi
 
         if HfApi().file_exists(repo, needed):

@@ -285,14 +285,20 @@ def test_hub_id_that_is_no_repo_is_one_line_before_the_model_loads(checkout, tmp
         raise ConnectionError("[Errno -2] Name or service not known")
 
     monkeypatch.setattr(huggingface_hub.HfApi, "file_exists", offline)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(batch, "load_model", lambda *a, **k: pytest.fail("the model must not load"))
     inp = tmp_path / "in.jsonl"
     _write(inp, PROMPTS[:1])
-    assert main(_replace(_args(checkout, inp, tmp_path / "o.jsonl"), "--adapter", "legal=adapters/legal")) == 2
+    args = _replace(_args(checkout, inp, tmp_path / "o.jsonl"), "--adapter", "legal=adapters/legal")
+    assert main(args) == 2
     err = capsys.readouterr().err
     (problem,) = [line for line in err.splitlines() if "error:" in line]
     assert problem.startswith("peft-csgmv generate: error: --adapter legal=adapters/legal: no such local folder")
     assert "ConnectionError" in problem
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # HF_HUB_OFFLINE=1: no request at all
+    assert main(args) == 2
+    (problem,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert problem.endswith("--adapter legal=adapters/legal: no such local folder, and not in the hub cache (offline)")
     assert not (tmp_path / "o.jsonl").exists()
 
 
