@@ -9,8 +9,7 @@
 #
 # The wheel is pure-Python tagged (py3-none) with bitsandbytes' CPU and CUDA libraries inside, so one file serves the
 # GPU machine's Python 3.12 / CUDA 13 torch and this machine alike. --no-deps: its requirements (torch, numpy,
-# packaging) are already in the GPU image. pyproject's `bnb` extra asks for >=0.46.1 (transformers' own floor for
-# BitsAndBytesConfig; tests/test_bnb.py passes on CPU with 0.46.1 and 0.50.2).
+# packaging) are already in the GPU image. pyproject's `bnb` extra asks for >=0.50.2, the version CI proves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${BNB_VERSION:-0.50.2}

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_kernels import capture_graph  # noqa: E402
 
 from peft_csgmv import enable_csgmv  # noqa: E402
+from peft_csgmv._compat import cache_kwarg  # noqa: E402
 from peft_csgmv.bench import MODELS, Timer, add_adapters, build_model, device_and_dtype  # noqa: E402
 
 
@@ -41,7 +42,12 @@ def measure(label: str, model, batch: int, prompt: int, device: torch.device, re
     cache = StaticCache(config=model.config, max_cache_len=prompt + 8)
     row = dict(row=label)
     with torch.no_grad():
-        model(input_ids=input_ids, past_key_values=cache, cache_position=torch.arange(prompt, device=device), **extra)
+        model(
+            input_ids=input_ids,
+            **{cache_kwarg(model): cache},
+            cache_position=torch.arange(prompt, device=device),
+            **extra,
+        )
         position = torch.tensor([prompt], device=device)
 
         # Some transformers versions keep the cache's write position in the cache (a tensor advanced in place on
@@ -54,7 +60,7 @@ def measure(label: str, model, batch: int, prompt: int, device: torch.device, re
         def step():
             for t in counters:
                 t.fill_(prompt)
-            return model(input_ids=step_ids, past_key_values=cache, cache_position=position, **extra).logits
+            return model(input_ids=step_ids, **{cache_kwarg(model): cache}, cache_position=position, **extra).logits
 
         eager_logits = step().clone()
         row["eager_ms"] = timer(step, repeats, warmup=3)

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from peft_csgmv import enable_csgmv  # noqa: E402
+from peft_csgmv._compat import cache_kwarg, output_cache  # noqa: E402
 from peft_csgmv.bench import MODELS, _crop, add_adapters, build_model, device_and_dtype  # noqa: E402
 
 
@@ -46,12 +47,12 @@ def main(argv=None) -> int:
 
     def profile(label: str, m, **extra):
         with torch.no_grad():
-            cache = m(input_ids=input_ids, use_cache=True, **extra).past_key_values
+            cache = output_cache(m(input_ids=input_ids, use_cache=True, **extra))
 
             def steps(n):
                 for _ in range(n):
                     _crop(cache, args.prompt)
-                    m(input_ids=step_ids, attention_mask=step_mask, past_key_values=cache, use_cache=True, **extra)
+                    m(input_ids=step_ids, attention_mask=step_mask, **{cache_kwarg(m): cache}, use_cache=True, **extra)
                 sync()
 
             steps(5)

@@ -19,6 +19,8 @@ import sys
 import threading
 from importlib import metadata
 
+from packaging.version import Version
+
 # Keep in step with pyproject.toml's dependencies (tests/test_compat.py checks that they agree).
 FLOORS = {
     "peft": "0.20.0",
@@ -29,20 +31,9 @@ FLOORS = {
 
 
 def _release(version: str) -> tuple[int, ...]:
-    """The numeric release part of a version string: ``"5.25.0.dev0"`` -> ``(5, 25, 0)``, ``"2.13.0+cpu"`` ->
-    ``(2, 13, 0)`` (a pre-release of a floor counts as the floor)."""
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if len(digits) != len(piece):
-            break
+    """The release numbers of a version string, trailing zeros dropped: ``"5.25.0.dev0"`` -> ``(5, 25)``,
+    ``"2.13.0+cpu"`` -> ``(2, 13)`` (a pre-release of a floor counts as the floor)."""
+    parts = list(Version(version).release)
     while parts and parts[-1] == 0:
         parts.pop()
     return tuple(parts)

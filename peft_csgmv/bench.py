@@ -161,7 +161,9 @@ def cpu_note(args) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="peft-csgmv bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="peft-csgmv bench",
+        description=__doc__.replace("``", "`"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", choices=sorted(MODELS), default="1b", help="a built-in Llama size")
     p.add_argument("--config", default=None, help="any causal-LM config.json (or folder) instead of --model")
