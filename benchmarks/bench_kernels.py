@@ -14,8 +14,6 @@ time. The tables are printed last; the JSON holds GPU name, versions and date.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -27,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from peft_csgmv import BatchPlan  # noqa: E402
+from peft_csgmv.bench import run_meta, write_results  # noqa: E402
 from peft_csgmv.executor import PlanRun  # noqa: E402
 from peft_csgmv.kernels import BoundLayer, expand, shrink, shrink_splits  # noqa: E402
 
@@ -240,15 +239,9 @@ def main(argv=None) -> int:
     for pl in plans:
         print(f"| {pl['rows']} × {pl['tokens_per_row']} | {pl['build_us']:.1f} |")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        meta = dict(
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            device=torch.cuda.get_device_name(),
-            versions={m: __import__(m).__version__ for m in ("torch", "triton", "transformers", "peft")},
-            launch="triton" if os.environ.get("PEFT_CSGMV_TRITON_LAUNCH") == "1" else "direct",
-        )
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, kernels=results, modules=modules, plans=plans), f, indent=2)
+        launch_path = "triton" if os.environ.get("PEFT_CSGMV_TRITON_LAUNCH") == "1" else "direct"
+        meta = run_meta(torch.device("cuda"), launch=launch_path)
+        write_results(args.out, meta, kernels=results, modules=modules, plans=plans)
     return 0
 
 

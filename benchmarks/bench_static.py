@@ -16,8 +16,6 @@ printed last; the JSON holds GPU name, versions and date.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -27,7 +25,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from peft_csgmv import disable_csgmv, enable_csgmv  # noqa: E402
-from peft_csgmv.bench import _clock_up, _device_name, add_adapters, build_model, device_and_dtype  # noqa: E402
+from peft_csgmv.bench import (  # noqa: E402
+    _clock_up,
+    add_adapters,
+    build_model,
+    device_and_dtype,
+    run_meta,
+    write_results,
+)
 
 
 def main(argv=None) -> int:
@@ -116,17 +121,7 @@ def main(argv=None) -> int:
             f"{r['tok_s'] / base['tok_s']:.2f} | {r['compile_s']:.1f} |"
         )
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        meta = dict(
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            device=_device_name(device),
-            versions={m: __import__(m).__version__ for m in ("torch", "triton", "transformers", "peft")},
-            python=sys.version.split()[0],
-            args=vars(args),
-            compiled_vs_eager_identical=same,
-        )
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, results=results), f, indent=2)
+        write_results(args.out, run_meta(device, args=vars(args), compiled_vs_eager_identical=same), results=results)
     return 0
 
 

@@ -13,8 +13,6 @@ probe for making graph capture a supported path. On a machine without CUDA only 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -26,7 +24,15 @@ from bench_kernels import capture_graph  # noqa: E402
 
 from peft_csgmv import enable_csgmv  # noqa: E402
 from peft_csgmv._compat import cache_kwarg  # noqa: E402
-from peft_csgmv.bench import MODELS, Timer, add_adapters, build_model, device_and_dtype  # noqa: E402
+from peft_csgmv.bench import (  # noqa: E402
+    MODELS,
+    Timer,
+    add_adapters,
+    build_model,
+    device_and_dtype,
+    run_meta,
+    write_results,
+)
 
 
 def measure(label: str, model, batch: int, prompt: int, device: torch.device, repeats: int, **extra) -> dict:
@@ -106,14 +112,7 @@ def main(argv=None) -> int:
             f"{r.get('capture_error', 'ok' if 'replay_ms' in r else 'not run (no CUDA)')} |"
         )
     if args.out:
-        meta = dict(
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            versions={m: __import__(m).__version__ for m in ("torch", "transformers", "peft")},
-            args=vars(args),
-        )
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, results=rows), f, indent=2)
+        write_results(args.out, run_meta(device, args=vars(args)), results=rows)
     return 0
 
 

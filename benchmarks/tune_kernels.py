@@ -12,9 +12,7 @@ cases run first; the sweep stops at ``--budget-s``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import os
 import sys
 import time
@@ -26,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_kernels import SHAPES, graph_time_us, row_slots  # noqa: E402
 
 from peft_csgmv import BatchPlan  # noqa: E402
+from peft_csgmv.bench import run_meta, write_results  # noqa: E402
 from peft_csgmv.kernels import expand, shrink  # noqa: E402
 
 
@@ -113,13 +112,7 @@ def main(argv=None) -> int:
 
     def save():
         if args.out:
-            meta = dict(
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                device=torch.cuda.get_device_name(),
-                versions={m: __import__(m).__version__ for m in ("torch", "triton")},
-            )
-            with open(args.out, "w") as f:
-                json.dump(dict(meta=meta, cases=results), f)
+            write_results(args.out, run_meta(torch.device("cuda")), indent=None, cases=results)
 
     for c in cases(args.quick):
         if time.perf_counter() - t0 > args.budget_s:

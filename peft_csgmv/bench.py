@@ -106,6 +106,24 @@ def _crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
+def run_meta(device: torch.device, **extra) -> dict:
+    """What every benchmark's result file records about its run: date, device, versions, Python, and ``extra``."""
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=_device_name(device),
+        versions={m: __import__(m).__version__ for m in ("torch", "triton", "transformers", "peft")},
+        python=sys.version.split()[0],
+        **extra,
+    )
+
+
+def write_results(path: str, meta: dict, indent: int | None = 2, **payload) -> None:
+    """``{"meta": meta, **payload}`` as JSON at ``path`` (its folder made if missing)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, **payload), f, indent=indent)
+
+
 def device_and_dtype(name: str | None) -> tuple[torch.device, torch.dtype]:
     """The benchmarks' device (``name``, else CUDA when there is one) and model dtype: bf16 on CUDA, fp32 on the CPU."""
     device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -331,18 +349,7 @@ def main(argv=None) -> int:
             f"{r['generate_tok_s']:.1f} | {r['decode_ms'] / one['decode_ms']:.3f} | {vs_names} |"
         )
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        meta = dict(
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            device=_device_name(device),
-            versions={m: __import__(m).__version__ for m in ("torch", "triton", "transformers", "peft")},
-            python=sys.version.split()[0],
-            label=model_label,
-            args=vars(args),
-            **setup,
-        )
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, results=results), f, indent=2)
+        write_results(args.out, run_meta(device, label=model_label, args=vars(args), **setup), results=results)
     if args.plot:
         from .plot import plot_decode_vs_distinct
 
