@@ -349,9 +349,9 @@ class CsgmvState:
             if layer.scaling is not layer._csgmv_stack.scaling_src:
                 self.stack_layer(layer, force=True)
 
-    def resolve(self, model, ids: Sequence[str | None], arg: str, batch_size: int | None) -> tuple[int, ...]:
-        """Validate ``ids`` for this call and map them to slots (``-1`` for base rows). Raises before anything runs;
-        the checks and messages are PEFT's (``adapter_names`` reads as ``arg``)."""
+    def validate(self, model, ids: Sequence[str | None], arg: str, batch_size: int | None) -> None:
+        """Validate ``ids`` for this call; raises before anything runs or moves. The checks and messages are PEFT's
+        (``adapter_names`` reads as ``arg``)."""
         _check_ids(ids, arg)
         if model.training:
             raise ValueError(f"Cannot pass `{arg}` when the model is in training mode.")
@@ -373,9 +373,11 @@ class CsgmvState:
             )
         if not self.dora_refused.isdisjoint(ids):
             raise ValueError(PEFT_DORA_ERROR.format(arg=arg))
-        needed = list(dict.fromkeys(i for i in ids if i not in BASE_NAMES))  # in order of first use
-        self._check_residency(needed, arg)
-        self.make_resident(needed)
+        self._check_residency(_adapters_in(ids), arg)
+
+    def slots_for(self, ids: Sequence[str | None]) -> tuple[int, ...]:
+        """The slot of each row of a validated call (``-1`` for base rows), its adapters made resident first."""
+        self.make_resident(_adapters_in(ids))
         index = self.registry.index
         return tuple(-1 if i in BASE_NAMES else index[i] for i in ids)
 
@@ -400,6 +402,11 @@ def _move_adapter(layer: nn.Module, name: str, device: torch.device, copy: bool 
         if copy or p.device != device:
             data = p.data.to(device, copy=True)
             p.data = data.pin_memory() if device.type == "cpu" and torch.cuda.is_available() else data
+
+
+def _adapters_in(ids) -> list[str]:
+    """The distinct adapters of a call, in order of first use (base rows left out)."""
+    return list(dict.fromkeys(i for i in ids if i not in BASE_NAMES))
 
 
 def _check_ids(ids, arg: str) -> None:
@@ -527,9 +534,10 @@ def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | N
         )
         return None
     _check_ids(ids, arg)
-    row_slots = state.resolve(model, ids, arg, _check_inputs(args, kwargs, arg))
+    state.validate(model, ids, arg, _check_inputs(args, kwargs, arg))
     names = tuple(BASE if i in BASE_NAMES else i for i in ids)
-    offsets = _alora_offsets(model, names, args, kwargs, generate)
+    offsets = _alora_offsets(model, names, args, kwargs, generate)  # may raise PEFT's own error: before any move
+    row_slots = state.slots_for(ids)
     state.restack_rescaled()
     executor = state.executor
     executor.begin(CallContext(row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets))

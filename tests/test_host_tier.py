@@ -100,3 +100,22 @@ def test_bad_max_resident(bad):
     model = add_adapters(model, {"a0": dict(r=4, target_modules=targets)})
     with pytest.raises(ValueError, match="max_resident_adapters must be a positive int"):
         enable_csgmv(model, max_resident_adapters=bad)
+
+
+def test_error_raised_after_validation_moves_nothing():
+    """PEFT's own refusal that comes after the ids are validated (aLoRA with beams) still comes before any adapter
+    moves into a slot."""
+    model, targets = tiny_model("llama")
+    specs = {
+        "a0": dict(r=4, target_modules=targets, task_type="CAUSAL_LM"),
+        "al": dict(r=4, target_modules=["q_proj"], alora_invocation_tokens=[7], task_type="CAUSAL_LM"),
+    }
+    model = add_adapters(model, specs).to(DEVICE)
+    enable_csgmv(model, backend="torch", max_resident_adapters=1)
+    assert csgmv_stats(model)["resident"] == ["a0"]
+    input_ids, mask = make_batch(2, 6)
+    with pytest.raises(ValueError, match="Beam search not yet supported for aLoRA"):
+        model.generate(
+            input_ids=input_ids, attention_mask=mask, adapter_ids=["al", None], num_beams=2, max_new_tokens=2
+        )
+    assert csgmv_stats(model)["resident"] == ["a0"] and active_calls() == 0
