@@ -47,8 +47,9 @@ def apply_lora(
     stack: "LoraStack",
     run: PlanRun,
     triton_backend: bool,
-    embed_scale=None,
-    executor: Executor | None = None,
+    *,
+    embed_scale: torch.Tensor | None,
+    executor: Executor,
 ) -> None:
     """``y[i] += scaling[s] * (x[i] @ A[s]ᵀ) @ B[s]ᵀ`` for every token ``i`` of slot ``s``, in place; ``x``: (T, in)
     activations, or (T,) token ids for an embedding stack (``A[s][:, x[i]]`` instead of ``x[i] @ A[s]ᵀ``, times
@@ -68,15 +69,13 @@ def apply_lora(
                 t.mul_(embed_scale)
             kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
             return
-        direct = executor is None or executor.direct_launch
-        bound = run.bound.get(stack) if direct else _UNBINDABLE
+        bound = run.bound.get(stack) if executor.direct_launch else _UNBINDABLE
         if bound.__class__ is kernels.BoundLayer:
             try:
                 if bound.run_if_fits(x, y, stack):
                     return
             except TypeError:  # this Triton's compiled-kernel launcher takes other arguments: Triton's path
-                if executor is not None:
-                    executor.direct_launch = False
+                executor.direct_launch = False
                 bound = _UNBINDABLE
         t = run.workspace(stack.r_max, kernels.shrink_splits(plan, x.shape[1]))
         t = kernels.shrink(x, stack.a, stack.ranks, plan, t)
