@@ -349,10 +349,11 @@ class CsgmvState:
             if layer.scaling is not layer._csgmv_stack.scaling_src:
                 self.stack_layer(layer, force=True)
 
-    def validate(self, model, ids: Sequence[str | None], arg: str, batch_size: int | None) -> None:
-        """Validate ``ids`` for this call; raises before anything runs or moves. The checks and messages are PEFT's
-        (``adapter_names`` reads as ``arg``)."""
+    def validate(self, model, ids: Sequence[str | None], arg: str, args: tuple, kwargs: dict) -> None:
+        """Validate ``ids`` for a call with these inputs; raises before anything runs or moves. The checks and
+        messages are PEFT's (``adapter_names`` reads as ``arg``)."""
         _check_ids(ids, arg)
+        batch_size = _check_inputs(args, kwargs, arg)
         if model.training:
             raise ValueError(f"Cannot pass `{arg}` when the model is in training mode.")
         self.sync(model)
@@ -533,8 +534,7 @@ def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | N
             [BASE if i is None else i for i in ids] if isinstance(ids, (list, tuple)) and arg == "adapter_ids" else ids
         )
         return None
-    _check_ids(ids, arg)
-    state.validate(model, ids, arg, _check_inputs(args, kwargs, arg))
+    state.validate(model, ids, arg, args, kwargs)
     names = tuple(BASE if i in BASE_NAMES else i for i in ids)
     offsets = _alora_offsets(model, names, args, kwargs, generate)  # may raise PEFT's own error: before any move
     row_slots = state.slots_for(ids)
