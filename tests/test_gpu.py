@@ -151,16 +151,20 @@ def test_dora_parity_half(arch, dtype):
     _assert_mixed_batch_matches(pm, ["d", "__base__", "a", "d", "a"], dtype, what=f"{arch} DoRA logits")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_embedding_lora_half(dtype):
-    """Embedding LoRA through the gather kernel, mixed with linear LoRA, in half precision."""
+def _embedding_lora_model(dtype):
+    """A tiny Llama with two adapters on the embedding (and linear layers), in ``dtype``."""
     model, targets = tiny_model("llama")
     specs = {
         "a": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", *targets]),
         "b": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
     }
-    pm = add_adapters(model.to(DEV), specs)
-    pm.to(dtype)
+    return add_adapters(model.to(DEV), specs).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_embedding_lora_half(dtype):
+    """Embedding LoRA through the gather kernel, mixed with linear LoRA, in half precision."""
+    pm = _embedding_lora_model(dtype)
     _assert_mixed_batch_matches(pm, ["a", "__base__", "b", "a", "b"], dtype, what="embedding LoRA logits")
 
 
@@ -169,13 +173,7 @@ def test_embedding_lora_half(dtype):
 def test_embedding_lora_strided_ids_half(dtype, view):
     """Token ids as a hand-written decode loop passes them (``seq[:, -1:]``) or every other row: strided views reach
     the embedding gather kernel, in half precision."""
-    model, targets = tiny_model("llama")
-    specs = {
-        "a": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", *targets]),
-        "b": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
-    }
-    pm = add_adapters(model.to(DEV), specs)
-    pm.to(dtype)
+    pm = _embedding_lora_model(dtype)
     names = ["a", "__base__", "b", "a", "b"]
     wide = torch.randint(3, 97, (2 * len(names), 9), device=DEV)
     ids = wide[: len(names), -1:] if view == "last-column" else wide[::2]
