@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import time
-import types
 
 import torch
 
@@ -28,6 +27,7 @@ from peft_csgmv import BatchPlan  # noqa: E402
 from peft_csgmv.bench import run_meta, write_results  # noqa: E402
 from peft_csgmv.executor import PlanRun  # noqa: E402
 from peft_csgmv.kernels import BoundLayer, expand, shrink, shrink_splits  # noqa: E402
+from peft_csgmv.slots import LoraStack  # noqa: E402
 
 SHAPES = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048), (4096, 4096), (4096, 1024), (4096, 14336),
           (14336, 4096)]  # fmt: skip
@@ -90,10 +90,14 @@ def bench_case(k, n, rank, tokens, rows, distinct, dist, dtype, copy_gbs, gen):
     slots = row_slots(rows, distinct, dist, gen)
     num_slots = max(distinct, 1)
     dev = "cuda"
-    a = torch.randn(num_slots, rank, k, device=dev, dtype=dtype) / k**0.5
-    b = torch.randn(num_slots, n, rank, device=dev, dtype=dtype) / rank**0.5
-    ranks = torch.full((num_slots,), rank, dtype=torch.int32, device=dev)
-    scal = torch.ones(num_slots, dtype=torch.float32, device=dev)
+    # The layout the patched layers use: every slot at its own rank in one flat buffer (slots.LoraStack).
+    need = num_slots * LoraStack.slot_elements(rank, k, n)
+    stack = LoraStack(k, n, num_slots, dtype, torch.device(dev), reserve=need)
+    for s in range(num_slots):
+        a_s = torch.randn(rank, k, device=dev, dtype=dtype) / k**0.5
+        stack.set_slot(s, a_s, torch.randn(n, rank, device=dev, dtype=dtype) / rank**0.5, 1.0)
+    stack.refresh()
+    a, b, ranks, scal = stack.a, stack.b, stack.ranks, stack.scalings
     plan = BatchPlan.build(slots, tokens // rows, dev)
     x = torch.randn(plan.num_tokens, k, device=dev, dtype=dtype)
     y = torch.randn(plan.num_tokens, n, device=dev, dtype=dtype)
@@ -105,7 +109,6 @@ def bench_case(k, n, rank, tokens, rows, distinct, dist, dtype, copy_gbs, gen):
 
     gpu_us = graph_time_us(layer)
     host_us = host_time_us(layer)
-    stack = types.SimpleNamespace(a=a, b=b, ranks=ranks, scalings=scal, mag=None, bias=None, lora_bias=None)
     bound = BoundLayer.bind(x, y, t, stack, plan)
     bound_host_us = host_time_us(lambda: bound(x, y)) if bound is not None else float("nan")
     used = len(set(slots))

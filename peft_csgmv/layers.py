@@ -170,9 +170,11 @@ def _compiled_lora(ex: Executor, stack: "LoraStack", x2, result, rows: int, devi
     y = result.reshape(-1, result.shape[-1])
     # On CUDA always the Triton kernels (the torch reference reads the plan on the host); on CPU the backend's choice.
     triton = device.type == "cuda" or use_triton(ex.backend, device)
+    a = stack.a
     out = ops.lora(
-        x2, y, stack.a, stack.b, stack.ranks, stack.scalings, static.permutation, static.seg_indptr, static.seg_slot,
-        stack.mag, stack.bias, stack.lora_bias, embed_scale, static.chunk, stack.embedding, triton,
+        x2, y, stack.data, stack.a_off, stack.b_off, stack.ranks, stack.scalings, static.permutation,
+        static.seg_indptr, static.seg_slot, stack.mag, stack.bias, stack.lora_bias, embed_scale, stack.in_features,
+        a.shape[1], a.rank_align, static.chunk, stack.embedding, triton,
     )  # fmt: skip
     return out.view(result.shape)
 

@@ -187,9 +187,8 @@ class CsgmvState:
                     patch_peft_path(module, self.executor)
                 module._csgmv_held = frozenset(_held_adapters(module))
             hosted = [n for n in names if n not in self.registry.index]
+            _move_to_host(found.values(), hosted)  # no slot: their weights wait in host memory
             for layer in found.values():
-                for name in hosted:  # no slot: its weights wait in host memory
-                    _move_adapter(layer, name, _host_device())
                 if not is_patched(layer):
                     patch_layer(layer, self._new_stack(layer), self.executor)
                 elif layer._csgmv_stack.dtype != self.stack_dtype(layer):
@@ -199,6 +198,8 @@ class CsgmvState:
                     self.stack_layer(layer, force=True)
                     continue
                 self.stack_layer(layer, force)
+            if hosted:
+                _host_copies_done(found.values())
         for old, new in ((self.layers, found), (self.peft_path, peft_path)):
             for mod_name, module in old.items():
                 if new.get(mod_name) is not module:
@@ -227,12 +228,13 @@ class CsgmvState:
                 stacklevel=3,
             )
 
-    def stack_layer(self, layer: nn.Module, force: bool = False) -> None:
+    def stack_layer(self, layer: nn.Module, force: bool = False, adopt: frozenset = frozenset()) -> None:
         """Bring one kernel-path layer's stack in line with its adapters: copy new or replaced ones (all with
         ``force``), clear the rest. Adapters the kernels do not serve here get rank 0 in the stack and are named in
         the layer's ``_csgmv_peft``: their rows run through PEFT's forward of this layer. Also called when PEFT
         rescales the layer (``set_scale``, ``scale_layer``, ``unscale_layer``, or a new ``scaling`` dict as
-        ``peft.helpers.rescale_adapter_scale`` sets)."""
+        ``peft.helpers.rescale_adapter_scale`` sets). ``adopt``: adapters the host tier brings in from host memory:
+        their weights are copied straight into their slots and become views of them there."""
         stack: LoraStack = layer._csgmv_stack
         if force:
             stack.sources.clear()
@@ -253,12 +255,19 @@ class CsgmvState:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
                 lora_bias = None if stack.embedding else getattr(layer.lora_B[name], "bias", None)
                 # PEFT's weights become views into the stack where dtype and device allow: one copy of each adapter.
-                share = isinstance(a, nn.Parameter) and a.dtype == b.dtype == stack.dtype and a.device == stack.device
+                share = (
+                    isinstance(a, nn.Parameter)
+                    and a.dtype == b.dtype == stack.dtype
+                    and (a.device == stack.device or name in adopt)
+                )
                 stack.set_slot(slot, a, b, layer.scaling[name], source=a, dora=dora, lora_bias=lora_bias, share=share)
         stack.ensure_capacity(self.registry.capacity)
         for slot in range(len(self.registry.names), stack.capacity):
             stack.clear_slot(slot)
         stack.scaling_src = layer.scaling
+        if force:
+            stack.compact()
+        stack.refresh()
         layer._csgmv_peft = frozenset(peft_rows)
 
     def stack_dtype(self, layer: nn.Module) -> torch.dtype:
@@ -273,17 +282,20 @@ class CsgmvState:
         return max(dtypes, key=lambda d: torch.finfo(d).bits)
 
     def _new_stack(self, layer: nn.Module) -> LoraStack:
-        dtype = self.stack_dtype(layer)
-        ranks = [layer.r[n] for n in layer_adapters(layer)] or [1]
-        device = weights_device(layer)
+        # Storage for exactly the adapters that get a slot here now (later ones: see slots.py).
+        slotted = [
+            a.shape[0]
+            for n, (a, _) in layer_adapters(layer).items()
+            if n in self.registry.index and _kernel_reason(layer, n) is None
+        ]
         return LoraStack(
             in_features=layer.in_features,
             out_features=layer.out_features,
             capacity=max(self.registry.capacity, 1),
-            r_max=max(ranks),
-            dtype=dtype,
-            device=device,
+            dtype=self.stack_dtype(layer),
+            device=weights_device(layer),
             embedding=_is_embedding(layer),
+            reserve=sum(LoraStack.slot_elements(r, layer.in_features, layer.out_features) for r in slotted),
         )
 
     def release(self) -> None:
@@ -317,15 +329,22 @@ class CsgmvState:
         missing = [n for n in needed if n not in self.registry.index]
         if missing:
             victims = [n for n in self.lru if n not in needed]
+            evicted = False
             for name in missing:
                 if len(self.registry.index) >= self.max_resident:
                     self._evict(victims.pop(0))
-                for layer in self.layers.values():
-                    _move_adapter(layer, name, layer._csgmv_stack.device)
+                    evicted = True
                 self.registry.add(name)
                 self.lru[name] = None
+            if evicted:
+                _host_copies_done(self.layers.values())
+            adopt = frozenset(missing)
             for layer in self.layers.values():
-                self.stack_layer(layer)
+                # One asynchronous copy per weight, host memory straight into the slot (PEFT's weights become views
+                # of it); what the stack does not hold (DoRA magnitudes, lora_B biases, PEFT-path adapters) moves.
+                self.stack_layer(layer, adopt=adopt)
+                for name in missing:
+                    _move_adapter(layer, name, layer._csgmv_stack.device)
         for name in needed:
             self.lru.move_to_end(name)
 
@@ -333,7 +352,7 @@ class CsgmvState:
         slot = self.registry.index[name]
         for layer in self.layers.values():
             layer._csgmv_stack.forget(slot)  # its weights leave the slot as they are (edits included)
-            _move_adapter(layer, name, _host_device(), copy=True)
+        _move_to_host(self.layers.values(), [name], copy=True)
         self.registry.remove(name)
         self.lru.pop(name)
 
@@ -383,13 +402,37 @@ class CsgmvState:
         return tuple(-1 if i in BASE_NAMES else index[i] for i in ids)
 
 
-def _host_device() -> torch.device:
-    return torch.device("cpu")
+def _host_copies_done(layers) -> None:
+    """Wait for the asynchronous copies of adapter weights to pinned host memory (:func:`_move_to_host`) before host
+    code may read them: once per call that moves adapters out, at its start, never inside a layer."""
+    for device in {layer._csgmv_stack.device for layer in layers}:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
-def _move_adapter(layer: nn.Module, name: str, device: torch.device, copy: bool = False) -> None:
-    """Move adapter ``name``'s weights in a kernel layer to ``device`` (to host memory: pinned where CUDA is, so the
-    copy back is asynchronous); ``copy``: copy them even where they are on ``device`` already (out of a slot)."""
+def _move_to_host(layers, names, copy: bool = False) -> None:
+    """Move adapters' weights in kernel layers to host memory: pinned where CUDA is (copies both ways are then
+    asynchronous), one buffer per adapter and dtype (a pinned allocation per weight would cost more than the copies);
+    weights on the host already stay unless ``copy`` (views of a slot, on a CPU-only machine). Callers wait with
+    :func:`_host_copies_done` before host code reads them."""
+    pin = torch.cuda.is_available()
+    for name in names:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for layer in layers:
+            for p in _adapter_params(layer, name):
+                if copy or p.device.type != "cpu":
+                    by_dtype.setdefault(p.dtype, []).append(p)
+        for dtype, params in by_dtype.items():
+            buf = torch.empty(sum(p.numel() for p in params), dtype=dtype, pin_memory=pin)
+            pos = 0
+            for p in params:
+                view = buf[pos : pos + p.numel()].view(p.shape)
+                p.data = view.copy_(p.data, non_blocking=True)
+                pos += p.numel()
+
+
+def _adapter_params(layer: nn.Module, name: str) -> list[torch.Tensor]:
+    """Adapter ``name``'s parameters in a kernel layer."""
     params = []
     for holder in (layer.lora_A, layer.lora_B):
         if name in holder:
@@ -399,10 +442,14 @@ def _move_adapter(layer: nn.Module, name: str, device: torch.device, copy: bool 
             params.append(holder[name])
     if name in getattr(layer, "lora_magnitude_vector", {}):
         params += list(layer.lora_magnitude_vector[name].parameters())
-    for p in params:
-        if copy or p.device != device:
-            data = p.data.to(device, copy=True)
-            p.data = data.pin_memory() if device.type == "cpu" and torch.cuda.is_available() else data
+    return params
+
+
+def _move_adapter(layer: nn.Module, name: str, device: torch.device) -> None:
+    """Move adapter ``name``'s weights in a kernel layer to ``device`` (from pinned host memory: asynchronously)."""
+    for p in _adapter_params(layer, name):
+        if p.device != device:
+            p.data = p.data.to(device, copy=True, non_blocking=True)
 
 
 def _adapters_in(ids) -> list[str]:

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from . import kernels
+from .kernels.pool import Pooled
 from .plan import BatchPlan
 
 
@@ -46,8 +47,9 @@ def _plan(permutation: torch.Tensor, seg_indptr: torch.Tensor, seg_slot: torch.T
 def lora(
     x: torch.Tensor,
     y: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    data: torch.Tensor,
+    a_off: torch.Tensor,
+    b_off: torch.Tensor,
     ranks: torch.Tensor,
     scalings: torch.Tensor,
     permutation: torch.Tensor,
@@ -57,17 +59,27 @@ def lora(
     bias: Optional[torch.Tensor],
     lora_bias: Optional[torch.Tensor],
     embed_scale: Optional[torch.Tensor],
+    in_features: int,
+    r_max: int,
+    rank_align: int,
     chunk: int,
     embedding: bool,
     triton: bool,
 ) -> torch.Tensor:
-    """``x``: (T, in) activations or (T,) token ids (``embedding``); ``y``: (T, out); ``a`` (S, R, in), ``b`` (S, out,
-    R), ``ranks`` (S,) int32, ``scalings`` (S,) fp32: a layer's stack; ``permutation`` (T,), ``seg_indptr`` (M + 1,),
-    ``seg_slot`` (M,) int32: the plan, empty segments past the live ones; ``mag``/``bias``/``lora_bias``: DoRA and
-    ``lora_bias`` tables as in ``expand``; ``embed_scale``: a scaled embedding's factor (0-dim fp32); ``chunk``: the
-    plan's row tile; ``triton``: the Triton kernels (else the torch reference, CPU). Returns ``y`` plus the LoRA."""
+    """``x``: (T, in) activations or (T,) token ids (``embedding``); ``y``: (T, out); ``data`` (the storage),
+    ``a_off`` / ``b_off`` (S,) int64, ``ranks`` (S,) int32, ``scalings`` (S,) fp32, ``in_features`` / ``r_max`` /
+    ``rank_align``: a layer's stack (:class:`~peft_csgmv.slots.LoraStack`, each slot at its own rank);
+    ``permutation`` (T,), ``seg_indptr`` (M + 1,), ``seg_slot`` (M,) int32: the plan, empty segments past the live
+    ones; ``mag``/``bias``/``lora_bias``: DoRA and ``lora_bias`` tables as in ``expand``; ``embed_scale``: a scaled
+    embedding's factor (0-dim fp32); ``chunk``: the plan's row tile; ``triton``: the Triton kernels (else the torch
+    reference, CPU). Returns ``y`` plus the LoRA."""
     out = y.clone()
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
+    host = () if triton else tuple(ranks.tolist())
+    a_host, b_host = ((), ()) if triton else (tuple(a_off.tolist()), tuple(b_off.tolist()))
+    shape = (ranks.shape[0], r_max)
+    a = Pooled(data, a_off, a_host, host, (*shape, in_features), False, rank_align)
+    b = Pooled(data, b_off, b_host, host, (shape[0], y.shape[1], r_max), True, rank_align)
     if triton:
         with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
             t = kernels.embedding_shrink(x, a, ranks, plan) if embedding else kernels.shrink(x, a, ranks, plan)
@@ -75,7 +87,7 @@ def lora(
                 t.mul_(embed_scale)
             kernels.expand(t, b, ranks, scalings, plan, out, mag, bias, lora_bias)
         return out
-    ranks_h, scalings_h = ranks.tolist(), scalings.tolist()
+    ranks_h, scalings_h = host, scalings.tolist()
     shrink = kernels.embedding_shrink_reference if embedding else kernels.shrink_reference
     t = shrink(x, a, ranks_h, plan)
     if embed_scale is not None:

@@ -1,13 +1,23 @@
-"""Adapter slots: one model-wide name → slot registry, and per-layer stacked LoRA weights.
+"""Adapter slots: one model-wide name → slot index registry, and per-layer LoRA weights stored at their own ranks.
 
 Every adapter gets one slot index, the same in every layer. A layer's :class:`LoraStack` holds
 
-* ``a``: ``(capacity, r_max, in_features)`` — ``lora_A`` of each slot, zero-padded to the layer's largest rank;
-* ``b``: ``(capacity, out_features, r_max)`` — ``lora_B`` of each slot, zero-padded likewise;
+* ``data``: one flat buffer with every slot's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)`` at the slot's own rank
+  ``r``, row-major (PEFT's layouts), back to back: nothing is padded to the layer's largest rank (S-LoRA's unified
+  pool, per layer). ``a_off`` / ``b_off``: ``(capacity,)`` int64, where each slot's matrices start (multiples of
+  :data:`~peft_csgmv.kernels.pool.ALIGN` elements). ``a`` / ``b`` are the kernels' :class:`~peft_csgmv.kernels.pool.
+  Pooled` views of it;
 * ``ranks``: ``(capacity,)`` int32 — the slot's rank in this layer, ``0`` where the adapter does not target the layer
   (or the slot is free); the kernels do no work for rank-0 slots;
 * ``scalings``: ``(capacity,)`` fp32 — PEFT's ``layer.scaling[name]`` (``lora_alpha / r``, or ``lora_alpha / √r``
   with rsLoRA, with ``rank_pattern`` / ``alpha_pattern`` already applied by PEFT).
+
+Where dtype and device allow, PEFT's own ``lora_A`` / ``lora_B`` parameters are views into ``data`` (``share``): each
+adapter is stored once, and PEFT's forward, merges, saves and in-place edits work on the memory the kernels read.
+
+Storage is allocated exactly for the adapters a stack is built with; an adapter loaded later goes into a hole a freed
+one left, or at the end, and when neither has room the buffer is rebuilt with every live slot packed back to back
+plus 1/16 of room to grow (so loading many adapters one by one costs amortized linear copying).
 
 Stacked dtype: by default the adapters' own (PEFT keeps them in fp32 on a bf16/fp16 model, ``autocast_adapter_dtype``;
 the stacks then hold fp32 and the kernels compute PEFT's numerics: fp32 products for fp32 activations, TF32 for
@@ -20,14 +30,16 @@ of each slot (1 for plain LoRA slots), and ``bias``: the base layer's bias in fp
 once a layer holds a DoRA adapter. ``lora_bias``: ``(capacity, out_features)`` fp32, each slot's ``lora_B`` bias
 (PEFT's ``lora_bias=True``; zeros elsewhere), once a layer holds such an adapter.
 
-Slots are added and cleared one at a time (``set_slot`` / ``clear_slot``); capacity and ``r_max`` grow by
-reallocation when needed, so loading or deleting one adapter never restacks the others.
+Slots are set and cleared one at a time (``set_slot`` / ``clear_slot``), so loading or deleting one adapter never
+restacks the others.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from .kernels.pool import ALIGN, Pooled, rank_align
 
 
 class SlotRegistry:
@@ -79,11 +91,16 @@ def weights_device(layer: nn.Module) -> torch.device:
 # The stack's device tensors. Each is marked as a static address when it is (re)allocated: compiled code takes it as a
 # graph input that a CUDA graph reads in place (not copied in on every replay), guarded by identity, so a reallocated
 # stack recompiles instead of reading freed memory.
-_TENSORS = frozenset(("a", "b", "ranks", "scalings", "mag", "bias", "lora_bias"))
+_TENSORS = frozenset(("data", "a_off", "b_off", "ranks", "scalings", "mag", "bias", "lora_bias"))
+
+
+def _up(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN`."""
+    return -(-n // ALIGN) * ALIGN
 
 
 class LoraStack:
-    """Stacked LoRA weights of one layer (see the module docstring for the layout)."""
+    """One layer's LoRA weights, every slot at its own rank (see the module docstring for the layout)."""
 
     def __setattr__(self, name: str, value) -> None:
         if name in _TENSORS and isinstance(value, torch.Tensor):
@@ -95,20 +112,26 @@ class LoraStack:
         in_features: int,
         out_features: int,
         capacity: int,
-        r_max: int,
         dtype: torch.dtype,
         device: torch.device,
         embedding: bool = False,
+        reserve: int = 0,
     ) -> None:
+        """``reserve``: elements of storage to allocate up front (:meth:`slot_elements` of the adapters to come)."""
         self.embedding = embedding  # an embedding layer: A is gathered by token id instead of multiplied
         self.in_features = in_features
         self.out_features = out_features
         self.dtype = dtype
         self.device = device
-        self.a = torch.zeros((capacity, r_max, in_features), dtype=dtype, device=device)
-        self.b = torch.zeros((capacity, out_features, r_max), dtype=dtype, device=device)
+        self.data = torch.empty(reserve, dtype=dtype, device=device)
+        self.extents: dict[int, tuple[int, int]] = {}  # slot -> (start, length) in data
+        self.tail = 0  # end of the last extent allocated at the end of data
+        self.a_off = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.b_off = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.ranks = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.scalings = torch.zeros(capacity, dtype=torch.float32, device=device)
+        self.a_off_host = [0] * capacity
+        self.b_off_host = [0] * capacity
         self.ranks_host = [0] * capacity
         self.scalings_host = [0.0] * capacity
         self.sources: dict[int, nn.Module] = {}  # slot -> the lora_A module its weights came from
@@ -120,45 +143,143 @@ class LoraStack:
         self.scaling_src: dict | None = None  # the layer's ``scaling`` dict the stack was built from
         self.mag: torch.Tensor | None = None  # (capacity, out) fp32 DoRA scale, once a DoRA adapter is stacked
         self.bias: torch.Tensor | None = None  # (out,) fp32 base bias, with mag
+        self._views: tuple[Pooled, Pooled] | None = None
+
+    @staticmethod
+    def slot_elements(rank: int, in_features: int, out_features: int) -> int:
+        """Elements of storage one slot of ``rank`` takes (both matrices, each aligned)."""
+        return _up(rank * in_features) + _up(out_features * rank)
 
     @property
     def capacity(self) -> int:
-        return self.a.shape[0]
+        return len(self.ranks_host)
 
     @property
     def r_max(self) -> int:
-        return self.a.shape[1]
+        """The largest rank of any slot (at least 1): the width of the shrink's output."""
+        return max(self.ranks_host, default=0) or 1
+
+    def refresh(self) -> None:
+        """Build :attr:`a` / :attr:`b` now (they are built lazily after a change; compiled code reads them as they
+        are, so the owner refreshes a stack after changing it)."""
+        self._pooled()
+
+    def _pooled(self) -> tuple[Pooled, Pooled]:
+        views = self._views
+        if views is None:
+            ranks, cap = tuple(self.ranks_host), self.capacity
+            r, align = self.r_max, rank_align(x for x in ranks if x)
+            views = self._views = (
+                Pooled(self.data, self.a_off, tuple(self.a_off_host), ranks, (cap, r, self.in_features), False, align),
+                Pooled(self.data, self.b_off, tuple(self.b_off_host), ranks, (cap, self.out_features, r), True, align),
+            )
+        return views
+
+    @property
+    def a(self) -> Pooled:
+        """Every slot's ``lora_A``, as the kernels take it (a :class:`~peft_csgmv.kernels.pool.Pooled`; the same object
+        until a slot or the storage changes)."""
+        return self._views[0] if self._views is not None else self._pooled()[0]
+
+    @property
+    def b(self) -> Pooled:
+        """Every slot's ``lora_B``, as :attr:`a`."""
+        return self._views[1] if self._views is not None else self._pooled()[1]
+
+    def slot_a(self, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s ``lora_A`` ``(r, in)``: a view of the storage."""
+        r, off = self.ranks_host[slot], self.a_off_host[slot]
+        return self.data[off : off + r * self.in_features].view(r, self.in_features)
+
+    def slot_b(self, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s ``lora_B`` ``(out, r)``: a view of the storage."""
+        r, off = self.ranks_host[slot], self.b_off_host[slot]
+        return self.data[off : off + self.out_features * r].view(self.out_features, r)
 
     @property
     def nbytes(self) -> int:
         """Device memory held by this stack."""
-        tensors = (self.a, self.b, self.ranks, self.scalings, self.mag, self.bias, self.lora_bias)
+        tensors = (self.data, self.a_off, self.b_off, self.ranks, self.scalings, self.mag, self.bias, self.lora_bias)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of :attr:`data` that hold a slot's weights (the rest: holes left by freed slots, room to grow)."""
+        return sum(length for _, length in self.extents.values()) * self.data.element_size()
 
     def ensure_capacity(self, capacity: int) -> None:
         """Make room for slots ``0 .. capacity-1`` (new slots have rank 0)."""
-        self._grow(capacity, 0)
-
-    def _grow(self, capacity: int, r_max: int) -> None:
-        if capacity <= self.capacity and r_max <= self.r_max:
+        extra = capacity - self.capacity
+        if extra <= 0:
             return
-        capacity, r_max = max(capacity, self.capacity), max(r_max, self.r_max)
-        a = torch.zeros((capacity, r_max, self.in_features), dtype=self.dtype, device=self.device)
-        b = torch.zeros((capacity, self.out_features, r_max), dtype=self.dtype, device=self.device)
-        a[: self.capacity, : self.r_max] = self.a
-        b[: self.capacity, :, : self.r_max] = self.b
-        self.a, self.b = a, b
+        if self.mag is not None:
+            self.mag = torch.cat([self.mag, self.mag.new_ones(extra, self.out_features)])
+        if self.lora_bias is not None:
+            self.lora_bias = torch.cat([self.lora_bias, self.lora_bias.new_zeros(extra, self.out_features)])
+        self.ranks = torch.cat([self.ranks, self.ranks.new_zeros(extra)])
+        self.scalings = torch.cat([self.scalings, self.scalings.new_zeros(extra)])
+        self.a_off = torch.cat([self.a_off, self.a_off.new_zeros(extra)])
+        self.b_off = torch.cat([self.b_off, self.b_off.new_zeros(extra)])
+        self.ranks_host += [0] * extra
+        self.scalings_host += [0.0] * extra
+        self.a_off_host += [0] * extra
+        self.b_off_host += [0] * extra
+        self._views = None
+
+    # -- storage ------------------------------------------------------------------------------------------------------
+
+    def _alloc(self, length: int) -> int:
+        """The start of ``length`` free elements of :attr:`data`: at the end, else the first hole that fits, else
+        after the storage is rebuilt with the live slots packed and room added."""
+        if self.tail + length <= self.data.numel():
+            start, self.tail = self.tail, self.tail + length
+            return start
+        end = 0
+        for start, used in sorted(self.extents.values()):
+            if start - end >= length:
+                return end
+            end = start + used
+        self._repack(length)
+        start, self.tail = self.tail, self.tail + length
+        return start
+
+    def compact(self) -> None:
+        """Storage of exactly the live slots, packed back to back, where holes and room to grow take more than 2%."""
+        used = sum(length for _, length in self.extents.values())
+        if self.data.numel() > used + used // 50:
+            self._repack(0, room=False)
+
+    def _repack(self, extra: int, room: bool = True) -> None:
+        """New storage: the live slots back to back, then room for ``extra`` elements and (``room``) 1/16 of the whole
+        more."""
+        used = sum(length for _, length in self.extents.values())
+        size = used + extra + ((used + extra) // 16 if room else 0)
+        data = torch.empty(size, dtype=self.dtype, device=self.device)
+        pos, extents = 0, {}
+        for slot, (start, length) in sorted(self.extents.items(), key=lambda kv: kv[1][0]):
+            data[pos : pos + length] = self.data[start : start + length]
+            extents[slot] = (pos, length)
+            self._set_offsets(slot, pos, self.ranks_host[slot])
+            pos += length
+        self.data, self.extents, self.tail = data, extents, pos
+        self._views = None
         self._point_shared()
-        extra = capacity - len(self.ranks_host)
-        if extra > 0:
-            if self.mag is not None:
-                self.mag = torch.cat([self.mag, self.mag.new_ones(extra, self.out_features)])
-            if self.lora_bias is not None:
-                self.lora_bias = torch.cat([self.lora_bias, self.lora_bias.new_zeros(extra, self.out_features)])
-            self.ranks = torch.cat([self.ranks, self.ranks.new_zeros(extra)])
-            self.scalings = torch.cat([self.scalings, self.scalings.new_zeros(extra)])
-            self.ranks_host += [0] * extra
-            self.scalings_host += [0.0] * extra
+
+    def _set_offsets(self, slot: int, start: int, rank: int) -> None:
+        a_off, b_off = start, start + _up(rank * self.in_features)
+        if self.a_off_host[slot] != a_off:
+            self.a_off[slot] = a_off
+            self.a_off_host[slot] = a_off
+        if self.b_off_host[slot] != b_off:
+            self.b_off[slot] = b_off
+            self.b_off_host[slot] = b_off
+
+    def _free(self, slot: int) -> None:
+        extent = self.extents.pop(slot, None)
+        if extent is not None and extent[0] + extent[1] == self.tail:
+            self.tail = extent[0]
+
+    # -- slots --------------------------------------------------------------------------------------------------------
 
     def set_slot(
         self,
@@ -174,28 +295,39 @@ class LoraStack:
         """Copy one adapter's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)`` weights into ``slot``; for DoRA,
         ``dora = (mag (out,), base bias (out,) or None)``; ``lora_bias``: ``lora_B``'s bias ``(out,)``, if any.
 
-        ``share``: ``lora_a`` / ``lora_b`` are PEFT's parameters, of this stack's dtype and device: afterwards they are
-        views into the slot (``.data`` re-pointed), so the adapter is stored once, and PEFT's forward, merges, saves
-        and in-place edits all work on the stack's memory (:meth:`release_shared` gives them their own again)."""
+        ``share``: ``lora_a`` / ``lora_b`` are PEFT's parameters, of this stack's dtype: afterwards they are views into
+        the slot (``.data`` re-pointed; from another device, as the host tier brings an adapter in, that is their move
+        to this one), so the adapter is stored once, and PEFT's forward, merges, saves and in-place edits all work on
+        the stack's memory (:meth:`release_shared` gives them their own again). Weights from pinned host memory are
+        copied asynchronously, in stream order."""
         r = lora_a.shape[0]
         if lora_a.shape[1] != self.in_features or lora_b.shape != (self.out_features, r):
             raise ValueError(
                 f"adapter weights A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit a layer of "
                 f"{self.in_features} → {self.out_features} features"
             )
-        self._grow(slot + 1, r)
+        self.ensure_capacity(slot + 1)
         self._release(slot)
         with torch.no_grad():
-            # Copies first: the sources may be views of this very slot (a restack of shared weights).
-            a_val = lora_a.detach().to(device=self.device, dtype=self.dtype, copy=True)
-            b_val = lora_b.detach().to(device=self.device, dtype=self.dtype, copy=True)
-            self.a[slot].zero_()
-            self.b[slot].zero_()
-            self.a[slot, :r] = a_val
-            self.b[slot, :, :r] = b_val
-            self.ranks[slot] = r
+            if lora_a.device == self.device:
+                # Copies first: the sources may be views of this very slot (a restack of shared weights).
+                a_val = lora_a.detach().to(dtype=self.dtype, copy=True)
+                b_val = lora_b.detach().to(dtype=self.dtype, copy=True)
+            else:  # from elsewhere (the host tier's pinned memory): one asynchronous copy straight into the slot
+                a_val, b_val = lora_a.detach(), lora_b.detach()
+            length = self.slot_elements(r, self.in_features, self.out_features)
+            extent = self.extents.get(slot)
+            if extent is None or extent[1] != length:
+                self._free(slot)
+                self.extents[slot] = (self._alloc(length), length)
+            self._set_offsets(slot, self.extents[slot][0], r)
+            if self.ranks_host[slot] != r:
+                self.ranks[slot] = r
+                self.ranks_host[slot] = r
+            self._views = None
+            self.slot_a(slot).copy_(a_val, non_blocking=True)
+            self.slot_b(slot).copy_(b_val, non_blocking=True)
             self.scalings[slot] = float(scaling)
-        self.ranks_host[slot] = r
         self.scalings_host[slot] = float(scaling)
         self.sources[slot] = source
         if share:
@@ -222,11 +354,10 @@ class LoraStack:
                     self.lora_bias[slot] = lora_bias.detach().to(device=self.device, dtype=torch.float32)
 
     def _point_shared(self, only: int | None = None) -> None:
-        """Re-point the shared parameters (of ``only``, or of every slot) at their views of the current tensors."""
+        """Re-point the shared parameters (of ``only``, or of every slot) at their views of the current storage."""
         for slot, (pa, pb) in self.shared.items():
             if only is None or slot == only:
-                r = pa.shape[0]
-                pa.data, pb.data = self.a[slot, :r], self.b[slot, :, :r]
+                pa.data, pb.data = self.slot_a(slot), self.slot_b(slot)
 
     def _release(self, slot: int) -> None:
         """Give a shared slot's parameters their own memory again (a copy of their values)."""
@@ -252,15 +383,16 @@ class LoraStack:
         return sum(p.numel() * p.element_size() for pair in self.shared.values() for p in pair)
 
     def clear_slot(self, slot: int) -> None:
-        """Make ``slot`` a no-op in this layer (rank 0); its weight rows are zeroed."""
+        """Make ``slot`` a no-op in this layer (rank 0); its storage is freed for other slots."""
         if slot >= self.capacity:
             return
         self._release(slot)
+        self._free(slot)
         with torch.no_grad():
-            self.a[slot].zero_()
-            self.b[slot].zero_()
-            self.ranks[slot] = 0
-            self.scalings[slot] = 0.0
+            if self.ranks_host[slot]:
+                self.ranks[slot] = 0
+                self.scalings[slot] = 0.0
+                self._views = None
             if self.mag is not None:
                 self.mag[slot] = 1.0
             if self.lora_bias is not None:
@@ -276,5 +408,7 @@ class LoraStack:
         for n, t in moved.items():
             setattr(self, n, t)
         self.device = torch.device(device)
+        self._views = None
         self._point_shared()  # PEFT's parameters were moved on their own: back to one copy, the stack's
+        self.refresh()
         return self

@@ -44,27 +44,31 @@ def compile_variant(kernel, pointer_types: dict, constexprs: dict) -> None:
 
 def variants():
     for dtype, block_m in itertools.product(PTR, (16, 128)):
-        types = {"x_ptr": PTR[dtype], "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS}
+        types = {"x_ptr": PTR[dtype], "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS, "a_off_ptr": "*i64"}
         cx = dict(BLOCK_M=block_m, BLOCK_R=64, BLOCK_K=64 if block_m >= 64 else 128)
         cx["DOT_PRECISION"] = "ieee" if dtype == "fp32" else "tf32"
-        yield f"shrink {dtype} M{block_m}", shrink._shrink_kernel, types, cx
+        for pooled in (False, True):  # padded stacks (any strides) and weights pooled at their own ranks
+            cx.update(POOLED=pooled, ALIGN=16 if pooled else 1)
+            yield f"shrink {dtype} M{block_m} pooled={pooled}", shrink._shrink_kernel, types, dict(cx)
     # fp32 adapters (PEFT's default) on a bf16 model: TF32 products
-    types = {"x_ptr": PTR["bf16"], "a_ptr": PTR["fp32"], "t_ptr": "*fp32", **INTS}
-    cx = dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, DOT_PRECISION="tf32")
+    types = {"x_ptr": PTR["bf16"], "a_ptr": PTR["fp32"], "t_ptr": "*fp32", **INTS, "a_off_ptr": "*i64"}
+    cx = dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, DOT_PRECISION="tf32", POOLED=True, ALIGN=16)
     yield "shrink bf16 x, fp32 A", shrink._shrink_kernel, types, cx
     for dtype, (dora, lora_bias) in itertools.product(PTR, ((False, False), (True, False), (False, True))):
-        types = {"t_ptr": "*fp32", "b_ptr": PTR[dtype], "y_ptr": PTR[dtype], **INTS}
+        types = {"t_ptr": "*fp32", "b_ptr": PTR[dtype], "y_ptr": PTR[dtype], **INTS, "b_off_ptr": "*i64"}
         types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32")
         cx = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
-        cx.update(HAS_DORA=dora, HAS_LORA_BIAS=lora_bias)
+        cx.update(HAS_DORA=dora, HAS_LORA_BIAS=lora_bias, POOLED=dora, ALIGN=16 if dora else 1, RANK_ALIGN=1)
         yield f"expand {dtype} dora={dora} lora_bias={lora_bias}", expand._expand_kernel, types, cx
-    types = {"t_ptr": "*fp32", "b_ptr": PTR["fp32"], "y_ptr": PTR["bf16"], **INTS}
+    types = {"t_ptr": "*fp32", "b_ptr": PTR["fp32"], "y_ptr": PTR["bf16"], **INTS, "b_off_ptr": "*i64"}
     types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32")
     cx = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32", HAS_DORA=False, HAS_LORA_BIAS=False)
-    yield "expand fp32 B, bf16 y", expand._expand_kernel, types, cx
+    for rank_align in (1, 16):  # pooled B: its row stride (the slot's rank) a known multiple of 16, or not
+        cx.update(POOLED=True, ALIGN=16, RANK_ALIGN=rank_align)
+        yield f"expand fp32 B, bf16 y pooled rank_align={rank_align}", expand._expand_kernel, types, dict(cx)
     for dtype, ids in (("bf16", "*i64"), ("fp32", "*i32")):  # ids of either width, read through stride_ids
-        types = {"ids_ptr": ids, "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS}
-        cx = dict(BLOCK_M=32, BLOCK_R=16)
+        types = {"ids_ptr": ids, "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS, "a_off_ptr": "*i64"}
+        cx = dict(BLOCK_M=32, BLOCK_R=16, POOLED=dtype == "bf16")
         yield f"embedding_shrink {dtype} ids {ids[1:]}", embedding._embedding_shrink_kernel, types, cx
 
 

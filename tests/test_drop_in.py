@@ -327,7 +327,7 @@ def test_empty_batch_or_sequence_refused(enabled, kernel_calls, shape, message, 
 def _stacks(model):
     state = model._csgmv
     return {
-        name: (layer._csgmv_stack.device, layer._csgmv_stack.a.data_ptr(), layer._csgmv_stack.a.clone())
+        name: (layer._csgmv_stack.device, layer._csgmv_stack.data.data_ptr(), layer._csgmv_stack.data.clone())
         for name, layer in state.layers.items()
     }
 
@@ -356,9 +356,9 @@ def test_stack_move_is_all_or_nothing(monkeypatch):
     """``LoraStack.to`` copies every tensor before it replaces any: a copy that fails leaves the stack as it was."""
     from peft_csgmv.slots import LoraStack
 
-    stack = LoraStack(in_features=6, out_features=5, capacity=2, r_max=3, dtype=torch.float32, device=DEVICE)
+    stack = LoraStack(in_features=6, out_features=5, capacity=2, dtype=torch.float32, device=DEVICE)
     stack.set_slot(0, torch.randn(3, 6), torch.randn(5, 3), 2.0)
-    a, b = stack.a, stack.b
+    data, ranks = stack.data, stack.ranks
     calls = []
 
     def failing_to(self, *args, **kwargs):
@@ -371,7 +371,7 @@ def test_stack_move_is_all_or_nothing(monkeypatch):
     with pytest.raises(RuntimeError, match="copy failed"):
         stack.to(torch.device("meta"))
     monkeypatch.undo()
-    assert stack.a is a and stack.b is b and stack.device == torch.device(DEVICE)
+    assert stack.data is data and stack.ranks is ranks and stack.device == torch.device(DEVICE)
 
 
 def test_embed_scale_read_per_call():

@@ -130,6 +130,7 @@ RANKS = {
     "r64-1-3-8": ([64, 1, 3, 8], 64),
     "r8-0-3-16": ([8, 0, 3, 16], 16),
     "r128-3-0-64": ([128, 3, 0, 64], 128),
+    "r16-32-16-0": ([16, 32, 16, 0], 32),
 }
 
 DIMS = {"in33-out47": (33, 47), "in123-out431": (123, 431), "in257-out33": (257, 33)}
@@ -178,15 +179,37 @@ def full(shape, value, dtype=torch.float32):
 SENTINEL = -7777.0  # what an entry of t that shrink must not write holds before and after
 
 
-def run_and_check_end_to_end(plan, token_slot, ranks, r_max, k, n, dtype, seed=0, what=""):
-    """shrink then expand on fresh data; compare each step with the oracle; untouched entries bit-identical."""
-    a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed)
+def pooled(a, b, ranks, scalings):
+    """The same weights as a layer stores them (:class:`~peft_csgmv.slots.LoraStack`): each slot at its own rank, back
+    to back in one flat buffer; the kernels get its pooled views."""
+    from peft_csgmv.slots import LoraStack
+
+    k, n = a.shape[2], b.shape[1]
+    need = sum(LoraStack.slot_elements(r, k, n) for r in ranks if r)
+    stack = LoraStack(k, n, a.shape[0], a.dtype, a.device, reserve=need)
+    for s, r in enumerate(ranks):
+        if r:
+            stack.set_slot(s, a[s, :r], b[s, :, :r], float(scalings[s]))
+    stack.refresh()
+    return stack
+
+
+def run_and_check_end_to_end(plan, token_slot, ranks, r_max, k, n, dtype, seed=0, what="", pool=False):
+    """shrink then expand on fresh data; compare each step with the oracle; untouched entries bit-identical.
+    ``pool``: the kernels read the weights pooled at their own ranks (the oracle: padded with NaN past each rank)."""
+    a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed, pad=math.nan if pool else 0.0)
+    a_k, b_k = a, b
+    if pool:
+        stack = pooled(a, b, ranks, scalings)
+        a_k, b_k, ranks_t = stack.a, stack.b, stack.ranks
+        assert stack.data.numel() == sum(stack.slot_elements(r, k, n) for r in ranks if r), "padded storage"
+        a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
     x = randn(plan.num_tokens, k, dtype=dtype, seed=seed + 1)
     y = randn(plan.num_tokens, n, dtype=dtype, seed=seed + 2)
     y0 = y.clone()
     t = full((plan.num_tokens, r_max), SENTINEL)
 
-    t_out = shrink(x, a, ranks_t, plan, t=t)
+    t_out = shrink(x, a_k, ranks_t, plan, t=t)
     assert t_out is t
     t_exp = oracle_shrink(x, a, ranks, token_slot, torch.full_like(t, SENTINEL))
     check_close(t, t_exp, dtype, what=f"{what} shrink t")
@@ -197,7 +220,7 @@ def run_and_check_end_to_end(plan, token_slot, ranks, r_max, k, n, dtype, seed=0
 
     # "t stored in fp32": the oracle's expand consumes the oracle's t rounded to fp32.
     y_exp = oracle_expand(t_exp.float(), b, ranks, scalings, token_slot, y0)
-    y_out = expand(t, b, ranks_t, scalings, plan, y)
+    y_out = expand(t, b_k, ranks_t, scalings, plan, y)
     assert y_out is y
     check_close(y, y_exp, dtype, what=f"{what} expand y")
     untouched = ~touched_rows(token_slot, ranks)
@@ -275,6 +298,22 @@ def test_dims_and_ranks(dims_name, ranks_name, dtype):
     ranks, r_max = RANKS[ranks_name]
     k, n = DIMS[dims_name]
     run_and_check_end_to_end(plan, token_slot, ranks, r_max, k, n, dtype, seed=30, what=f"{dims_name}/{ranks_name}")
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("ranks_name", ["r1-3-8-16", "r8-0-3-16", "r64-1-3-8", "r16-32-16-0"])
+@pytest.mark.parametrize("dims_name", list(DIMS))
+def test_pooled_weights(dims_name, ranks_name, dtype):
+    """Weights stored at their own ranks, back to back (odd widths: every matrix aligned on its own; ranks all
+    multiples of 16: the kernels are told B's row stride is one)."""
+    row_slots = _zipf_rows(12, seed=6, base_fraction=0.25)
+    plan = BatchPlan.build(row_slots, tokens_per_row=3, device=DEVICE)
+    token_slot = [row_slots[i // 3] for i in range(plan.num_tokens)]
+    ranks, r_max = RANKS[ranks_name]
+    k, n = DIMS[dims_name]
+    run_and_check_end_to_end(
+        plan, token_slot, ranks, r_max, k, n, dtype, seed=31, what=f"pooled {dims_name}/{ranks_name}", pool=True
+    )
 
 
 @pytest.mark.parametrize("dtype", dtype_params())

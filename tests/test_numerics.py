@@ -82,9 +82,13 @@ def test_wider_adapter_added_later_retypes_the_stack():
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    pm = get_peft_model(
-        model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False), "h", autocast_adapter_dtype=False
-    ).eval()
+    pm = (
+        get_peft_model(
+            model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False), "h", autocast_adapter_dtype=False
+        )
+        .to(DEVICE)
+        .eval()
+    )
     enable_csgmv(pm, backend="torch")
     layer = next(iter(pm._csgmv.layers.values()))
     assert layer._csgmv_stack.dtype == torch.bfloat16

@@ -541,11 +541,11 @@ def test_fp16_model_fp32_adapters():
     with torch.no_grad():
         peft_mixed = run(adapter_names=names)
     enable_csgmv(model, backend="torch", dtype=torch.float16)
-    assert next(iter(model._csgmv.layers.values()))._csgmv_stack.a.dtype == torch.float16
+    assert next(iter(model._csgmv.layers.values()))._csgmv_stack.data.dtype == torch.float16
     close(run(adapter_ids=names), peft_mixed, "fp16 stacks vs PEFT adapter_names", dtype=torch.bfloat16)
     enable_csgmv(model, backend="torch")  # enabling again with another dtype restacks in it: the adapters' own
     for layer in model._csgmv.layers.values():
-        assert layer._csgmv_stack.a.dtype == torch.float32 and layer._csgmv_stack.b.dtype == torch.float32
+        assert layer._csgmv_stack.data.dtype == torch.float32
     out = run(adapter_ids=names)
     assert out.dtype == torch.float16
     close(out, peft_mixed, "csgmv vs PEFT adapter_names", dtype=torch.float16)

@@ -42,7 +42,8 @@ def _stack_tensors(model) -> list[torch.Tensor]:
     out = []
     for layer in model._csgmv.layers.values():
         st = layer._csgmv_stack
-        out += [t for t in (st.a, st.b, st.ranks, st.scalings, st.mag, st.bias, st.lora_bias) if t is not None]
+        tensors = (st.data, st.a_off, st.b_off, st.ranks, st.scalings, st.mag, st.bias, st.lora_bias)
+        out += [t for t in tensors if t is not None]
     return out
 
 
@@ -124,10 +125,52 @@ def test_other_stack_dtype_keeps_a_separate_copy():
     assert csgmv_stats(model)["shared_bytes"] == 0
 
 
-def test_mixed_ranks_share_with_padding():
-    """Mixed ranks share too (views into slots padded to the layer's largest rank); the padding is the extra."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_ranks_are_stored_at_their_own_ranks(backend):
+    """Mixed ranks (2, 8, 16 in every layer) are stored unpadded: the bytes with csgmv are PEFT's alone (≤ 1.02×), and
+    the kernels read each slot at its own rank."""
     model = _model(ranks=(2, 8, 16))
-    enable_csgmv(model, backend="torch")
+    params = _lora_params(model)
+    peft_bytes = _storage_bytes(params.values())
+    enable_csgmv(model, backend=backend)
     stacks = {t.untyped_storage().data_ptr() for t in _stack_tensors(model)}
-    assert all(p.untyped_storage().data_ptr() in stacks for p in _lora_params(model).values())
+    assert all(p.untyped_storage().data_ptr() in stacks for p in params.values())
+    assert all(p.is_contiguous() for p in params.values())  # PEFT's own layouts: saves and state_dicts as before
+    total = _storage_bytes([*params.values(), *_stack_tensors(model)])
+    assert total <= 1.02 * peft_bytes, f"{total} bytes with csgmv against {peft_bytes} for PEFT alone"
     _check_outputs(model, "mixed ranks, shared")
+
+
+def _add(model, name, r):
+    from peft import LoraConfig
+
+    model.add_adapter(name, LoraConfig(r=r, lora_alpha=2 * r, target_modules=ALL_LINEAR, init_lora_weights=False))
+    model.to(DEVICE)
+
+
+def test_adapters_loaded_and_deleted_after_enabling_reuse_and_grow_the_storage():
+    """Adapters loaded after enabling take a freed slot's room or grow the storage (every live slot packed again,
+    PEFT's views re-pointed): results stay PEFT's at every step, and storage stays near PEFT's bytes."""
+    model = _model(ranks=(4, 8, 16))
+    enable_csgmv(model, backend="torch")
+    stack = next(m for n, m in model._csgmv.layers.items() if n.endswith("q_proj"))._csgmv_stack
+    data = stack.data
+    model.delete_adapter("a1")  # frees rank-8 room in every layer
+    _add(model, "b0", 4)  # fits in the hole: no new storage
+    _check_outputs(model, "rank 4 in a rank-8 hole", names=["b0", "a0", BASE, "a2"])
+    assert stack.data is data
+    for i, r in enumerate((32, 2, 16, 8)):  # more than the storage holds: it grows, once per layer at most a few times
+        _add(model, f"c{i}", r)
+    names = ["c0", "a2", "c1", BASE, "b0", "c2", "c3", "a0"]
+    _check_outputs(model, "adapters added after enabling", names=names)
+    assert stack.data is not data
+    params = _lora_params(model)
+    stacks = {t.untyped_storage().data_ptr() for t in _stack_tensors(model)}
+    assert all(p.untyped_storage().data_ptr() in stacks for p in params.values()), "a view was not re-pointed"
+    total = _storage_bytes([*params.values(), *_stack_tensors(model)])
+    peft_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    assert total <= 1.15 * peft_bytes, f"{total} bytes with csgmv against {peft_bytes} for PEFT alone"
+    enable_csgmv(model, backend="torch")  # a restack packs exactly again
+    total = _storage_bytes([*_lora_params(model).values(), *_stack_tensors(model)])
+    assert total <= 1.02 * peft_bytes
+    _check_outputs(model, "restacked", names=names)

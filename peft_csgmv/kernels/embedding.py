@@ -18,18 +18,20 @@ import triton.language as tl
 
 from ..plan import BatchPlan
 from .launch import Launcher
+from .pool import pool_offsets, pool_strides
 from .shrink import _block, _dense, _segment_rows
 
 
 @triton.jit
 def _embedding_shrink_kernel(
     ids_ptr,  # (T,) int64/int32 token ids, read through stride_ids
-    a_ptr,  # (S, R, V) stacked embedding A
+    a_ptr,  # (S, R, V) stacked embedding A, or a pool (POOLED: slot s's (r, V) matrix at element a_off[s])
     t_ptr,  # (T, R) fp32 output
     perm_ptr,  # (T,) int32
     seg_indptr_ptr,  # (num_segments + 1,) int32
     seg_slot_ptr,  # (num_segments,) int32
     rank_ptr,  # (S,) int32
+    a_off_ptr,  # (S,) int64 (read only when POOLED)
     stride_ids,
     stride_as,
     stride_ar,
@@ -38,6 +40,7 @@ def _embedding_shrink_kernel(
     stride_tr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    POOLED: tl.constexpr,
 ):
     seg = tl.program_id(0)
     if tl.load(seg_indptr_ptr + seg + 1) <= tl.load(seg_indptr_ptr + seg):
@@ -50,15 +53,15 @@ def _embedding_shrink_kernel(
     ids = tl.load(ids_ptr + rows * stride_ids, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask = m_mask[:, None] & (offs_r < rank)[None, :]
-    a = tl.load(
-        a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar + ids[:, None] * stride_av,
-        mask=mask,
-        other=0.0,
-    )
+    if POOLED:
+        a_base = a_ptr + tl.load(a_off_ptr + slot)
+    else:
+        a_base = a_ptr + slot.to(tl.int64) * stride_as
+    a = tl.load(a_base + offs_r[None, :] * stride_ar + ids[:, None] * stride_av, mask=mask, other=0.0)
     tl.store(t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr, a.to(tl.float32), mask=mask)
 
 
-_launch_embedding_shrink = Launcher(_embedding_shrink_kernel, num_tensors=7)
+_launch_embedding_shrink = Launcher(_embedding_shrink_kernel, num_tensors=8)
 
 
 def embedding_shrink(
@@ -69,7 +72,8 @@ def embedding_shrink(
     Args:
         ids: ``(T,)`` int token ids (any integer dtype, any stride, e.g. ``seq[:, -1:].reshape(-1)``);
             ``T = plan.num_tokens``.
-        a: ``(S, R, V)`` stacked embedding A weights, fp16/bf16/fp32, any strides.
+        a: ``(S, R, V)`` stacked embedding A weights, fp16/bf16/fp32, any strides, or a
+            :class:`~peft_csgmv.kernels.pool.Pooled` A stack.
         ranks: ``(S,)`` int32 rank of each slot.
         plan: the batch plan on ``ids``' device.
         t: optional ``(T, R)`` fp32 output buffer, any strides.
@@ -86,12 +90,14 @@ def embedding_shrink(
     elif t.shape != (num_tokens, r):
         raise ValueError(f"embedding_shrink: t {tuple(t.shape)} is not ({num_tokens}, {r})")
     if plan.num_segments:
+        ranks = _dense(ranks)
+        pooled, stride_as, stride_ar, stride_av = pool_strides(a)
         _launch_embedding_shrink(
             (plan.num_segments, 1, 1),
             (
-                ids, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, _dense(ranks),
-                ids.stride(0), a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1),
+                ids, a.data if pooled else a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
+                pool_offsets(a, ranks), ids.stride(0), stride_as, stride_ar, stride_av, t.stride(0), t.stride(1),
             ),
-            dict(BLOCK_M=_block(plan.chunk_size), BLOCK_R=_block(r)),
+            dict(BLOCK_M=_block(plan.chunk_size), BLOCK_R=_block(r), POOLED=pooled),
         )  # fmt: skip
     return t

@@ -32,13 +32,14 @@ import triton.language as tl
 
 from ..plan import BatchPlan
 from .launch import Launcher
+from .pool import ALIGN, pool_offsets, pool_strides
 from .shrink import _block, _dense, _segment_rows, _tiles
 
 
 @triton.jit
 def _expand_kernel(
     t_ptr,  # (P, T, R) fp32 shrink output (P split-K planes)
-    b_ptr,  # (S, N, R) stacked B
+    b_ptr,  # (S, N, R) stacked B, or a pool (POOLED: slot s's (N, r) matrix at element b_off[s])
     y_ptr,  # (T, N) base output, updated in place
     perm_ptr,  # (T,) int32
     seg_indptr_ptr,  # (num_segments + 1,) int32
@@ -48,6 +49,7 @@ def _expand_kernel(
     mag_ptr,  # (S, N) fp32 DoRA scale (read only with HAS_DORA)
     bias_ptr,  # (N,) fp32 base-layer bias (read only with HAS_DORA)
     lbias_ptr,  # (S, N) fp32 lora_B bias per slot (read only with HAS_LORA_BIAS)
+    b_off_ptr,  # (S,) int64 (read only when POOLED)
     N,
     SPLITS,
     stride_tp,
@@ -66,6 +68,9 @@ def _expand_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_DORA: tl.constexpr,
     HAS_LORA_BIAS: tl.constexpr,
+    POOLED: tl.constexpr,
+    ALIGN: tl.constexpr,
+    RANK_ALIGN: tl.constexpr,
 ):
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -82,11 +87,13 @@ def _expand_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
 
-    b = tl.load(
-        b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
-        mask=r_mask[:, None] & n_mask[None, :],
-        other=0.0,
-    )
+    if POOLED:  # row-major (N, rank) at b_off[slot]: the row stride is the slot's rank
+        b_base = b_ptr + tl.multiple_of(tl.load(b_off_ptr + slot), ALIGN)
+        b_ptrs = b_base + offs_r[:, None] + offs_n[None, :].to(tl.int64) * tl.multiple_of(rank, RANK_ALIGN)
+    else:
+        b_base = b_ptr + slot.to(tl.int64) * stride_bs
+        b_ptrs = b_base + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn
+    b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
     t_ptrs = t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr
     t_mask = m_mask[:, None] & r_mask[None, :]
     t = tl.load(t_ptrs, mask=t_mask, other=0.0)
@@ -109,7 +116,7 @@ def _expand_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_launch_expand = Launcher(_expand_kernel, num_tensors=11)
+_launch_expand = Launcher(_expand_kernel, num_tensors=12)
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,12 +144,13 @@ def expand_launch_args(
     else:
         splits, (stride_tp, stride_tm, stride_tr) = t.shape[0], t.stride()
     n = y.shape[1]
-    stride_bs, stride_bn, stride_br = b.stride()
+    pooled, stride_bs, stride_bn, stride_br = pool_strides(b)
     stride_ym, stride_yn = y.stride()
     args = (
-        t, b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings, mag, bias, lora_bias,
-        n, splits, stride_tp, stride_tm, stride_tr, stride_bs, stride_bn, stride_br, stride_ym, stride_yn,
-        mag.stride(0) if has_dora else 0, lora_bias.stride(0) if has_lora_bias else 0,
+        t, b.data if pooled else b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings, mag, bias,
+        lora_bias, pool_offsets(b, ranks), n, splits, stride_tp, stride_tm, stride_tr, stride_bs, stride_bn,
+        stride_br, stride_ym, stride_yn, mag.stride(0) if has_dora else 0,
+        lora_bias.stride(0) if has_lora_bias else 0,
     )  # fmt: skip
     constexprs = dict(
         BLOCK_M=_block(plan.chunk_size),
@@ -151,6 +159,9 @@ def expand_launch_args(
         DOT_PRECISION="ieee" if b.dtype == y.dtype == torch.float32 else "tf32",  # as in the shrink
         HAS_DORA=has_dora,
         HAS_LORA_BIAS=has_lora_bias,
+        POOLED=pooled,
+        ALIGN=ALIGN if pooled else 1,
+        RANK_ALIGN=b.rank_align if pooled else 1,
     )
     return (plan.num_segments, -(-n // block_n), 1), args, constexprs, options
 
@@ -172,7 +183,8 @@ def expand(
     Args:
         t: ``(T, R)`` or ``(P, T, R)`` fp32, the shrink output (``R`` = the layer's max rank; ``P`` split-K planes,
             summed here), any strides.
-        b: ``(S, N, R)`` stacked B weights (slot-major), fp16/bf16/fp32, any strides.
+        b: ``(S, N, R)`` stacked B weights (slot-major), fp16/bf16/fp32, any strides, or a
+            :class:`~peft_csgmv.kernels.pool.Pooled` B stack (each slot at its own rank).
         ranks: ``(S,)`` int32 rank of each slot.
         scalings: ``(S,)`` fp32 scaling of each slot (this and the per-slot tensors below: a strided view is copied
             first).

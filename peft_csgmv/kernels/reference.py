@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from ..plan import BatchPlan
+from .pool import a_matrix, b_matrix
 
 
 def _active_runs(plan: BatchPlan, ranks: Sequence[int]):
@@ -42,7 +43,7 @@ def shrink_reference(
     if t is None:
         t = torch.zeros((x.shape[0], a.shape[1]), dtype=acc, device=x.device)
     for slot, r, rows in _active_runs(plan, ranks):
-        t[rows, :r] = (x[rows].to(a.dtype).to(acc) @ a[slot, :r].to(acc).T).to(t.dtype)
+        t[rows, :r] = (x[rows].to(a.dtype).to(acc) @ a_matrix(a, slot, r).to(acc).T).to(t.dtype)
     return t
 
 
@@ -63,7 +64,7 @@ def expand_reference(
     if t.dim() == 3:
         t = t.sum(0)
     for slot, r, rows in _active_runs(plan, ranks):
-        delta = t[rows, :r].to(b.dtype).to(acc) @ b[slot, :, :r].to(acc).T
+        delta = t[rows, :r].to(b.dtype).to(acc) @ b_matrix(b, slot, r).to(acc).T
         if lora_bias is not None:
             delta = delta + lora_bias[slot].to(acc)
         delta = delta * scalings[slot]
@@ -84,5 +85,5 @@ def embedding_shrink_reference(
     if t is None:
         t = torch.zeros((ids.shape[0], a.shape[1]), dtype=acc, device=ids.device)
     for slot, r, rows in _active_runs(plan, ranks):
-        t[rows, :r] = a[slot, :r][:, ids[rows].long()].T.to(t.dtype)
+        t[rows, :r] = a_matrix(a, slot, r)[:, ids[rows].long()].T.to(t.dtype)
     return t

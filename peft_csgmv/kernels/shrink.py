@@ -25,6 +25,7 @@ import triton.language as tl
 
 from ..plan import BatchPlan
 from .launch import Launcher
+from .pool import ALIGN, pool_offsets, pool_strides
 
 
 @triton.jit
@@ -41,12 +42,13 @@ def _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M: tl.constexpr):
 @triton.jit
 def _shrink_kernel(
     x_ptr,  # (T, K) activations, any float dtype
-    a_ptr,  # (S, R, K) stacked A
+    a_ptr,  # (S, R, K) stacked A, or a pool (POOLED: slot s's (r, K) matrix at element a_off[s])
     t_ptr,  # (P, T, R) fp32 output, one plane per K split
     perm_ptr,  # (T,) int32
     seg_indptr_ptr,  # (num_segments + 1,) int32
     seg_slot_ptr,  # (num_segments,) int32
     rank_ptr,  # (S,) int32
+    a_off_ptr,  # (S,) int64 (read only when POOLED)
     K,
     K_PER_SPLIT,  # K elements per split (a multiple of BLOCK_K)
     stride_xm,
@@ -61,6 +63,8 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    POOLED: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     seg = tl.program_id(0)
     split = tl.program_id(1)
@@ -78,9 +82,11 @@ def _shrink_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + offs_k[None, :]) * stride_xk
-    a_ptrs = (
-        a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar + (k_start + offs_k[:, None]) * stride_ak
-    )
+    if POOLED:
+        a_base = a_ptr + tl.multiple_of(tl.load(a_off_ptr + slot), ALIGN)
+    else:
+        a_base = a_ptr + slot.to(tl.int64) * stride_as
+    a_ptrs = a_base + offs_r[None, :] * stride_ar + (k_start + offs_k[:, None]) * stride_ak
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(0, tl.cdiv(k_len, BLOCK_K)):
         k_mask = offs_k < k_len - k * BLOCK_K
@@ -94,7 +100,7 @@ def _shrink_kernel(
     tl.store(t_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
-_launch_shrink = Launcher(_shrink_kernel, num_tensors=7)
+_launch_shrink = Launcher(_shrink_kernel, num_tensors=8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,9 +172,9 @@ def shrink_launch_args(x, a, ranks, plan, t, split_k, k_per_split, block_k, opti
     else:
         stride_tp, stride_tm, stride_tr = t.stride()
     stride_xm, stride_xk = x.stride()
-    stride_as, stride_ar, stride_ak = a.stride()
+    pooled, stride_as, stride_ar, stride_ak = pool_strides(a)
     args = (
-        x, a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
+        x, a.data if pooled else a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, pool_offsets(a, ranks),
         k, k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_tp, stride_tm, stride_tr,
     )  # fmt: skip
     constexprs = dict(
@@ -178,6 +184,8 @@ def shrink_launch_args(x, a, ranks, plan, t, split_k, k_per_split, block_k, opti
         # fp32 weights: full fp32 products for fp32 activations (PEFT's numerics to accumulation order); TF32 for
         # half-precision activations, whose own rounding is far coarser (bf16/fp16 weights: the dtype's own products).
         DOT_PRECISION="ieee" if a.dtype == x.dtype == torch.float32 else "tf32",
+        POOLED=pooled,
+        ALIGN=ALIGN if pooled else 1,
     )
     return (plan.num_segments, split_k, 1), args, constexprs, options
 
@@ -195,8 +203,9 @@ def shrink(
 
     Args:
         x: ``(T, K)`` activations, fp16/bf16/fp32, any strides; ``T = plan.num_tokens``.
-        a: ``(S, R, K)`` stacked A weights (slot-major), fp16/bf16/fp32, any strides; ``x`` is cast to this dtype for
-            the product.
+        a: ``(S, R, K)`` stacked A weights (slot-major), fp16/bf16/fp32, any strides, or a
+            :class:`~peft_csgmv.kernels.pool.Pooled` A stack (each slot at its own rank); ``x`` is cast to this dtype
+            for the product.
         ranks: ``(S,)`` int32, the rank of each slot (``0`` = the slot does nothing in this layer); a strided view is
             copied first.
         plan: the batch plan (permutation, segments, slot per segment) on ``x``'s device.

@@ -1,0 +1,226 @@
+"""Adapter memory with csgmv enabled against PEFT alone, and the host tier at scale, in one run.
+
+    python benchmarks/bench_memory.py --out results/memory_1b.json
+
+Random weights from the 1B Llama layout (no hub), LoRA on all 7 projections. Three parts:
+
+1. **Memory.** ``torch.cuda.memory_allocated`` before the adapters are added, after (PEFT alone), and after
+   ``enable_csgmv`` (csgmv): for 32 and 128 adapters of rank 16, and 32 adapters of mixed ranks 8/16/64, each with
+   PEFT's default fp32 adapters on the bf16 model and with bf16 adapters (``autocast_adapter_dtype=False``). The
+   ratio column is (PEFT + what enabling added) / PEFT.
+2. **Scale.** ``--scale`` bf16 adapters (1000: about 22 GiB) loaded, ``enable_csgmv(max_resident_adapters=64)``:
+   the decode step (batch 32, prompt 256) with 32 distinct resident adapters, against the same step with only 32
+   adapters loaded (no host tier) in the same run; GPU memory of both.
+3. **Host-tier load cost.** A forward whose 32 adapters all wait in host memory (each copied into a slot first)
+   against the same forward once they are resident; per adapter, against its bytes over the measured pinned
+   host→device bandwidth.
+
+The tables are printed last; the JSON holds GPU name, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv  # noqa: E402
+from peft_csgmv._compat import cache_kwarg, output_cache  # noqa: E402
+from peft_csgmv.bench import (  # noqa: E402
+    Timer,
+    _crop,
+    add_adapters,
+    build_model,
+    device_and_dtype,
+    run_meta,
+    write_results,
+)
+
+GIB = 2**30
+
+
+def _allocated(device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    gc.collect()
+    return torch.cuda.memory_allocated(device)
+
+
+def _unload(pm):
+    """The base model back, adapters gone, memory freed."""
+    disable_csgmv(pm)
+    base = pm.unload()
+    del pm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return base
+
+
+def memory_rows(model, device, cases) -> list[dict]:
+    rows = []
+    for n, ranks, fp32 in cases:
+        before = _allocated(device)
+        pm = add_adapters(model, n, ranks, device, fp32_adapters=fp32)
+        peft = _allocated(device) - before
+        enable_csgmv(pm)
+        total = _allocated(device) - before
+        stats = csgmv_stats(pm)
+        row = dict(
+            adapters=n,
+            ranks="/".join(map(str, ranks)),
+            adapter_dtype="fp32" if fp32 else "bf16",
+            peft_gib=peft / GIB,
+            csgmv_gib=total / GIB,
+            ratio=total / peft if peft else float("nan"),
+            stack_gib=stats["stack_bytes"] / GIB,
+            shared_gib=stats["shared_bytes"] / GIB,
+        )
+        rows.append(row)
+        print(f"memory {row}", flush=True)
+        model = _unload(pm)
+    return rows, model
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1b")
+    p.add_argument("--scale", type=int, default=1000, help="adapters loaded for the host-tier scale rows (0: skip)")
+    p.add_argument("--resident", type=int, default=64, help="max_resident_adapters for the scale rows")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument(
+        "--memory-cases",
+        default="32:16:fp32,128:16:fp32,32:8/16/64:fp32,32:16:bf16,32:8/16/64:bf16",
+        help="n:ranks:dtype, comma-separated",
+    )
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+
+    device, dtype = device_and_dtype(args.device)
+    timer = Timer(device)
+    model = build_model(args.model, device, dtype)
+    cases = []
+    for case in filter(None, args.memory_cases.split(",")):
+        n, ranks, dt = case.split(":")
+        cases.append((int(n), [int(r) for r in ranks.split("/")], dt == "fp32"))
+    memory, model = memory_rows(model, device, cases)
+
+    # -- scale: decode with 32 distinct, first with 32 adapters loaded, then with --scale loaded and the host tier --
+    g = torch.Generator(device="cpu").manual_seed(1)
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=g).to(device)
+    mask = torch.ones_like(input_ids)
+    step_ids = torch.randint(3, vocab, (args.batch, 1), generator=g).to(device)
+    step_mask = torch.ones(args.batch, args.prompt + 1, dtype=mask.dtype, device=device)
+    names = [f"a{i % 32}" for i in range(args.batch)]
+
+    def decode_ms(pm) -> float:
+        cache_name = cache_kwarg(pm)
+        with torch.no_grad():
+            out = pm(input_ids=input_ids, attention_mask=mask, use_cache=True, adapter_ids=names)
+            cache = output_cache(out)
+            ms = timer(
+                lambda: pm(
+                    input_ids=step_ids, attention_mask=step_mask, use_cache=True, adapter_ids=names,
+                    **{cache_name: cache},
+                ),
+                args.repeats,
+                before=lambda: _crop(cache, args.prompt),
+            )  # fmt: skip
+        return ms
+
+    scale = {}
+    if args.scale:
+        before = _allocated(device)
+        pm = add_adapters(model, 32, [16], device)
+        enable_csgmv(pm)
+        scale["loaded_32"] = dict(decode_ms=decode_ms(pm), gib=(_allocated(device) - before) / GIB)
+        print(f"32 loaded: {scale['loaded_32']}", flush=True)
+        disable_csgmv(pm)
+        t0 = time.perf_counter()
+        from peft import LoraConfig
+
+        with torch.device(device):
+            for i in range(32, args.scale):
+                cfg = LoraConfig(r=16, lora_alpha=32, target_modules=list(pm.peft_config["a0"].target_modules),
+                                 init_lora_weights=False)  # fmt: skip
+                pm.add_adapter(f"a{i}", cfg, autocast_adapter_dtype=False)
+        load_s = time.perf_counter() - t0
+        peft_gib = (_allocated(device) - before) / GIB
+        print(f"{args.scale} adapters loaded in {load_s:.0f} s: {peft_gib:.1f} GiB on the GPU", flush=True)
+        t0 = time.perf_counter()
+        enable_csgmv(pm, max_resident_adapters=args.resident)
+        enable_s = time.perf_counter() - t0
+        tier_gib = (_allocated(device) - before) / GIB
+        # host-tier load cost: 32 adapters that wait in host memory, then the same call resident
+        cold = [f"a{args.scale - 1 - i % 32}" for i in range(args.batch)]
+        cold_names = list(dict.fromkeys(cold))
+        one_adapter_bytes = sum(
+            p.numel() * p.element_size() for n, p in pm.named_parameters() if f".{cold_names[0]}." in n
+        )
+        with torch.no_grad():
+            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            t0 = time.perf_counter()
+            pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=cold)
+            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            cold_ms = (time.perf_counter() - t0) * 1e3
+            warm_ms = timer(lambda: pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=cold), 10)
+        host = torch.empty(one_adapter_bytes * 32, dtype=torch.uint8).pin_memory() if device.type == "cuda" else None
+        if host is not None:
+            dev = torch.empty_like(host, device=device)
+            bw_ms = timer(lambda: dev.copy_(host, non_blocking=True), 5)
+            bw_gbs = host.numel() / (bw_ms / 1e3) / 1e9
+            del host, dev
+        else:
+            bw_gbs = float("nan")
+        per_adapter_ms = (cold_ms - warm_ms) / len(cold_names)
+        scale["tier"] = dict(
+            adapters=args.scale, resident=args.resident, load_s=load_s, enable_s=enable_s, peft_gib=peft_gib,
+            gib=tier_gib, decode_ms=decode_ms(pm), cold_call_ms=cold_ms, warm_call_ms=warm_ms,
+            per_adapter_load_ms=per_adapter_ms, adapter_mib=one_adapter_bytes / 2**20, h2d_gb_s=bw_gbs,
+            pcie_ms_per_adapter=one_adapter_bytes / (bw_gbs * 1e9) * 1e3,
+        )  # fmt: skip
+        print(f"tier: {scale['tier']}", flush=True)
+        _unload(pm)
+
+    print()
+    print(
+        "| adapters | ranks | adapter dtype | PEFT alone GiB | with csgmv GiB | ratio | stacks GiB | of which PEFT's |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in memory:
+        print(
+            f"| {r['adapters']} | {r['ranks']} | {r['adapter_dtype']} | {r['peft_gib']:.3f} | {r['csgmv_gib']:.3f} | "
+            f"{r['ratio']:.3f} | {r['stack_gib']:.3f} | {r['shared_gib']:.3f} |"
+        )
+    if scale:
+        t, one = scale["tier"], scale["loaded_32"]
+        print()
+        print("| adapters loaded | on the GPU | adapter GiB on the GPU | decode-step ms, 32 distinct |")
+        print("|---|---|---|---|")
+        print(f"| 32 | all | {one['gib']:.2f} | {one['decode_ms']:.2f} |")
+        print(f"| {t['adapters']} | {t['resident']} (max_resident_adapters) | {t['gib']:.2f} | {t['decode_ms']:.2f} |")
+        print()
+        print("| adapter MiB | cold call ms (32 from host) | warm call ms | per adapter ms | its bytes over PCIe ms "
+              "| pinned H2D GB/s |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+        print(
+            f"| {t['adapter_mib']:.1f} | {t['cold_call_ms']:.1f} | {t['warm_call_ms']:.2f} | "
+            f"{t['per_adapter_load_ms']:.2f} | {t['pcie_ms_per_adapter']:.2f} | {t['h2d_gb_s']:.1f} |"
+        )
+    if args.out:
+        write_results(args.out, run_meta(device, args=vars(args)), memory=memory, scale=scale)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
