@@ -46,6 +46,8 @@ def test_adapters_come_and_go_least_recently_used_first(tiered):
     model, input_ids, mask, outs = tiered
     assert csgmv_stats(model)["resident"] == ["a0", "a1"]
     assert all(p.device.type == "cpu" for p in _weights(model, "a3"))  # waiting in host memory
+    if torch.cuda.is_available():  # pinned, so copies both ways are asynchronous
+        assert all(p.is_pinned() for p in _weights(model, "a3"))
     _call(model, input_ids, mask, outs, ["a1", BASE, "a1", "a1"])  # a1 used: a0 is now the least recent
     assert csgmv_stats(model)["resident"] == ["a0", "a1"]
     _call(model, input_ids, mask, outs, ["a2", "a1", BASE, "a2"])  # a2 comes in, a0 (least recent) goes
@@ -54,6 +56,8 @@ def test_adapters_come_and_go_least_recently_used_first(tiered):
     assert csgmv_stats(model)["resident"] == ["a3", "a4"]
     _call(model, input_ids, mask, outs, ["a0", "a2", BASE, "a0"])  # the evicted ones again, with their weights
     assert csgmv_stats(model)["resident"] == ["a0", "a2"]
+    if torch.cuda.is_available():
+        assert all(p.is_pinned() for p in _weights(model, "a3"))  # evicted: copied out to pinned memory
     assert csgmv_stats(model)["stack_bytes"] == csgmv_stats(model)["shared_bytes"] + sum(
         layer._csgmv_stack.nbytes - layer._csgmv_stack.shared_bytes for layer in model._csgmv.layers.values()
     )

@@ -79,8 +79,9 @@ def test_in_place_edits_are_seen_without_restacking():
     _check_outputs(model, "after an in-place edit")
 
 
-def test_stock_peft_merge_save_delete_on_shared_weights(tmp_path):
-    model = _model()
+@pytest.mark.parametrize("ranks", [(8, 8, 8), (2, 8, 16)], ids=["one-rank", "mixed-ranks"])
+def test_stock_peft_merge_save_delete_on_shared_weights(tmp_path, ranks):
+    model = _model(ranks)
     enable_csgmv(model, backend="torch")
     input_ids, mask = make_batch(3, 5)
     model.set_adapter("a2")
