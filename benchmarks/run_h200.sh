@@ -11,7 +11,7 @@
 #   profile  cProfile of eager 1B decode steps: base, PEFT one adapter, csgmv     -> profile_decode_1b.txt
 #   ranks    end to end, 1B, r=64 and mixed ranks 8/16/64 (PEFT one adapter vs csgmv) -> e2e_1b_r64.json, ...
 #   static   transformers' static cache (compiled decode), 1B and 8B, all rows (~6 min)  -> static_{1b,8b}.json
-#   memory   adapter memory with csgmv vs PEFT alone; 1000 adapters with the host tier (~5 min) -> memory_1b.json
+#   memory   adapter memory with csgmv vs PEFT alone; 1000 adapters with the host tier (~2 min) -> memory_1b.json
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
@@ -60,12 +60,12 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         > "$OUT/static_8b.log"
       grep -h "^| [18]b" "$OUT/static_1b.log" "$OUT/static_8b.log" ;;
     memory)
-      python3 benchmarks/bench_memory.py --out "$OUT/memory_1b.json" 2>&1 | grep -v -i warn > "$OUT/memory_1b.log"
+      python3 benchmarks/bench_memory.py --out "$OUT/memory_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/memory_1b.log"
       grep "^|" "$OUT/memory_1b.log" || tail -25 "$OUT/memory_1b.log" ;;
     fp32)
       for m in 1b 8b; do
         python3 benchmarks/bench_e2e.py --model $m --fp32-adapters --csgmv-only --distinct 1,32 --repeats 5 \
-          --rounds 2 --out "$OUT/e2e_${m}_fp32.json" 2>&1 | grep -v -i warn > "$OUT/e2e_${m}_fp32.log"
+          --rounds 2 --out "$OUT/e2e_${m}_fp32.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/e2e_${m}_fp32.log"
         grep "^| $m" "$OUT/e2e_${m}_fp32.log" || tail -25 "$OUT/e2e_${m}_fp32.log"
       done ;;
     *) echo "unknown stage $stage" ;;
