@@ -37,6 +37,7 @@ from peft_csgmv.bench import (  # noqa: E402
     _crop,
     add_adapters,
     build_model,
+    decode_inputs,
     device_and_dtype,
     run_meta,
     write_results,
@@ -146,12 +147,7 @@ def main(argv=None) -> int:
     memory, model = memory_rows(model, device, cases)
 
     # -- scale: decode with 32 distinct, first with 32 adapters loaded, then with --scale loaded and the host tier --
-    g = torch.Generator(device="cpu").manual_seed(1)
-    vocab = model.config.vocab_size
-    input_ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=g).to(device)
-    mask = torch.ones_like(input_ids)
-    step_ids = torch.randint(3, vocab, (args.batch, 1), generator=g).to(device)
-    step_mask = torch.ones(args.batch, args.prompt + 1, dtype=mask.dtype, device=device)
+    input_ids, mask, step_ids, step_mask = decode_inputs(model.config.vocab_size, args.batch, args.prompt, device)
     names = [f"a{i % 32}" for i in range(args.batch)]
 
     def decode_ms(pm) -> float:

@@ -12,6 +12,7 @@
 #   ranks    end to end, 1B, r=64 and mixed ranks 8/16/64 (PEFT one adapter vs csgmv) -> e2e_1b_r64.json, ...
 #   static   transformers' static cache (compiled decode), 1B and 8B, all rows (~6 min)  -> static_{1b,8b}.json
 #   memory   adapter memory with csgmv vs PEFT alone; 1000 adapters with the host tier (~2 min) -> memory_1b.json
+#   multi    two GPUs (the nvidia-h200-x2 kind): 8B with device_map over both vs one; data-parallel generate -> multi_gpu.json
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
@@ -68,6 +69,10 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
           --rounds 2 --out "$OUT/e2e_${m}_fp32.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/e2e_${m}_fp32.log"
         grep "^| $m" "$OUT/e2e_${m}_fp32.log" || tail -25 "$OUT/e2e_${m}_fp32.log"
       done ;;
+    multi)
+      python3 benchmarks/bench_multi_gpu.py --out "$OUT/multi_gpu.json" 2>&1 | grep --line-buffered -v -i warn \
+        > "$OUT/multi_gpu.log"
+      grep "^|" "$OUT/multi_gpu.log" || tail -25 "$OUT/multi_gpu.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

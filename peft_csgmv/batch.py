@@ -12,6 +12,12 @@ Order: during a run, each batch's records are appended and flushed as soon as th
 by prompt length, so this is not input order; each line of the file is always a complete record). When the run
 completes, the file is rewritten in input order. An interrupted run leaves its finished batches' records.
 
+Several processes (``accelerate launch --num_processes N -m peft_csgmv generate ...``, or ``torchrun``): every
+process reads the input and the output, the first one consolidates what earlier runs left, then each takes every N-th
+line still to do and appends its records to its own part file beside the output (``OUTPUT.part-R-of-N``); when all
+are done the first one merges the parts into the output, in input order, and removes them. An interrupted run leaves
+its parts; the next run, with any number of processes, counts their records as done.
+
 Resuming goes by content. A line is done when the output holds a completion record with its line number and its
 ``input_sha1``; every other line is generated: new lines, lines edited since their record was written (the stale
 record is dropped) and lines that have an error record (error records are retried on every run). An output that
@@ -23,13 +29,14 @@ whose lines are not result records is refused.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import inspect
 import json
 import os
 import tempfile
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -130,6 +137,47 @@ def read_rows(
     return parsed.rows, parsed.errors
 
 
+def _no_barrier() -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """This process's share of a data-parallel run: process ``rank`` of ``world``, the device it generates on
+    (``None``: the command's ``--device``) and a barrier across the processes."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device | None = None
+    barrier: Callable[[], None] = _no_barrier
+
+    def take(self, rows: list) -> list:
+        """This process's rows: every ``world``-th one from its rank on."""
+        return rows[self.rank :: self.world]
+
+
+def current_shard() -> Shard:
+    """The shard of this process: one of several when launched by ``accelerate launch`` or ``torchrun`` with more
+    than one process (accelerate's ``PartialState``: each process on its own GPU, or on the CPU where there is none),
+    else the whole run."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Shard()
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    return Shard(state.process_index, state.num_processes, state.device, state.wait_for_everyone)
+
+
+def part_path(out_path: str, rank: int, world: int) -> str:
+    """The file process ``rank`` of ``world`` appends its records to."""
+    return f"{out_path}.part-{rank}-of-{world}"
+
+
+def part_paths(out_path: str) -> list[str]:
+    """Part files beside ``out_path`` (of this run or of earlier ones, with any number of processes)."""
+    return sorted(glob.glob(glob.escape(out_path) + ".part-*-of-*"))
+
+
 @dataclasses.dataclass
 class Resume:
     """What an existing output holds for an input: ``done`` maps line to its completion record (kept as is);
@@ -164,13 +212,20 @@ def _read_records(path: str) -> tuple[list[dict], bool]:
 
 
 def resume_state(out_path: str, parsed: InputFile, overwrite: bool = False) -> Resume:
-    """Match an existing output against the input (see the module docstring). Raises OutputMismatch when the output
-    holds only other content's results, or is not a peft-csgmv output; ``overwrite`` starts it afresh instead."""
-    if not os.path.exists(out_path):
+    """Match an existing output, and the part files earlier runs left beside it, against the input (see the module
+    docstring). Raises OutputMismatch when they hold only other content's results, or are not peft-csgmv outputs;
+    ``overwrite`` starts the output afresh instead."""
+    parts = part_paths(out_path)
+    exists = os.path.exists(out_path)
+    if not exists and not parts:
         return Resume(done={})
     if overwrite:
-        return Resume(done={}, rewrite=os.path.getsize(out_path) > 0)
-    records, torn = _read_records(out_path)
+        return Resume(done={}, rewrite=bool(parts) or (exists and os.path.getsize(out_path) > 0))
+    records, torn = [], False
+    for path in [out_path] * exists + parts:
+        held, cut = _read_records(path)
+        records += held
+        torn = torn or cut
     done: dict[int, dict] = {}
     completions = stale = retry = 0
     for record in records:
@@ -186,7 +241,7 @@ def resume_state(out_path: str, parsed: InputFile, overwrite: bool = False) -> R
     if completions and not done:
         raise OutputMismatch(f"it holds {completions} results, none for a line of this input (another input's output?)")
     kept = len(done)
-    return Resume(done=done, stale=stale, retry=retry, rewrite=torn or kept != len(records))
+    return Resume(done=done, stale=stale, retry=retry, rewrite=torn or kept != len(records) or bool(parts))
 
 
 def _rewrite(path: str, records: Iterable[dict]) -> None:
@@ -206,10 +261,11 @@ def _rewrite(path: str, records: Iterable[dict]) -> None:
 
 
 def start_output(out_path: str, resume: Resume, parsed: InputFile, error_records: bool) -> None:
-    """Make the output hold only the records ``resume`` keeps, then append an error record for every bad line when
-    ``error_records``."""
+    """Make the output hold only the records ``resume`` keeps (earlier runs' part files merged in and removed), then
+    append an error record for every bad line when ``error_records``."""
     if resume.rewrite:
         _rewrite(out_path, sorted(resume.done.values(), key=lambda r: r["line"]))
+        _remove(part_paths(out_path))
     errors = parsed.errors if error_records else []
     with open(out_path, "a", encoding="utf-8") as out:
         out.write(
@@ -217,15 +273,27 @@ def start_output(out_path: str, resume: Resume, parsed: InputFile, error_records
         )
 
 
+def _remove(paths: Iterable[str]) -> None:
+    for path in paths:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def finish_output(out_path: str, parsed: InputFile) -> None:
-    """Rewrite a completed output in input order, one record per input line (the last one written for a line)."""
-    if not os.path.exists(out_path):
+    """Rewrite a completed output in input order, one record per input line (the last one written for a line), with
+    the part files of this run's processes merged in and removed."""
+    parts = part_paths(out_path)
+    if not os.path.exists(out_path) and not parts:
         return
-    records, _ = _read_records(out_path)
+    records = _read_records(out_path)[0] if os.path.exists(out_path) else []
+    main = list(records)
+    for path in parts:
+        records += _read_records(path)[0]
     by_line = {r["line"]: r for r in records if r["line"] in parsed.sha1}
     ordered = [by_line[n] for n in sorted(by_line)]
-    if ordered != records:
+    if ordered != main or not os.path.exists(out_path):
         _rewrite(out_path, ordered)
+    _remove(parts)
 
 
 def batches_by_length(rows: list[Row], lengths: list[int], batch_size: int) -> list[list[int]]:

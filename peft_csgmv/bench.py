@@ -124,6 +124,17 @@ def write_results(path: str, meta: dict, indent: int | None = 2, **payload) -> N
         json.dump(dict(meta=meta, **payload), f, indent=indent)
 
 
+def decode_inputs(vocab: int, batch: int, prompt: int, device: torch.device, seed: int = 1) -> tuple:
+    """``(input_ids, mask)`` of random prompts (batch × prompt) and ``(step_ids, step_mask)`` of one decode step over
+    a KV cache of the prompt."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (batch, prompt), generator=g).to(device)
+    mask = torch.ones_like(input_ids)
+    step_ids = torch.randint(3, vocab, (batch, 1), generator=g).to(device)
+    step_mask = torch.ones(batch, prompt + 1, dtype=mask.dtype, device=device)
+    return input_ids, mask, step_ids, step_mask
+
+
 def device_and_dtype(name: str | None) -> tuple[torch.device, torch.dtype]:
     """The benchmarks' device (``name``, else CUDA when there is one) and model dtype: bf16 on CUDA, fp32 on the CPU."""
     device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -229,11 +240,7 @@ def main(argv=None) -> int:
     model_label = os.path.basename(os.path.normpath(args.config)) if args.config else args.model
     vocab = model.config.vocab_size
     cache_name = cache_kwarg(model)  # "cache" from transformers 5.24 on, "past_key_values" before
-    g = torch.Generator(device="cpu").manual_seed(1)
-    input_ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=g).to(device)
-    mask = torch.ones_like(input_ids)
-    step_ids = torch.randint(3, vocab, (args.batch, 1), generator=g).to(device)
-    step_mask = torch.ones(args.batch, args.prompt + 1, dtype=mask.dtype, device=device)
+    input_ids, mask, step_ids, step_mask = decode_inputs(vocab, args.batch, args.prompt, device)
     results = []
 
     def measure(label: str, call, gen_repeats: int | None = None):

@@ -112,7 +112,10 @@ resume: run the same command again. A line is done when the output holds a compl
         dropped). An output holding another input's results is refused, unless --overwrite.
 checks: paths, adapters and options are checked before the model loads: each problem is one line, exit 2. Bad
         input lines are all listed before anything runs. An input with no lines exits 0 without an output.
-        Ctrl-C stops after writing the finished batches (exit 130): rerun the same command to resume."""
+        Ctrl-C stops after writing the finished batches (exit 130): rerun the same command to resume.
+gpus:   accelerate launch --num_processes N -m peft_csgmv generate ... (or torchrun) runs N processes, one per GPU,
+        each on every N-th line still to do, writing OUTPUT.part-R-of-N; the first merges the parts when all are
+        done. A later run, with any number of processes, resumes from the output and any parts left."""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -268,6 +271,12 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
     problems = check_generate_args(args)
     if problems:
         return fail(problems)
+    shard = batch.current_shard()
+    if shard.world > 1:
+        for flag, value in (("--device-map", args.device_map), ("--device", args.device)):
+            if value:
+                why = f"each process generates on its own device ({shard.device}: accelerate's choice)"
+                return fail([f"{flag} with {shard.world} processes: {why}; leave {flag} out, or run one process"])
     adapters = dict(args.adapter)
     parsed = batch.read_input(args.input, adapters, args.prompt_key, args.adapter_key)
     if not parsed.lines:
@@ -283,38 +292,50 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
     except batch.OutputMismatch as e:
         return fail([f"--output {args.output}: {e}; give another --output, or --overwrite to start it afresh"])
     todo = [r for r in parsed.rows if r.line not in resume.done]
+    first = shard.rank == 0
     notes = []
     if resume.stale:
         notes.append(f"{resume.stale} results dropped (their lines changed or are gone)")
     if resume.retry:
         notes.append(f"{resume.retry} error records from an earlier run (those lines are read again)")
-    print(
-        f"{parsed.lines} lines: {len(todo)} to generate, {len(resume.done)} already done, {len(parsed.errors)} bad; "
-        f"{len(adapters)} adapters" + "".join(f"; {n}" for n in notes),
-        file=sys.stderr,
-    )
+    if shard.world > 1:
+        notes.append(f"{shard.world} processes, each on its own share of the lines")
+    if first:
+        print(
+            f"{parsed.lines} lines: {len(todo)} to generate, {len(resume.done)} already done, "
+            f"{len(parsed.errors)} bad; {len(adapters)} adapters" + "".join(f"; {n}" for n in notes),
+            file=sys.stderr,
+        )
     if todo:
         problems = check_hub_args(args)
         if problems:
             return fail(problems)
-    batch.start_output(args.output, resume, parsed, error_records=bool(parsed.errors))
-    if not todo:
+    # Every process has read the output and the parts before the first one rewrites them: all agree on what is done.
+    shard.barrier()
+    if first:
+        batch.start_output(args.output, resume, parsed, error_records=bool(parsed.errors))
+    shard.barrier()
+    mine = shard.take(todo)
+    if mine:
+        device = str(shard.device) if shard.world > 1 else args.device
+        model, tokenizer = batch.load_model(args.base, adapters, args.dtype, args.device_map, device, args.backend)
+        torch.manual_seed(args.seed)
+        gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
+        if args.do_sample:
+            gen.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        out = batch.part_path(args.output, shard.rank, shard.world) if shard.world > 1 else args.output
+        stats = batch.generate_rows(
+            model, tokenizer, mine, out, batch_size=args.batch_size, progress=not args.no_progress and first, **gen
+        )
+        who = f"process {shard.rank} of {shard.world}: " if shard.world > 1 else ""
+        print(
+            f"{who}wrote {stats['rows']} rows, {stats['new_tokens']} new tokens in {stats['seconds']:.1f} s "
+            f"({stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) to {out}",
+            file=sys.stderr,
+        )
+    shard.barrier()
+    if first:
         batch.finish_output(args.output, parsed)
-        return 0
-    model, tokenizer = batch.load_model(args.base, adapters, args.dtype, args.device_map, args.device, args.backend)
-    torch.manual_seed(args.seed)
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
-    if args.do_sample:
-        gen.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    stats = batch.generate_rows(
-        model, tokenizer, todo, args.output, batch_size=args.batch_size, progress=not args.no_progress, **gen
-    )
-    batch.finish_output(args.output, parsed)
-    print(
-        f"wrote {stats['rows']} rows, {stats['new_tokens']} new tokens in {stats['seconds']:.1f} s "
-        f"({stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) to {args.output}",
-        file=sys.stderr,
-    )
     return 0
 
 
