@@ -32,7 +32,7 @@ from torch import nn
 
 from .executor import CallContext, Executor
 from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer
-from .slots import LoraStack, SlotRegistry, layer_adapters, weights_device
+from .slots import LoraStack, SlotRegistry, layer_adapter, layer_adapters, weights_device
 
 BASE = "__base__"
 BASE_NAMES = (None, BASE)
@@ -238,10 +238,10 @@ class CsgmvState:
         stack: LoraStack = layer._csgmv_stack
         if force:
             stack.sources.clear()
-        adapters = layer_adapters(layer)
         peft_rows = set()
         for slot, name in enumerate(self.registry.names):
-            if name is None or name not in adapters:
+            weights = None if name is None else layer_adapter(layer, name)  # a lookup: layers may hold thousands
+            if weights is None:
                 stack.clear_slot(slot)
                 continue
             if _kernel_reason(layer, name) is not None:
@@ -250,7 +250,7 @@ class CsgmvState:
                     self.dora_refused.add(name)
                 stack.clear_slot(slot)
                 continue
-            a, b = adapters[name]
+            a, b = weights
             if stack.sources.get(slot) is not a:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
                 lora_bias = None if stack.embedding else getattr(layer.lora_B[name], "bias", None)

@@ -79,6 +79,16 @@ def layer_adapters(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tens
     return {name: (layer.lora_A[name].weight, layer.lora_B[name].weight) for name in layer.lora_A.keys()}
 
 
+def layer_adapter(layer: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One adapter's (A, B) weights in a PEFT LoRA Linear or Embedding layer (as :func:`layer_adapters`), ``None``
+    where the layer does not hold it: a lookup, for layers that hold many adapters."""
+    if name in layer.lora_embedding_A:
+        return layer.lora_embedding_A[name], layer.lora_embedding_B[name]
+    if name in layer.lora_A:
+        return layer.lora_A[name].weight, layer.lora_B[name].weight
+    return None
+
+
 def weights_device(layer: nn.Module) -> torch.device:
     """Where a PEFT layer's adapter weights live (its stack follows them, never a call's inputs)."""
     for held in (layer.lora_A, layer.lora_embedding_A):
@@ -160,13 +170,27 @@ class LoraStack:
         return max(self.ranks_host, default=0) or 1
 
     def refresh(self) -> None:
-        """Build :attr:`a` / :attr:`b` now (they are built lazily after a change; compiled code reads them as they
-        are, so the owner refreshes a stack after changing it)."""
+        """Bring the device's per-slot vectors (ranks, scalings, offsets) in line with the host's and build :attr:`a`
+        / :attr:`b`: after slots change, before the kernels run. Done lazily by :attr:`a` / :attr:`b` too; compiled
+        code reads the stack as it is, so its owner refreshes a stack after changing it."""
         self._pooled()
+
+    def _upload(self) -> None:
+        """The host's per-slot vectors to the device: four copies for however many slots changed, into the same
+        tensors (their addresses are static: compiled graphs and bound launches keep reading them)."""
+        for dev, host, dtype in (
+            (self.ranks, self.ranks_host, torch.int32),
+            (self.scalings, self.scalings_host, torch.float32),
+            (self.a_off, self.a_off_host, torch.int64),
+            (self.b_off, self.b_off_host, torch.int64),
+        ):
+            src = torch.tensor(host, dtype=dtype)
+            dev.copy_(src.pin_memory() if dev.is_cuda else src, non_blocking=True)
 
     def _pooled(self) -> tuple[Pooled, Pooled]:
         views = self._views
         if views is None:
+            self._upload()
             ranks, cap = tuple(self.ranks_host), self.capacity
             r, align = self.r_max, rank_align(x for x in ranks if x)
             views = self._views = (
@@ -266,13 +290,8 @@ class LoraStack:
         self._point_shared()
 
     def _set_offsets(self, slot: int, start: int, rank: int) -> None:
-        a_off, b_off = start, start + _up(rank * self.in_features)
-        if self.a_off_host[slot] != a_off:
-            self.a_off[slot] = a_off
-            self.a_off_host[slot] = a_off
-        if self.b_off_host[slot] != b_off:
-            self.b_off[slot] = b_off
-            self.b_off_host[slot] = b_off
+        self.a_off_host[slot], self.b_off_host[slot] = start, start + _up(rank * self.in_features)
+        self._views = None  # the device copies follow on refresh
 
     def _free(self, slot: int) -> None:
         extent = self.extents.pop(slot, None)
@@ -321,13 +340,9 @@ class LoraStack:
                 self._free(slot)
                 self.extents[slot] = (self._alloc(length), length)
             self._set_offsets(slot, self.extents[slot][0], r)
-            if self.ranks_host[slot] != r:
-                self.ranks[slot] = r
-                self.ranks_host[slot] = r
-            self._views = None
+            self.ranks_host[slot] = r
             self.slot_a(slot).copy_(a_val, non_blocking=True)
             self.slot_b(slot).copy_(b_val, non_blocking=True)
-            self.scalings[slot] = float(scaling)
         self.scalings_host[slot] = float(scaling)
         self.sources[slot] = source
         if share:
@@ -388,11 +403,9 @@ class LoraStack:
             return
         self._release(slot)
         self._free(slot)
+        if self.ranks_host[slot]:
+            self._views = None  # the device copies follow on refresh
         with torch.no_grad():
-            if self.ranks_host[slot]:
-                self.ranks[slot] = 0
-                self.scalings[slot] = 0.0
-                self._views = None
             if self.mag is not None:
                 self.mag[slot] = 1.0
             if self.lora_bias is not None:
