@@ -32,7 +32,7 @@ from torch import nn
 
 from .executor import CallContext, Executor
 from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer
-from .slots import LoraStack, SlotRegistry, layer_adapter, layer_adapters, weights_device
+from .slots import HostArena, LoraStack, SlotRegistry, layer_adapter, layer_adapters, weights_device
 
 BASE = "__base__"
 BASE_NAMES = (None, BASE)
@@ -128,6 +128,7 @@ class CsgmvState:
         # used out. None: every adapter has a slot.
         self.max_resident = max_resident
         self.lru: collections.OrderedDict = collections.OrderedDict()  # resident names, least recently used first
+        self.host = HostArena(pin=torch.cuda.is_available())  # where the others' weights wait
         # Runs the layers' LoRA for each call; it restacks a layer through this state when PEFT rescales it.
         self.executor = Executor(backend, lambda layer: self.stack_layer(layer, force=True))
         self.registry = SlotRegistry()
@@ -165,6 +166,8 @@ class CsgmvState:
             for gone in [n for n in self.registry.index if n not in names]:
                 self.registry.remove(gone)
                 self.lru.pop(gone, None)
+            for gone in {n for n, _ in self.host.regions} - set(names):
+                self.host.forget(gone)
             for name in names:
                 if name not in self.registry.index and (
                     self.max_resident is None or len(self.registry.index) < self.max_resident
@@ -187,7 +190,7 @@ class CsgmvState:
                     patch_peft_path(module, self.executor)
                 module._csgmv_held = frozenset(_held_adapters(module))
             hosted = [n for n in names if n not in self.registry.index]
-            _move_to_host(found.values(), hosted)  # no slot: their weights wait in host memory
+            _move_to_host(found.values(), hosted, self.host)  # no slot: their weights wait in host memory
             for layer in found.values():
                 if not is_patched(layer):
                     patch_layer(layer, self._new_stack(layer), self.executor)
@@ -352,7 +355,7 @@ class CsgmvState:
         slot = self.registry.index[name]
         for layer in self.layers.values():
             layer._csgmv_stack.forget(slot)  # its weights leave the slot as they are (edits included)
-        _move_to_host(self.layers.values(), [name], copy=True)
+        _move_to_host(self.layers.values(), [name], self.host, copy=True)
         self.registry.remove(name)
         self.lru.pop(name)
 
@@ -410,12 +413,11 @@ def _host_copies_done(layers) -> None:
             torch.cuda.current_stream(device).synchronize()
 
 
-def _move_to_host(layers, names, copy: bool = False) -> None:
-    """Move adapters' weights in kernel layers to host memory: pinned where CUDA is (copies both ways are then
-    asynchronous), one buffer per adapter and dtype (a pinned allocation per weight would cost more than the copies);
-    weights on the host already stay unless ``copy`` (views of a slot, on a CPU-only machine). Callers wait with
+def _move_to_host(layers, names, host: HostArena, copy: bool = False) -> None:
+    """Move adapters' weights in kernel layers to ``host`` memory (pinned where CUDA is: copies both ways are then
+    asynchronous), one region per adapter and dtype, the same one each time the adapter is moved out; weights on the
+    host already stay unless ``copy`` (views of a slot, on a CPU-only machine). Callers wait with
     :func:`_host_copies_done` before host code reads them."""
-    pin = torch.cuda.is_available()
     for name in names:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for layer in layers:
@@ -423,7 +425,7 @@ def _move_to_host(layers, names, copy: bool = False) -> None:
                 if copy or p.device.type != "cpu":
                     by_dtype.setdefault(p.dtype, []).append(p)
         for dtype, params in by_dtype.items():
-            buf = torch.empty(sum(p.numel() for p in params), dtype=dtype, pin_memory=pin)
+            buf = host.region(name, dtype, sum(p.numel() for p in params))
             pos = 0
             for p in params:
                 view = buf[pos : pos + p.numel()].view(p.shape)

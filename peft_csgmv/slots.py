@@ -425,3 +425,62 @@ class LoraStack:
         self._point_shared()  # PEFT's parameters were moved on their own: back to one copy, the stack's
         self.refresh()
         return self
+
+
+class HostArena:
+    """Host memory for the host tier's adapters: pinned where CUDA is (so copies both ways are asynchronous), carved
+    out of slabs. The pinned allocator rounds every allocation up to a power of two, so one buffer per adapter would
+    cost up to 2× its bytes (a 22 MiB adapter of the 1B layout takes 32 MiB); a slab of 1 GiB holds 46 of them.
+
+    Each adapter keeps its region (one per dtype) for as long as it is loaded: evicting it again copies into the same
+    memory, and a deleted adapter's region is reused by the next one of the same size."""
+
+    def __init__(self, pin: bool, slab_bytes: int = 1 << 30) -> None:
+        self.pin = pin
+        self.slab_bytes = slab_bytes
+        self.slabs: list[torch.Tensor] = []
+        self.used = 0  # bytes taken in the last slab
+        self.regions: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.spare: dict[int, list[torch.Tensor]] = {}  # freed regions (uint8) by size
+
+    def region(self, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Adapter ``name``'s host memory for ``numel`` elements of ``dtype`` (the same memory on every call)."""
+        key = (name, dtype)
+        held = self.regions.get(key)
+        if held is not None and held.numel() == numel:
+            return held
+        if held is not None:
+            self._give_back(key)
+        nbytes = -(-numel * dtype.itemsize // 64) * 64  # 64-byte aligned regions
+        spare = self.spare.get(nbytes)
+        raw = spare.pop() if spare else self._carve(nbytes)
+        held = self.regions[key] = raw[: numel * dtype.itemsize].view(dtype)
+        return held
+
+    def _carve(self, nbytes: int) -> torch.Tensor:
+        if not self.slabs or self.used + nbytes > self.slabs[-1].numel():
+            size = max(self.slab_bytes, nbytes)
+            self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+            self.used = 0
+        raw = self.slabs[-1][self.used : self.used + nbytes]
+        self.used += nbytes
+        return raw
+
+    def _give_back(self, key) -> None:
+        held = self.regions.pop(key)
+        raw = held.view(torch.uint8)
+        nbytes = -(-raw.numel() // 64) * 64
+        base = raw.untyped_storage()
+        offset = raw.storage_offset()
+        whole = torch.empty(0, dtype=torch.uint8).set_(base, offset, (nbytes,))
+        self.spare.setdefault(nbytes, []).append(whole)
+
+    def forget(self, name: str) -> None:
+        """Adapter ``name`` was deleted: its regions go to the next adapter of the same size."""
+        for key in [k for k in self.regions if k[0] == name]:
+            self._give_back(key)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held (slabs)."""
+        return sum(s.numel() for s in self.slabs)

@@ -123,3 +123,40 @@ def test_error_raised_after_validation_moves_nothing():
             input_ids=input_ids, attention_mask=mask, adapter_ids=["al", None], num_beams=2, max_new_tokens=2
         )
     assert csgmv_stats(model)["resident"] == ["a0"] and active_calls() == 0
+
+
+def test_host_arena_packs_adapters_into_slabs_and_reuses_regions():
+    """Host memory comes out of slabs (the pinned allocator would round each adapter's buffer up to a power of two);
+    an adapter's region is the same memory every time, and a deleted adapter's region goes to the next one of its
+    size."""
+    from peft_csgmv.slots import HostArena
+
+    arena = HostArena(pin=False, slab_bytes=4096)
+    a = arena.region("a", torch.float32, 300)  # 1200 bytes, 1216 with alignment
+    b = arena.region("b", torch.bfloat16, 300)
+    c = arena.region("c", torch.float32, 300)
+    assert len(arena.slabs) == 1 and arena.nbytes == 4096, "three regions fit one slab"
+    assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0 and c.data_ptr() % 64 == 0
+    assert arena.region("a", torch.float32, 300).data_ptr() == a.data_ptr(), "an adapter keeps its region"
+    a.fill_(1.0)
+    c.fill_(3.0)
+    assert torch.equal(a, torch.ones(300)) and torch.equal(c, torch.full((300,), 3.0)), "regions overlap"
+    d = arena.region("d", torch.float32, 300)  # no room left: a new slab
+    assert len(arena.slabs) == 2 and d.data_ptr() not in (a.data_ptr(), c.data_ptr())
+    arena.forget("a")
+    e = arena.region("e", torch.float32, 300)  # a's size: a's memory
+    assert e.data_ptr() == a.data_ptr() and len(arena.slabs) == 2
+    big = arena.region("big", torch.float32, 5000)  # larger than a slab: a slab of its own
+    assert big.numel() == 5000 and len(arena.slabs) == 3
+
+
+def test_deleted_adapter_frees_its_host_region(tiered):
+    model, input_ids, mask, outs = tiered
+    host = model._csgmv.host
+    _call(model, input_ids, mask, outs, ["a3", "a4", BASE, "a3"])  # a0 and a1 are copied out to host memory
+    held = {k: v.data_ptr() for k, v in host.regions.items() if k[0] == "a0"}
+    assert held, "an evicted adapter has a host region"
+    model.delete_adapter("a0")
+    _call(model, input_ids, mask, outs, ["a3", "a1", BASE, "a3"])  # the next call sees the deletion
+    assert not any(k[0] == "a0" for k in host.regions)
+    assert sum(len(v) for v in host.spare.values()) == len(held)
