@@ -9,6 +9,7 @@
 #   e2e-1b   the same for 1B (~4 min)                                               -> e2e_1b.json
 #   graph    probe: one decode step (1B, 8B) captured in a CUDA graph vs eager  -> graph_decode_{1b,8b}.json
 #   profile  cProfile of eager 1B decode steps: base, PEFT one adapter, csgmv     -> profile_decode_1b.txt
+#   pstatic  static-cache generate, 1B: prefill vs decode step, GPU kernels per step (base, PEFT, csgmv) -> profile_static_1b.*
 #   ranks    end to end, 1B, r=64 and mixed ranks 8/16/64 (PEFT one adapter vs csgmv) -> e2e_1b_r64.json, ...
 #   static   transformers' static cache (compiled decode), 1B and 8B, all rows (~6 min)  -> static_{1b,8b}.json
 #   memory   adapter memory with csgmv vs PEFT alone; 1000 adapters with the host tier (~2 min) -> memory_1b.json
@@ -48,6 +49,10 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     profile)
       python3 benchmarks/profile_decode.py --model 1b --out "$OUT/profile_decode_1b.txt" 2>&1 | grep -v -i warn \
         | head -60 ;;
+    pstatic)
+      python3 benchmarks/profile_static.py --model 1b --out "$OUT/profile_static_1b.json" 2>&1 \
+        | grep --line-buffered -v -i -E "warn|USDT|profiler" > "$OUT/profile_static_1b.log"
+      cat "$OUT/profile_static_1b.log" | tail -70 ;;
     ranks)
       for r in 64 8,16,64; do
         tag=$(echo $r | tr , -)

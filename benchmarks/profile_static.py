@@ -1,0 +1,141 @@
+"""Where transformers' static-cache generate spends its time, per row: prefill (eager) against decode steps (compiled),
+and the GPU kernels of one decode step.
+
+    python benchmarks/profile_static.py --model 1b --out results/profile_static_1b.json
+
+Rows: base model, PEFT one adapter, peft_csgmv with ``--distinct`` adapters (all ``cache_implementation="static"``).
+Per row, after a warm-up generate (compile): the median wall time of a ``max_new_tokens=1`` generate (prefill and the
+first token) and of a full one; a decode step is their difference over the remaining tokens. Then the CUDA kernels of
+both, under the torch profiler: a decode step's kernels are the difference of the two profiles over the step count
+(kernels replayed from CUDA graphs are listed one by one). Printed: a table of prefill / step / GPU-busy time per
+step for each row, and each row's kernels by time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from peft_csgmv import enable_csgmv  # noqa: E402
+from peft_csgmv.bench import _clock_up, add_adapters, build_model, device_and_dtype, run_meta, write_results  # noqa: E402
+
+
+def kernel_times(fn) -> dict:
+    """``{kernel name: (total µs, count)}`` of the device kernels ``fn`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    out: dict = collections.defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            out[e.name][1] += 1
+    return dict(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1b")
+    p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--distinct", type=int, default=32)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--top", type=int, default=14)
+    p.add_argument("--rows", default="base,peft,csgmv")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    torch._dynamo.config.recompile_limit = 64
+    device, dtype = device_and_dtype(None)
+    model = build_model(args.model, device, dtype)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    input_ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
+    mask = torch.ones_like(input_ids)
+    rows = []
+    steps = args.new_tokens - 1
+
+    def run(target, new, extra):
+        return target.generate(
+            input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+            cache_implementation="static", **extra,
+        )  # fmt: skip
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(target, new, extra):
+        times = []
+        for _ in range(args.repeats):
+            sync()
+            t0 = time.perf_counter()
+            run(target, new, extra)
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    def measure(label, target, **extra):
+        with torch.no_grad():
+            run(target, args.new_tokens, extra)  # compile
+            run(target, 1, extra)
+            _clock_up(device)
+            prefill = timed(target, 1, extra)
+            full = timed(target, args.new_tokens, extra)
+            k1 = kernel_times(lambda: run(target, 1, extra))
+            kn = kernel_times(lambda: run(target, args.new_tokens, extra))
+        per_step = {}
+        for name, (us, n) in kn.items():
+            us0, n0 = k1.get(name, (0.0, 0))
+            if n - n0 > 0:
+                per_step[name] = ((us - us0) / steps, (n - n0) / steps)
+        prefill_gpu = sum(us for us, _ in k1.values()) / 1e3
+        busy = sum(us for us, _ in per_step.values()) / 1e3
+        step = (full - prefill) / steps
+        row = dict(
+            row=label, prefill_ms=prefill, generate_ms=full, step_ms=step, step_gpu_ms=busy, prefill_gpu_ms=prefill_gpu,
+            tok_s=args.batch * args.new_tokens / full * 1e3, kernels_per_step=sum(n for _, n in per_step.values()),
+            top=sorted(((k, us, n) for k, (us, n) in per_step.items()), key=lambda r: -r[1])[: args.top],
+        )  # fmt: skip
+        rows.append(row)
+        print(f"\n{label}: prefill {prefill:.1f} ms (GPU {prefill_gpu:.1f}), step {step:.3f} ms (GPU busy {busy:.3f}), "
+              f"{row['kernels_per_step']:.0f} kernels/step, {row['tok_s']:.0f} tok/s", flush=True)  # fmt: skip
+        for name, us, n in row["top"]:
+            print(f"  {us:8.1f} µs/step  {n:6.1f}×  {name[:110]}")
+
+    wanted = args.rows.split(",")
+    if "base" in wanted:
+        measure("base model", model)
+    pm = add_adapters(model, args.adapters, [args.rank], device)
+    pm.set_adapter("a0")
+    if "peft" in wanted:
+        measure("PEFT one adapter", pm)
+    enable_csgmv(pm)
+    if "csgmv" in wanted:
+        ids = [f"a{i % args.distinct}" for i in range(args.batch)]
+        measure(f"peft_csgmv, {args.distinct} distinct", pm, adapter_ids=ids)
+
+    print(f"\n| {args.model} | row | tok/s | prefill ms | decode step ms | GPU busy per step ms | kernels per step |")
+    print("|" + "---|" * 7)
+    for r in rows:
+        print(f"| {args.model} | {r['row']} | {r['tok_s']:.0f} | {r['prefill_ms']:.1f} | {r['step_ms']:.3f} | "
+              f"{r['step_gpu_ms']:.3f} | {r['kernels_per_step']:.0f} |")  # fmt: skip
+    if args.out:
+        write_results(args.out, run_meta(device, args=vars(args)), results=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
