@@ -120,9 +120,10 @@ class StaticPlan:
     """The plan of one compiled shape at fixed device addresses: ``n`` ids, ``rows × tokens_per_row`` tokens.
 
     One int32 buffer ``[permutation (T) | seg_indptr (S + 1) | seg_slot (S)]`` with ``S`` = :func:`max_segments`;
-    :meth:`fill` rewrites it for each call's ids (one host-to-device copy). Segments past the live ones are empty
-    (``seg_indptr`` repeats the count of adapter tokens), and the kernels' programs for them exit at once. The row tile
-    follows the token count only (``chunk_size_for(T)``), so it does not change with the ids."""
+    :meth:`fill` rewrites it for each call's ids (one host-to-device copy). The adapter segments come first, then the
+    base tokens cut into segments of slot ``-1`` (the op's out-of-place expand copies them), then empty segments, whose
+    programs exit at once. Every run of one slot, the base run included, is at most one per row, so ``S`` holds them.
+    The row tile follows the token count only (``chunk_size_for(T)``), so it does not change with the ids."""
 
     def __init__(self, n: int, rows: int, tokens_per_row: int, device: torch.device) -> None:
         self.n, self.rows, self.tokens_per_row, self.device = n, rows, tokens_per_row, device
@@ -138,16 +139,15 @@ class StaticPlan:
         repeat = self.rows // self.n
         slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
         plan = BatchPlan.build(slots, self.tokens_per_row, "cpu", chunk_size=self.chunk)
-        used = int(plan.seg_indptr[-1])  # adapter tokens: where the padded (empty) segments start and end
-        pad = self.max_segments - plan.num_segments
-        host = torch.cat(
-            [
-                plan.permutation,
-                plan.seg_indptr,
-                torch.full((pad,), used, dtype=torch.int32),
-                plan.seg_slot,
-                torch.zeros(pad, dtype=torch.int32),
-            ]
+        # The base tokens (after the adapter tokens in the permutation) in segments of slot -1, so that the segments
+        # cover every token and the op's expand writes its whole output out of place.
+        bounds = plan.seg_indptr.tolist()
+        base = range(bounds[-1], self.num_tokens, self.chunk)
+        bounds += [min(p + self.chunk, self.num_tokens) for p in base]
+        seg_slot = plan.seg_slot.tolist() + [-1] * len(base)
+        pad = self.max_segments - len(seg_slot)  # segments past the live ones: empty, at the end of the tokens
+        host = torch.tensor(
+            plan.permutation.tolist() + bounds + [self.num_tokens] * pad + seg_slot + [0] * pad, dtype=torch.int32
         )
         if self.device.type == "cuda":
             self.buf.copy_(host.pin_memory(), non_blocking=True)

@@ -165,16 +165,15 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
 
 def _compiled_lora(ex: Executor, stack: "LoraStack", x2, result, rows: int, device, embed_scale) -> torch.Tensor:
     """The LoRA of a layer inside compiled code: the ``peft_csgmv::lora`` op over the shape's static plan (no Python
-    runs here when the graph runs; the plan's buffers hold the call's ids)."""
+    runs here when the graph runs; the plan's buffers hold the call's ids). The stack goes by handle, and its version
+    becomes a guard of the graph (see :mod:`peft_csgmv.ops`)."""
     static = ex.static_plan(rows, x2.shape[0] // rows, device)
     y = result.reshape(-1, result.shape[-1])
     # On CUDA always the Triton kernels (the torch reference reads the plan on the host); on CPU the backend's choice.
     triton = device.type == "cuda" or use_triton(ex.backend, device)
-    a = stack.a
     out = ops.lora(
-        x2, y, stack.data, stack.a_off, stack.b_off, stack.ranks, stack.scalings, static.permutation,
-        static.seg_indptr, static.seg_slot, stack.mag, stack.bias, stack.lora_bias, embed_scale, stack.in_features,
-        a.shape[1], a.rank_align, static.chunk, stack.embedding, triton,
+        x2, y, static.permutation, static.seg_indptr, static.seg_slot, embed_scale, stack.handle, stack.version,
+        static.chunk, triton,
     )  # fmt: skip
     return out.view(result.shape)
 

@@ -1,9 +1,13 @@
 """The kernels as a torch custom op, for compiled code (``torch.compile``, transformers' static-cache decode).
 
 ``peft_csgmv::lora`` is one layer's LoRA over a plan given as tensors (a :class:`~peft_csgmv.executor.StaticPlan`'s
-buffers): ``out = y + LoRA(x)`` for the rows of every live segment, ``y`` itself untouched. dynamo and inductor see it
-as one opaque call with a fake (shape-only) implementation, so a patched layer traces into a graph without a break, and
-a CUDA graph captures its launches as they are. The grid is the plan's most segments; empty segments exit at once.
+buffers): ``out = y + LoRA(x)``, ``y`` itself untouched. dynamo and inductor see it as one opaque call with a fake
+(shape-only) implementation, so a patched layer traces into a graph without a break, and a CUDA graph captures its
+launches as they are. The grid is the plan's most segments; empty segments exit at once. Its graph inputs are the
+activations and the plan only: the layer's stack is named by a handle and read when the op runs, and the graph guards
+on the stack's version (see :mod:`peft_csgmv.slots`), so a compiled model passes a few tensors per call, not five per
+LoRA layer. The plan's segments cover the base rows too (slot ``-1``), so the expand writes every row of the output out
+of place: no clone of ``y`` first.
 
 Semantics (as :mod:`peft_csgmv.kernels`)::
 
@@ -20,17 +24,19 @@ from typing import Optional
 import torch
 
 from . import kernels
-from .kernels.pool import Pooled
 from .plan import BatchPlan
+from .slots import stack_by_handle
 
 
 def _plan(permutation: torch.Tensor, seg_indptr: torch.Tensor, seg_slot: torch.Tensor, chunk: int, runs: bool):
     """The plan the kernels take, from its tensors. ``runs``: also the host-side runs the torch reference walks (read
-    from the tensors: CPU only, where reading them costs no device sync)."""
+    from the tensors: CPU only, where reading them costs no device sync; base segments left out)."""
     walk: tuple = ()
     if runs:
         bounds, slots = seg_indptr.tolist(), seg_slot.tolist()
-        walk = tuple((slot, bounds[i], bounds[i + 1]) for i, slot in enumerate(slots) if bounds[i + 1] > bounds[i])
+        walk = tuple(
+            (slot, bounds[i], bounds[i + 1]) for i, slot in enumerate(slots) if slot >= 0 and bounds[i + 1] > bounds[i]
+        )
     return BatchPlan(
         rows=permutation.shape[0],
         tokens_per_row=1,
@@ -47,52 +53,40 @@ def _plan(permutation: torch.Tensor, seg_indptr: torch.Tensor, seg_slot: torch.T
 def lora(
     x: torch.Tensor,
     y: torch.Tensor,
-    data: torch.Tensor,
-    a_off: torch.Tensor,
-    b_off: torch.Tensor,
-    ranks: torch.Tensor,
-    scalings: torch.Tensor,
     permutation: torch.Tensor,
     seg_indptr: torch.Tensor,
     seg_slot: torch.Tensor,
-    mag: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    lora_bias: Optional[torch.Tensor],
     embed_scale: Optional[torch.Tensor],
-    in_features: int,
-    r_max: int,
-    rank_align: int,
+    stack: int,
+    version: int,
     chunk: int,
-    embedding: bool,
     triton: bool,
 ) -> torch.Tensor:
-    """``x``: (T, in) activations or (T,) token ids (``embedding``); ``y``: (T, out); ``data`` (the storage),
-    ``a_off`` / ``b_off`` (S,) int64, ``ranks`` (S,) int32, ``scalings`` (S,) fp32, ``in_features`` / ``r_max`` /
-    ``rank_align``: a layer's stack (:class:`~peft_csgmv.slots.LoraStack`, each slot at its own rank);
-    ``permutation`` (T,), ``seg_indptr`` (M + 1,), ``seg_slot`` (M,) int32: the plan, empty segments past the live
-    ones; ``mag``/``bias``/``lora_bias``: DoRA and ``lora_bias`` tables as in ``expand``; ``embed_scale``: a scaled
-    embedding's factor (0-dim fp32); ``chunk``: the plan's row tile; ``triton``: the Triton kernels (else the torch
-    reference, CPU). Returns ``y`` plus the LoRA."""
-    out = y.clone()
+    """``x``: (T, in) activations or (T,) token ids (an embedding stack); ``y``: (T, out); ``permutation`` (T,),
+    ``seg_indptr`` (M + 1,), ``seg_slot`` (M,) int32: the plan (a :class:`~peft_csgmv.executor.StaticPlan`'s: base
+    rows in segments of slot ``-1``, then empty segments); ``embed_scale``: a scaled embedding's factor (0-dim fp32);
+    ``stack``: the layer's :class:`~peft_csgmv.slots.LoraStack` handle, whose tensors are read here (not graph inputs);
+    ``version``: the stack's version the caller's graph was traced with; ``chunk``: the plan's row tile; ``triton``:
+    the Triton kernels (else the torch reference, CPU). Returns ``y`` plus the LoRA (``y`` untouched)."""
+    s = stack_by_handle(stack)
+    if s.version != version:  # the compiled caller guards on it: a mismatch is a bug, not a user error
+        raise RuntimeError(f"peft_csgmv: stack {stack} is at version {s.version} under a graph of version {version}")
+    a, b = s.a, s.b
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
-    host = () if triton else tuple(ranks.tolist())
-    a_host, b_host = ((), ()) if triton else (tuple(a_off.tolist()), tuple(b_off.tolist()))
-    shape = (ranks.shape[0], r_max)
-    a = Pooled(data, a_off, a_host, host, (*shape, in_features), False, rank_align)
-    b = Pooled(data, b_off, b_host, host, (shape[0], y.shape[1], r_max), True, rank_align)
     if triton:
         with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-            t = kernels.embedding_shrink(x, a, ranks, plan) if embedding else kernels.shrink(x, a, ranks, plan)
+            t = kernels.embedding_shrink(x, a, s.ranks, plan) if s.embedding else kernels.shrink(x, a, s.ranks, plan)
             if embed_scale is not None:
                 t.mul_(embed_scale)
-            kernels.expand(t, b, ranks, scalings, plan, out, mag, bias, lora_bias)
-        return out
-    ranks_h, scalings_h = host, scalings.tolist()
-    shrink = kernels.embedding_shrink_reference if embedding else kernels.shrink_reference
-    t = shrink(x, a, ranks_h, plan)
+            # Out of place over a plan whose segments cover every token: one launch writes all of the output.
+            out = torch.empty_like(y)
+            return kernels.expand(t, b, s.ranks, s.scalings, plan, y, s.mag, s.bias, s.lora_bias, out=out)
+    out = y.clone()
+    shrink = kernels.embedding_shrink_reference if s.embedding else kernels.shrink_reference
+    t = shrink(x, a, s.ranks_host, plan)
     if embed_scale is not None:
         t.mul_(embed_scale)
-    kernels.expand_reference(t, b, ranks_h, scalings_h, plan, out, mag, bias, lora_bias)
+    kernels.expand_reference(t, b, s.ranks_host, s.scalings_host, plan, out, s.mag, s.bias, s.lora_bias)
     return out
 
 

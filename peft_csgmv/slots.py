@@ -36,6 +36,9 @@ restacks the others.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from torch import nn
 
@@ -98,10 +101,19 @@ def weights_device(layer: nn.Module) -> torch.device:
     return weight.device if weight is not None else next(layer.parameters()).device
 
 
-# The stack's device tensors. Each is marked as a static address when it is (re)allocated: compiled code takes it as a
-# graph input that a CUDA graph reads in place (not copied in on every replay), guarded by identity, so a reallocated
-# stack recompiles instead of reading freed memory.
+# The stack's device tensors. Compiled code does not take them as graph inputs (hundreds of layers would make every
+# call of a compiled graph check and pass thousands of tensors): the ``peft_csgmv::lora`` op finds its stack by
+# :attr:`LoraStack.handle` and reads them when it runs (a CUDA graph captures their addresses). Replacing one, or a
+# change of the launch shape (largest rank, rank alignment), bumps :attr:`LoraStack.version`, which compiled code
+# guards on: it recompiles instead of reading freed memory or launching stale tiles.
 _TENSORS = frozenset(("data", "a_off", "b_off", "ranks", "scalings", "mag", "bias", "lora_bias"))
+_handles = itertools.count()
+_STACKS: "weakref.WeakValueDictionary[int, LoraStack]" = weakref.WeakValueDictionary()
+
+
+def stack_by_handle(handle: int) -> "LoraStack":
+    """The live stack with this :attr:`LoraStack.handle` (how the compiled path's op reaches a layer's stack)."""
+    return _STACKS[handle]
 
 
 def _up(n: int) -> int:
@@ -113,9 +125,13 @@ class LoraStack:
     """One layer's LoRA weights, every slot at its own rank (see the module docstring for the layout)."""
 
     def __setattr__(self, name: str, value) -> None:
-        if name in _TENSORS and isinstance(value, torch.Tensor):
-            torch._dynamo.mark_static_address(value)
+        if name in _TENSORS:
+            self._bump()
         object.__setattr__(self, name, value)
+
+    def _bump(self) -> None:
+        """A compiled graph that read this stack is stale (see ``_TENSORS``)."""
+        object.__setattr__(self, "version", self.__dict__.get("version", 0) + 1)
 
     def __init__(
         self,
@@ -128,6 +144,9 @@ class LoraStack:
         reserve: int = 0,
     ) -> None:
         """``reserve``: elements of storage to allocate up front (:meth:`slot_elements` of the adapters to come)."""
+        self.handle = next(_handles)
+        _STACKS[self.handle] = self
+        self.launch_shape: tuple[int, int] | None = None  # (largest rank, rank alignment) the views were built with
         self.embedding = embedding  # an embedding layer: A is gathered by token id instead of multiplied
         self.in_features = in_features
         self.out_features = out_features
@@ -193,6 +212,9 @@ class LoraStack:
             self._upload()
             ranks, cap = tuple(self.ranks_host), self.capacity
             r, align = self.r_max, rank_align(x for x in ranks if x)
+            if self.launch_shape != (r, align):  # compiled launches use these as tile sizes: recompile
+                self.launch_shape = (r, align)
+                self._bump()
             views = self._views = (
                 Pooled(self.data, self.a_off, tuple(self.a_off_host), ranks, (cap, r, self.in_features), False, align),
                 Pooled(self.data, self.b_off, tuple(self.b_off_host), ranks, (cap, self.out_features, r), True, align),

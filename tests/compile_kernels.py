@@ -55,17 +55,21 @@ def variants():
     cx = dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, DOT_PRECISION="tf32", POOLED=True, ALIGN=16)
     yield "shrink bf16 x, fp32 A", shrink._shrink_kernel, types, cx
     for dtype, (dora, lora_bias) in itertools.product(PTR, ((False, False), (True, False), (False, True))):
-        types = {"t_ptr": "*fp32", "b_ptr": PTR[dtype], "y_ptr": PTR[dtype], **INTS, "b_off_ptr": "*i64"}
-        types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32")
+        types = {"t_ptr": "*fp32", "b_ptr": PTR[dtype], "y_ptr": PTR[dtype], "out_ptr": PTR[dtype], **INTS}
+        types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32", b_off_ptr="*i64")
         cx = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
         cx.update(HAS_DORA=dora, HAS_LORA_BIAS=lora_bias, POOLED=dora, ALIGN=16 if dora else 1, RANK_ALIGN=1)
-        yield f"expand {dtype} dora={dora} lora_bias={lora_bias}", expand._expand_kernel, types, cx
-    types = {"t_ptr": "*fp32", "b_ptr": PTR["fp32"], "y_ptr": PTR["bf16"], **INTS, "b_off_ptr": "*i64"}
-    types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32")
+        for out_of_place in (False, True):  # in place (eager), out of place over base segments (compiled)
+            cx["OUT_OF_PLACE"] = out_of_place
+            label = f"expand {dtype} dora={dora} lora_bias={lora_bias} out_of_place={out_of_place}"
+            yield label, expand._expand_kernel, types, dict(cx)
+    types = {"t_ptr": "*fp32", "b_ptr": PTR["fp32"], "y_ptr": PTR["bf16"], "out_ptr": PTR["bf16"], **INTS}
+    types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32", b_off_ptr="*i64")
     cx = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32", HAS_DORA=False, HAS_LORA_BIAS=False)
-    for rank_align in (1, 16):  # pooled B: its row stride (the slot's rank) a known multiple of 16, or not
-        cx.update(POOLED=True, ALIGN=16, RANK_ALIGN=rank_align)
-        yield f"expand fp32 B, bf16 y pooled rank_align={rank_align}", expand._expand_kernel, types, dict(cx)
+    for rank_align, out_of_place in ((1, False), (16, False), (16, True)):  # pooled B: row stride a multiple of 16?
+        cx.update(POOLED=True, ALIGN=16, RANK_ALIGN=rank_align, OUT_OF_PLACE=out_of_place)
+        label = f"expand fp32 B, bf16 y pooled rank_align={rank_align} out_of_place={out_of_place}"
+        yield label, expand._expand_kernel, types, dict(cx)
     for dtype, ids in (("bf16", "*i64"), ("fp32", "*i32")):  # ids of either width, read through stride_ids
         types = {"ids_ptr": ids, "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS, "a_off_ptr": "*i64"}
         cx = dict(BLOCK_M=32, BLOCK_R=16, POOLED=dtype == "bf16")

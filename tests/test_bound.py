@@ -73,13 +73,14 @@ def test_bound_launches_match_the_checked_path(recorded):
             layer(x)  # binds again
             assert [(e[0], e[1]) for e in via_bound] == [("shrink", "direct"), ("expand", "direct")]
             assert [(e[0], e[1]) for e in via_checked] == [("shrink", "direct"), ("expand", "direct")]
-            # The bound launches pass every tensor as its address; x (shrink argument 0) and y (expand argument 2)
-            # are compared apart, as y is a new tensor each call.
+            # The bound launches pass every tensor as its address; x (shrink argument 0) and y (expand arguments 2
+            # and 3: y, and y again as the in-place output) are compared apart, as y is a new tensor each call.
             x_ptr = x.data_ptr()
             assert via_bound[0][3][0] == x_ptr and via_checked[0][3][0].data_ptr() == x_ptr
-            for got, expected, skip in zip(via_bound, via_checked, (0, 2)):
-                got_args = tuple(None if i == skip else _addr(a) for i, a in enumerate(got[3]))
-                want_args = tuple(None if i == skip else _addr(a) for i, a in enumerate(expected[3]))
+            assert via_bound[1][3][2] == via_bound[1][3][3], "bound expand: y is its own output"
+            for got, expected, skip in zip(via_bound, via_checked, ((0,), (2, 3))):
+                got_args = tuple(None if i in skip else _addr(a) for i, a in enumerate(got[3]))
+                want_args = tuple(None if i in skip else _addr(a) for i, a in enumerate(expected[3]))
                 _assert_same_launch((*got[:3], got_args), (*expected[:3], want_args))
             assert not any(isinstance(a, torch.Tensor) for e in via_bound for a in e[3]), "bound: addresses only"
 

@@ -127,6 +127,73 @@ def test_compiled_layer_fullgraph(backend):
     assert _graphs() == 2  # inside a call, and outside one
 
 
+def _graph_inputs(fn) -> list[int]:
+    """How many tensors each graph dynamo compiles while ``fn`` runs takes as inputs."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(len(example_inputs))
+        return gm.forward
+
+    fn(lambda m: torch.compile(m, backend=backend, dynamic=False, fullgraph=True))
+    return seen
+
+
+def test_compiled_graph_takes_the_plan_not_the_stacks():
+    """A compiled csgmv model's graph takes the base model's tensors plus the plan's three buffers: the stacks are
+    read by handle when the op runs, so graph inputs (each one checked and passed on every call of the graph) do not
+    grow with the LoRA layers (14 here, 112 in a 1B Llama)."""
+    model = _model()
+    input_ids, mask = make_batch(3, 5)
+
+    def base_run(compile_):
+        with torch.no_grad(), model.disable_adapter():
+            compile_(model.base_model.model)(input_ids, attention_mask=mask)
+
+    def csgmv_run(compile_):
+        compiled = compile_(model.base_model.model)
+        with torch.no_grad(), adapter_ids_scope(model, ["a0", None, "a1"]):
+            compiled(input_ids, attention_mask=mask)
+
+    (base,) = _graph_inputs(base_run)
+    enable_csgmv(model, backend="torch")
+    torch._dynamo.reset()
+    (csgmv,) = _graph_inputs(csgmv_run)
+    assert csgmv == base + 3, f"base model graph: {base} inputs, csgmv: {csgmv}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_model_follows_stack_changes(backend):
+    """Under ``torch.compile``: an in-place edit of an adapter's weights is seen by the next call with no recompile
+    (the op reads the stack's memory); an adapter of a larger rank (a new launch shape) recompiles once, and gives
+    stock PEFT's result."""
+    model = _model(embedding=False)
+    enable_csgmv(model, backend=backend)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+    input_ids, mask = make_batch(3, 5)
+    ids = ["a0", None, "a1"]
+
+    def check(ids, what):
+        names = [BASE if i is None else i for i in ids]
+        outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+        with torch.no_grad():
+            got = compiled(input_ids, attention_mask=mask, adapter_ids=ids).logits
+        close(got, stitch(outs, names), what)
+
+    check(ids, "compiled")
+    with torch.no_grad():
+        model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["a1"].weight.mul_(3.0)
+    check(ids, "after an in-place edit")
+    assert _graphs() == 1
+    from peft import LoraConfig
+
+    wide = LoraConfig(r=16, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model.add_adapter("wide", wide)
+    model.to(DEVICE)
+    check(["wide", "a0", None], "an adapter of a larger rank")
+    assert _graphs() == 2
+
+
 def test_disable_after_compile_restores_stock_peft():
     model = _model()
     enable_csgmv(model, backend="torch")

@@ -422,6 +422,64 @@ def test_base_rows_bit_identical(dtype):
     assert not torch.equal(y[~base], y0[~base])
 
 
+def static_plan(row_slots, tokens_per_row):
+    """The plan compiled code runs (:class:`~peft_csgmv.executor.StaticPlan`): adapter segments, the base tokens in
+    segments of slot -1, then empty segments; as the ``peft_csgmv::lora`` op reads it."""
+    from peft_csgmv.executor import StaticPlan
+    from peft_csgmv.ops import _plan
+
+    static = StaticPlan(len(row_slots), len(row_slots), tokens_per_row, DEVICE)
+    static.fill(tuple(row_slots))
+    return _plan(static.permutation, static.seg_indptr, static.seg_slot, static.chunk, runs=True)
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.parametrize("layout", ["dense", "row-stride-2", "transposed"])
+def test_expand_out_of_place_over_base_segments(layout, dora, dtype):
+    """``expand(..., out=)`` over a static plan: every token of ``out`` is written in one launch (adapter rows:
+    ``y`` + LoRA; base rows and a rank-0 slot's rows: ``y`` bit for bit, -0.0 / NaN / inf included, DoRA or not),
+    ``y`` is not touched, and nothing of ``out``'s parent outside the view is written."""
+    row_slots = [2, -1, 0, -1, 3, 1, -1, 2, 1]  # slot 1 has rank 0 here
+    plan = static_plan(row_slots, 2)
+    token_slot = [row_slots[i // 2] for i in range(plan.num_tokens)]
+    assert -1 in plan.seg_slot.tolist()
+    ranks, r_max = RANKS["r8-0-3-16"]
+    k, n = DIMS["in33-out47"]
+    _, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=75)
+    t = randn(plan.num_tokens, r_max, dtype=torch.float32, seed=76)
+    y = randn(plan.num_tokens, n, dtype=dtype, seed=77)
+    copied = device_mask([s < 0 or ranks[s] == 0 for s in token_slot])
+    special = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf"), 1.5], dtype=dtype, device=DEVICE)
+    y[copied] = special.repeat(n // len(special) + 1)[:n]
+    t[copied] = float("nan")  # not read for rows that only copy
+    y0 = y.clone()
+    tables = {}
+    if dora:
+        g = torch.Generator().manual_seed(78)
+        mag = (1 + 0.1 * torch.randn(NUM_SLOTS, n, generator=g)).to(DEVICE)
+        tables = dict(mag=mag, bias=torch.zeros(n, device=DEVICE))
+    if layout == "dense":
+        out, parent, outside = torch.empty_like(y), None, None
+    else:
+        out, parent, outside = y_view(torch.zeros_like(y), layout)
+    parent0 = parent.clone() if parent is not None else None
+
+    got = expand(t, b, ranks_t, scalings, plan, y, out=out, **tables)
+
+    assert got is out
+    assert torch.equal(bits(y), bits(y0)), "an out-of-place expand wrote y"
+    assert torch.equal(bits(out[copied]), bits(y0[copied])), "base / rank-0 rows are not copied bit for bit"
+    expected = oracle_expand(t, b, ranks, scalings, token_slot, y0)
+    if dora:
+        mag = tables["mag"].cpu().double()
+        slot_of = torch.tensor([max(s, 0) for s in token_slot])
+        expected = torch.where(copied.cpu()[:, None], expected, mag[slot_of] * expected)
+    check_close(out[~copied], expected[~copied.cpu()], dtype, what=f"out-of-place expand ({layout}, dora={dora})")
+    if parent is not None:
+        assert torch.equal(bits(parent[outside]), bits(parent0[outside])), "expand wrote outside the out view"
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # In place, strides
 # ----------------------------------------------------------------------------------------------------------------------

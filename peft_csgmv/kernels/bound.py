@@ -78,7 +78,7 @@ class BoundLayer:
         self.s_meta, self.s_tail = shrink_k.packed_metadata, _ptrs((*s_args[1:], *s_cx.values()))
         self.e_run, self.e_grid, self.e_fn = expand_k.run, e_grid, expand_k.function
         self.e_meta, self.e_head = expand_k.packed_metadata, _ptrs(e_args[:2])
-        self.e_tail = _ptrs((*e_args[3:], *e_cx.values()))
+        self.e_tail = _ptrs((*e_args[4:], *e_cx.values()))  # e_args[2:4]: y, and y again as the (in-place) out
         return self
 
     def _stack_fits(self, s) -> bool:
@@ -124,4 +124,5 @@ class BoundLayer:
     def _launch(self, x_ptr: int, y_ptr: int) -> None:
         stream = launch._driver.active.get_current_stream(self.device)
         self.s_run(*self.s_grid, stream, self.s_fn, self.s_meta, None, None, None, x_ptr, *self.s_tail)
-        self.e_run(*self.e_grid, stream, self.e_fn, self.e_meta, None, None, None, *self.e_head, y_ptr, *self.e_tail)
+        e_fn, e_meta = self.e_fn, self.e_meta
+        self.e_run(*self.e_grid, stream, e_fn, e_meta, None, None, None, *self.e_head, y_ptr, y_ptr, *self.e_tail)

@@ -45,10 +45,11 @@ def _embedding_shrink_kernel(
     seg = tl.program_id(0)
     if tl.load(seg_indptr_ptr + seg + 1) <= tl.load(seg_indptr_ptr + seg):
         return  # an empty segment: a static plan's grid covers the most segments its shape can have
-    slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(rank_ptr + slot)
+    seg_slot = tl.load(seg_slot_ptr + seg)
+    slot = tl.maximum(seg_slot, 0)
+    rank = tl.where(seg_slot < 0, 0, tl.load(rank_ptr + slot))
     if rank == 0:
-        return
+        return  # a base segment (slot -1, as in a static plan) or a slot with nothing here
     rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
     ids = tl.load(ids_ptr + rows * stride_ids, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)

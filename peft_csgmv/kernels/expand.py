@@ -15,6 +15,10 @@ rows, bias excluded::
 ``lora_bias=True`` adapters (``lora_bias`` given): ``lora_B``'s bias of the slot is added before the scaling,
 ``(t[rows, :r] @ B[slot, :, :r]ᵀ + lbias[slot]) · scaling[slot]``.
 
+Out of place (``out`` given): ``out[rows] = y[rows] + …`` for the segments' rows, ``y`` untouched; segments whose slot
+is ``-1`` (the base rows, which a static plan cuts into segments too) or has rank 0 copy ``y[rows]`` to ``out[rows]``
+exactly, so a plan whose segments cover every token writes all of ``out`` in one launch (no clone of ``y`` first).
+
 ``t`` is cast to ``B``'s dtype before the product (as PEFT feeds ``lora_A``'s output to ``lora_B`` in the adapter
 dtype). Rows in no segment (base rows) and segments whose slot has rank 0 are left as they are. ``t``, ``B`` and ``y``
 are addressed through their strides (``y`` may be a view of a wider, offset or transposed buffer: it is updated in place
@@ -40,7 +44,8 @@ from .shrink import _block, _dense, _segment_rows, _tiles
 def _expand_kernel(
     t_ptr,  # (P, T, R) fp32 shrink output (P split-K planes)
     b_ptr,  # (S, N, R) stacked B, or a pool (POOLED: slot s's (N, r) matrix at element b_off[s])
-    y_ptr,  # (T, N) base output, updated in place
+    y_ptr,  # (T, N) base output, updated in place (or read, OUT_OF_PLACE)
+    out_ptr,  # (T, N) output (written only when OUT_OF_PLACE)
     perm_ptr,  # (T,) int32
     seg_indptr_ptr,  # (num_segments + 1,) int32
     seg_slot_ptr,  # (num_segments,) int32
@@ -60,6 +65,8 @@ def _expand_kernel(
     stride_br,
     stride_ym,
     stride_yn,
+    stride_om,
+    stride_on,
     stride_ms,
     stride_lbs,
     BLOCK_M: tl.constexpr,
@@ -71,15 +78,17 @@ def _expand_kernel(
     POOLED: tl.constexpr,
     ALIGN: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
+    OUT_OF_PLACE: tl.constexpr,
 ):
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(seg_indptr_ptr + seg + 1) <= tl.load(seg_indptr_ptr + seg):
         return  # an empty segment: a static plan's grid covers the most segments its shape can have
-    slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(rank_ptr + slot)
-    if rank == 0:
-        return
+    seg_slot = tl.load(seg_slot_ptr + seg)
+    slot = tl.maximum(seg_slot, 0)  # a base segment (-1) reads slot 0's entries, all masked or discarded below
+    rank = tl.where(seg_slot < 0, 0, tl.load(rank_ptr + slot))
+    if rank + OUT_OF_PLACE == 0:
+        return  # in place, a rank-0 slot has nothing to add (out of place, its rows are copied)
     scaling = tl.load(scaling_ptr + slot)
     rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
@@ -106,17 +115,23 @@ def _expand_kernel(
 
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    y_in = tl.load(y_ptrs, mask=mask, other=0.0)
+    y = y_in.to(tl.float32)
     if HAS_DORA:
         mag = tl.load(mag_ptr + slot.to(tl.int64) * stride_ms + offs_n, mask=n_mask, other=1.0)
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0)
         out = mag[None, :] * (y - bias[None, :] + acc) + bias[None, :]
     else:
         out = y + acc
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    if OUT_OF_PLACE:
+        # Base and rank-0 rows: y exactly (acc is 0 there, but DoRA's and a cast's roundings are not).
+        out = tl.where(rank > 0, out.to(out_ptr.dtype.element_ty), y_in.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on, out, mask=mask)
+    else:
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_launch_expand = Launcher(_expand_kernel, num_tensors=12)
+_launch_expand = Launcher(_expand_kernel, num_tensors=13)
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,10 +150,10 @@ def expand_tiles(block_m: int, num_segments: int, r: int) -> tuple[int, tuple]:
 
 
 def expand_launch_args(
-    t, b, ranks, scalings, plan, y, mag, bias, lora_bias, has_dora, has_lora_bias, block_n, options
+    t, b, ranks, scalings, plan, y, mag, bias, lora_bias, has_dora, has_lora_bias, block_n, options, out=None
 ) -> tuple:
     """``(grid, args, constexprs, options)`` of one expand launch (checked arguments; unused ``mag``/``bias``/
-    ``lora_bias`` are any fp32 tensor)."""
+    ``lora_bias`` are any fp32 tensor; ``out``: the out-of-place output, else ``y`` is updated in place)."""
     if t.dim() == 2:  # one plane: plane stride 0, no view needed
         splits, stride_tp, (stride_tm, stride_tr) = 1, 0, t.stride()
     else:
@@ -146,10 +161,12 @@ def expand_launch_args(
     n = y.shape[1]
     pooled, stride_bs, stride_bn, stride_br = pool_strides(b)
     stride_ym, stride_yn = y.stride()
+    out_of_place = out is not None
+    stride_om, stride_on = out.stride() if out_of_place else (0, 0)
     args = (
-        t, b.data if pooled else b, y, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, scalings, mag, bias,
-        lora_bias, pool_offsets(b, ranks), n, splits, stride_tp, stride_tm, stride_tr, stride_bs, stride_bn,
-        stride_br, stride_ym, stride_yn, mag.stride(0) if has_dora else 0,
+        t, b.data if pooled else b, y, out if out_of_place else y, plan.permutation, plan.seg_indptr, plan.seg_slot,
+        ranks, scalings, mag, bias, lora_bias, pool_offsets(b, ranks), n, splits, stride_tp, stride_tm, stride_tr,
+        stride_bs, stride_bn, stride_br, stride_ym, stride_yn, stride_om, stride_on, mag.stride(0) if has_dora else 0,
         lora_bias.stride(0) if has_lora_bias else 0,
     )  # fmt: skip
     constexprs = dict(
@@ -162,6 +179,7 @@ def expand_launch_args(
         POOLED=pooled,
         ALIGN=ALIGN if pooled else 1,
         RANK_ALIGN=b.rank_align if pooled else 1,
+        OUT_OF_PLACE=out_of_place,
     )
     return (plan.num_segments, -(-n // block_n), 1), args, constexprs, options
 
@@ -177,8 +195,10 @@ def expand(
     bias: torch.Tensor | None = None,
     lora_bias: torch.Tensor | None = None,
     config: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the expand kernel; ``y`` is updated in place and returned.
+    """Launch the expand kernel; ``y`` is updated in place and returned (or, with ``out``, ``out`` is written and
+    returned, ``y`` only read).
 
     Args:
         t: ``(T, R)`` or ``(P, T, R)`` fp32, the shrink output (``R`` = the layer's max rank; ``P`` split-K planes,
@@ -195,8 +215,13 @@ def expand(
         lora_bias: optional ``(S, N)`` fp32 bias of each slot's ``lora_B`` (PEFT's ``lora_bias=True``; zeros for the
             others), added before the scaling.
         config: override the tile choice (for tuning): ``block_n``, ``num_warps``, ``num_stages``.
+        out: optional ``(T, N)`` output of ``y``'s dtype, any strides: written out of place for every token of a
+            segment (``y`` plus the LoRA; a copy of ``y`` for segments of slot ``-1`` or of a rank-0 slot). Tokens in
+            no segment are not written: the caller's plan covers every token (as a static plan's base segments do).
     """
     num_tokens, n = y.shape
+    if out is not None and (out.shape != y.shape or out.dtype != y.dtype):
+        raise ValueError(f"expand: out {tuple(out.shape)} {out.dtype} is not like y {tuple(y.shape)} {y.dtype}")
     num_slots, n_b, r = b.shape
     if n_b != n or t.shape[-2:] != (num_tokens, r) or num_tokens != plan.num_tokens:
         raise ValueError(
@@ -204,7 +229,7 @@ def expand(
             f"{plan.num_tokens} tokens"
         )
     if plan.num_segments == 0:
-        return y
+        return y if out is None else out
     has_dora = mag is not None
     if has_dora and (mag.shape != (num_slots, n) or bias is None or bias.shape != (n,)):
         raise ValueError(f"expand: DoRA needs mag ({num_slots}, {n}) and bias ({n},)")
@@ -221,6 +246,6 @@ def expand(
     block_n, options = expand_tiles(block_m, plan.num_segments, r) if config is None else _tiles(config, "block_n")
     _launch_expand(
         *expand_launch_args(t, b, ranks, scalings, plan, y, mag, bias, lora_bias, has_dora, has_lora_bias, block_n,
-                            options)
+                            options, out)
     )  # fmt: skip
-    return y
+    return y if out is None else out

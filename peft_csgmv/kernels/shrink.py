@@ -70,10 +70,11 @@ def _shrink_kernel(
     split = tl.program_id(1)
     if tl.load(seg_indptr_ptr + seg + 1) <= tl.load(seg_indptr_ptr + seg):
         return  # an empty segment: a static plan's grid covers the most segments its shape can have
-    slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(rank_ptr + slot)
+    seg_slot = tl.load(seg_slot_ptr + seg)
+    slot = tl.maximum(seg_slot, 0)
+    rank = tl.where(seg_slot < 0, 0, tl.load(rank_ptr + slot))
     if rank == 0:
-        return
+        return  # a base segment (slot -1: only an out-of-place expand reads it) or a slot with nothing here
     k_start = split * K_PER_SPLIT
     k_len = tl.minimum(K - k_start, K_PER_SPLIT)
     rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
