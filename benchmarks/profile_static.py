@@ -7,8 +7,11 @@ Rows: base model, PEFT one adapter, peft_csgmv with ``--distinct`` adapters (all
 Per row, after a warm-up generate (compile): the median wall time of a ``max_new_tokens=1`` generate (prefill and the
 first token) and of a full one; a decode step is their difference over the remaining tokens. Then the CUDA kernels of
 both, under the torch profiler: a decode step's kernels are the difference of the two profiles over the step count
-(kernels replayed from CUDA graphs are listed one by one). Printed: a table of prefill / step / GPU-busy time per
-step for each row, and each row's kernels by time per step.
+(kernels replayed from CUDA graphs are listed one by one). The GPU's idle time of a step is split by the gaps between
+consecutive kernels: gaps under ``--gap-us`` (kernels queued back to back, inside one CUDA graph) against longer ones
+(the GPU waiting on the host). ``--cprofile N`` also prints the N functions with the most host time (cProfile,
+``tottime``) over one full generate. Printed: a table of prefill / step / GPU-busy / gap / host-wait time per step
+for each row, and each row's kernels by time per step.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from peft_csgmv import enable_csgmv  # noqa: E402
 from peft_csgmv.bench import _clock_up, add_adapters, build_model, device_and_dtype, run_meta, write_results  # noqa: E402
 
 
-def kernel_times(fn) -> dict:
-    """``{kernel name: (total µs, count)}`` of the device kernels ``fn`` runs."""
+def kernel_times(fn, gap_us: float) -> tuple[dict, float, float]:
+    """``({kernel name: (total µs, count)}, short gaps µs, long gaps µs)`` of the device kernels ``fn`` runs: the
+    idle time between consecutive kernels, in gaps shorter than ``gap_us`` and in longer ones."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -36,11 +40,41 @@ def kernel_times(fn) -> dict:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     out: dict = collections.defaultdict(lambda: [0.0, 0])
+    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             out[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             out[e.name][1] += 1
-    return dict(out)
+            spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    short = long = 0.0
+    end = spans[0][1] if spans else 0.0
+    for start, stop in spans[1:]:
+        gap = start - end
+        if gap > 0:
+            if gap < gap_us:
+                short += gap
+            else:
+                long += gap
+        end = max(end, stop)
+    return dict(out), short, long
+
+
+def host_profile(fn, top: int) -> str:
+    """The ``top`` functions by own host time over one call of ``fn`` (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
 
 
 def main(argv=None) -> int:
@@ -55,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--rows", default="base,peft,csgmv")
+    p.add_argument("--gap-us", type=float, default=20.0, help="kernel gaps shorter than this count as in-graph gaps")
+    p.add_argument("--cprofile", type=int, default=0, help="print the N functions with the most host time")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -94,8 +130,9 @@ def main(argv=None) -> int:
             _clock_up(device)
             prefill = timed(target, 1, extra)
             full = timed(target, args.new_tokens, extra)
-            k1 = kernel_times(lambda: run(target, 1, extra))
-            kn = kernel_times(lambda: run(target, args.new_tokens, extra))
+            k1, short1, long1 = kernel_times(lambda: run(target, 1, extra), args.gap_us)
+            kn, shortn, longn = kernel_times(lambda: run(target, args.new_tokens, extra), args.gap_us)
+            host = host_profile(lambda: run(target, args.new_tokens, extra), args.cprofile) if args.cprofile else ""
         per_step = {}
         for name, (us, n) in kn.items():
             us0, n0 = k1.get(name, (0.0, 0))
@@ -107,13 +144,17 @@ def main(argv=None) -> int:
         row = dict(
             row=label, prefill_ms=prefill, generate_ms=full, step_ms=step, step_gpu_ms=busy, prefill_gpu_ms=prefill_gpu,
             tok_s=args.batch * args.new_tokens / full * 1e3, kernels_per_step=sum(n for _, n in per_step.values()),
+            gap_ms=(shortn - short1) / steps / 1e3, host_wait_ms=(longn - long1) / steps / 1e3,
             top=sorted(((k, us, n) for k, (us, n) in per_step.items()), key=lambda r: -r[1])[: args.top],
         )  # fmt: skip
         rows.append(row)
-        print(f"\n{label}: prefill {prefill:.1f} ms (GPU {prefill_gpu:.1f}), step {step:.3f} ms (GPU busy {busy:.3f}), "
-              f"{row['kernels_per_step']:.0f} kernels/step, {row['tok_s']:.0f} tok/s", flush=True)  # fmt: skip
+        print(f"\n{label}: prefill {prefill:.1f} ms (GPU {prefill_gpu:.1f}), step {step:.3f} ms (GPU busy {busy:.3f}, "
+              f"gaps {row['gap_ms']:.3f}, host wait {row['host_wait_ms']:.3f}), {row['kernels_per_step']:.0f} "
+              f"kernels/step, {row['tok_s']:.0f} tok/s", flush=True)  # fmt: skip
         for name, us, n in row["top"]:
             print(f"  {us:8.1f} µs/step  {n:6.1f}×  {name[:110]}")
+        if host:
+            print(host, flush=True)
 
     wanted = args.rows.split(",")
     if "base" in wanted:
@@ -127,11 +168,13 @@ def main(argv=None) -> int:
         ids = [f"a{i % args.distinct}" for i in range(args.batch)]
         measure(f"peft_csgmv, {args.distinct} distinct", pm, adapter_ids=ids)
 
-    print(f"\n| {args.model} | row | tok/s | prefill ms | decode step ms | GPU busy per step ms | kernels per step |")
-    print("|" + "---|" * 7)
+    print(f"\n| {args.model} | row | tok/s | prefill ms | decode step ms | GPU busy per step ms | in-graph gaps ms | "
+          "host wait ms | kernels per step |")  # fmt: skip
+    print("|" + "---|" * 9)
     for r in rows:
         print(f"| {args.model} | {r['row']} | {r['tok_s']:.0f} | {r['prefill_ms']:.1f} | {r['step_ms']:.3f} | "
-              f"{r['step_gpu_ms']:.3f} | {r['kernels_per_step']:.0f} |")  # fmt: skip
+              f"{r['step_gpu_ms']:.3f} | {r['gap_ms']:.3f} | {r['host_wait_ms']:.3f} | "
+              f"{r['kernels_per_step']:.0f} |")  # fmt: skip
     if args.out:
         write_results(args.out, run_meta(device, args=vars(args)), results=rows)
     return 0

@@ -32,7 +32,7 @@ from torch import nn
 
 from .executor import CallContext, Executor
 from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer
-from .slots import HostArena, LoraStack, SlotRegistry, layer_adapter, layer_adapters, weights_device
+from .slots import HostArena, LoraStack, SlotRegistry, layer_adapter, layer_adapters, run_pending, weights_device
 
 BASE = "__base__"
 BASE_NAMES = (None, BASE)
@@ -231,18 +231,32 @@ class CsgmvState:
                 stacklevel=3,
             )
 
-    def stack_layer(self, layer: nn.Module, force: bool = False, adopt: frozenset = frozenset()) -> None:
+    def stack_layer(
+        self,
+        layer: nn.Module,
+        force: bool = False,
+        adopt: frozenset = frozenset(),
+        only: frozenset | None = None,
+        defer: bool = False,
+    ) -> None:
         """Bring one kernel-path layer's stack in line with its adapters: copy new or replaced ones (all with
         ``force``), clear the rest. Adapters the kernels do not serve here get rank 0 in the stack and are named in
         the layer's ``_csgmv_peft``: their rows run through PEFT's forward of this layer. Also called when PEFT
         rescales the layer (``set_scale``, ``scale_layer``, ``unscale_layer``, or a new ``scaling`` dict as
         ``peft.helpers.rescale_adapter_scale`` sets). ``adopt``: adapters the host tier brings in from host memory:
-        their weights are copied straight into their slots and become views of them there."""
+        their weights are copied straight into their slots and become views of them there. ``only``: just these
+        adapters' slots changed (the host tier's: a layer holds thousands of adapters, a call brings in a few).
+        ``defer``: the weights' copies into their slots wait for the caller's :func:`~peft_csgmv.slots.run_pending`."""
         stack: LoraStack = layer._csgmv_stack
         if force:
             stack.sources.clear()
-        peft_rows = set()
-        for slot, name in enumerate(self.registry.names):
+        names = self.registry.names
+        if only is None:
+            peft_rows, slots = set(), enumerate(names)
+        else:
+            index = self.registry.index
+            peft_rows, slots = set(layer._csgmv_peft - only), [(index[n], n) for n in only]
+        for slot, name in slots:
             weights = None if name is None else layer_adapter(layer, name)  # a lookup: layers may hold thousands
             if weights is None:
                 stack.clear_slot(slot)
@@ -263,9 +277,12 @@ class CsgmvState:
                     and a.dtype == b.dtype == stack.dtype
                     and (a.device == stack.device or name in adopt)
                 )
-                stack.set_slot(slot, a, b, layer.scaling[name], source=a, dora=dora, lora_bias=lora_bias, share=share)
+                stack.set_slot(
+                    slot, a, b, layer.scaling[name], source=a, dora=dora, lora_bias=lora_bias, share=share,
+                    defer=defer,
+                )  # fmt: skip
         stack.ensure_capacity(self.registry.capacity)
-        for slot in range(len(self.registry.names), stack.capacity):
+        for slot in range(len(names), stack.capacity):
             stack.clear_slot(slot)
         stack.scaling_src = layer.scaling
         if force:
@@ -342,10 +359,16 @@ class CsgmvState:
             if evicted:
                 _host_copies_done(self.layers.values())
             adopt = frozenset(missing)
-            for layer in self.layers.values():
-                # One asynchronous copy per weight, host memory straight into the slot (PEFT's weights become views
-                # of it); what the stack does not hold (DoRA magnitudes, lora_B biases, PEFT-path adapters) moves.
-                self.stack_layer(layer, adopt=adopt)
+            layers = self.layers.values()
+            # One copy per adapter to the GPU, then every weight into its slot in a few batched launches (PEFT's
+            # weights become views of the slots); what the stacks do not hold (DoRA magnitudes, lora_B biases,
+            # PEFT-path adapters) moves on its own.
+            staged_at = _stage_in(layers, missing, self.host)
+            for layer in layers:
+                self.stack_layer(layer, adopt=adopt, only=adopt, defer=True)
+            run_pending([layer._csgmv_stack for layer in layers])
+            _unstage(layers, missing, staged_at)
+            for layer in layers:
                 for name in missing:
                     _move_adapter(layer, name, layer._csgmv_stack.device)
         for name in needed:
@@ -413,11 +436,21 @@ def _host_copies_done(layers) -> None:
             torch.cuda.current_stream(device).synchronize()
 
 
+def _one_cuda_device(tensors) -> torch.device | None:
+    """The CUDA device all of ``tensors`` are on, or ``None`` (another device, or several)."""
+    device = tensors[0].device
+    if device.type != "cuda" or any(t.device != device for t in tensors):
+        return None
+    return device
+
+
 def _move_to_host(layers, names, host: HostArena, copy: bool = False) -> None:
     """Move adapters' weights in kernel layers to ``host`` memory (pinned where CUDA is: copies both ways are then
     asynchronous), one region per adapter and dtype, the same one each time the adapter is moved out; weights on the
-    host already stay unless ``copy`` (views of a slot, on a CPU-only machine). Callers wait with
-    :func:`_host_copies_done` before host code reads them."""
+    host already stay unless ``copy`` (views of a slot, on a CPU-only machine). Weights on one GPU are gathered there
+    first and leave in one copy: a model's hundreds of small weights per adapter, copied one by one, would each pay
+    the copy engine's setup (on the 1B layout that made a round trip 75× the adapter's bytes over PCIe). Callers wait
+    with :func:`_host_copies_done` before host code reads them."""
     for name in names:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for layer in layers:
@@ -425,25 +458,89 @@ def _move_to_host(layers, names, host: HostArena, copy: bool = False) -> None:
                 if copy or p.device.type != "cpu":
                     by_dtype.setdefault(p.dtype, []).append(p)
         for dtype, params in by_dtype.items():
-            buf = host.region(name, dtype, sum(p.numel() for p in params))
-            pos = 0
+            total = sum(p.numel() for p in params)
+            buf = host.region(name, dtype, total)
+            views, pos = [], 0
             for p in params:
-                view = buf[pos : pos + p.numel()].view(p.shape)
-                p.data = view.copy_(p.data, non_blocking=True)
+                views.append(buf[pos : pos + p.numel()].view(p.shape))
                 pos += p.numel()
+            device = _one_cuda_device(params)
+            if device is not None:
+                staged = torch.empty(total, dtype=dtype, device=device)
+                torch.cat([p.data.reshape(-1) for p in params], out=staged)
+                buf.copy_(staged, non_blocking=True)  # the staging buffer's next user comes later in stream order
+            else:
+                for view, p in zip(views, params):
+                    view.copy_(p.data, non_blocking=True)
+            for view, p in zip(views, params):
+                p.data = view
+
+
+def _stage_in(layers, names, host: HostArena) -> set[int]:
+    """Adapters ``names``, waiting in pinned host memory, to their layers' GPU in one copy per adapter and dtype (the
+    reverse of :func:`_move_to_host`'s gather): their parameters become views of that copy, from which the slots copy
+    device to device. Layers spread over several devices keep their host weights (each then copied on its own).
+    Returns the staging buffers' storage addresses: parameters still pointing into one afterwards get their own
+    memory (:func:`_unstage`)."""
+    staged_at: set[int] = set()
+    layers = list(layers)
+    if not layers:
+        return staged_at
+    device = _one_cuda_device([layer._csgmv_stack.data for layer in layers])
+    if device is None:
+        return staged_at
+    for name in names:
+        params = [p for layer in layers for p in _adapter_params(layer, name) if p.device.type == "cpu"]
+        for dtype in {p.dtype for p in params}:
+            region = host.regions.get((name, dtype))
+            if region is None:
+                continue
+            start, end = region.data_ptr(), region.data_ptr() + region.numel() * region.element_size()
+            mine = [p for p in params if p.dtype == dtype and start <= p.data_ptr() < end]
+            if not mine:
+                continue
+            staged = region.to(device, non_blocking=True)
+            staged_at.add(staged.untyped_storage().data_ptr())
+            size = region.element_size()
+            for p in mine:
+                offset = (p.data_ptr() - start) // size
+                p.data = staged[offset : offset + p.numel()].view(p.shape)
+    return staged_at
+
+
+def _unstage(layers, names, staged_at: set[int]) -> None:
+    """Parameters of ``names`` that still point into a staging buffer of :func:`_stage_in` (those the stacks do not
+    hold: DoRA magnitudes, ``lora_B`` biases, weights of another dtype than their stack's) get their own memory."""
+    if not staged_at:
+        return
+    for layer in layers:
+        for name in names:
+            for p in _adapter_params(layer, name):
+                if p.device.type != "cpu" and p.untyped_storage().data_ptr() in staged_at:
+                    p.data = p.data.clone()
+
+
+def _module_params(module: nn.Module) -> list[torch.Tensor]:
+    """``list(module.parameters())``, read straight from the module's own dict where it has no submodules (an
+    ``nn.Linear``): the host tier reads every adapter's parameters in every layer, and the generator costs ~20 µs."""
+    if module._modules:
+        return list(module.parameters())
+    return [p for p in module._parameters.values() if p is not None]
 
 
 def _adapter_params(layer: nn.Module, name: str) -> list[torch.Tensor]:
     """Adapter ``name``'s parameters in a kernel layer."""
     params = []
-    for holder in (layer.lora_A, layer.lora_B):
-        if name in holder:
-            params += list(holder[name].parameters())
-    for holder in (layer.lora_embedding_A, layer.lora_embedding_B):
-        if name in holder:
+    held = layer._modules
+    for key in ("lora_A", "lora_B", "lora_magnitude_vector"):
+        holder = held.get(key)
+        module = holder._modules.get(name) if holder is not None else None
+        if module is not None:
+            params += _module_params(module)
+    for key in ("lora_embedding_A", "lora_embedding_B"):
+        holder = held.get(key)
+        if holder is not None and name in holder:
             params.append(holder[name])
-    if name in getattr(layer, "lora_magnitude_vector", {}):
-        params += list(layer.lora_magnitude_vector[name].parameters())
     return params
 
 

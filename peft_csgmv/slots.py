@@ -116,6 +116,21 @@ def stack_by_handle(handle: int) -> "LoraStack":
     return _STACKS[handle]
 
 
+def run_pending(stacks) -> None:
+    """Run the stacks' deferred slot copies (:meth:`LoraStack.set_slot`'s ``defer``), batched per device and dtypes:
+    a few launches for the thousands of weights the host tier brings in for one call."""
+    groups: dict = {}
+    for stack in stacks:
+        for dst, src in stack.pending:
+            dsts, srcs = groups.setdefault((dst.device, src.device, dst.dtype, src.dtype), ([], []))
+            dsts.append(dst)
+            srcs.append(src)
+        stack.pending = []
+    with torch.no_grad():
+        for dsts, srcs in groups.values():
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
+
 def _up(n: int) -> int:
     """``n`` rounded up to a multiple of :data:`ALIGN`."""
     return -(-n // ALIGN) * ALIGN
@@ -173,6 +188,7 @@ class LoraStack:
         self.mag: torch.Tensor | None = None  # (capacity, out) fp32 DoRA scale, once a DoRA adapter is stacked
         self.bias: torch.Tensor | None = None  # (out,) fp32 base bias, with mag
         self._views: tuple[Pooled, Pooled] | None = None
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # deferred (slot view, weight) copies
 
     @staticmethod
     def slot_elements(rank: int, in_features: int, out_features: int) -> int:
@@ -298,6 +314,7 @@ class LoraStack:
     def _repack(self, extra: int, room: bool = True) -> None:
         """New storage: the live slots back to back, then room for ``extra`` elements and (``room``) 1/16 of the whole
         more."""
+        run_pending([self])
         used = sum(length for _, length in self.extents.values())
         size = used + extra + ((used + extra) // 16 if room else 0)
         data = torch.empty(size, dtype=self.dtype, device=self.device)
@@ -332,6 +349,7 @@ class LoraStack:
         dora: tuple[torch.Tensor, torch.Tensor | None] | None = None,
         lora_bias: torch.Tensor | None = None,
         share: bool = False,
+        defer: bool = False,
     ) -> None:
         """Copy one adapter's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)`` weights into ``slot``; for DoRA,
         ``dora = (mag (out,), base bias (out,) or None)``; ``lora_bias``: ``lora_B``'s bias ``(out,)``, if any.
@@ -340,7 +358,9 @@ class LoraStack:
         the slot (``.data`` re-pointed; from another device, as the host tier brings an adapter in, that is their move
         to this one), so the adapter is stored once, and PEFT's forward, merges, saves and in-place edits all work on
         the stack's memory (:meth:`release_shared` gives them their own again). Weights from pinned host memory are
-        copied asynchronously, in stream order."""
+        copied asynchronously, in stream order. ``defer``: the two copies wait in :attr:`pending` for
+        :func:`run_pending` (which batches many slots' copies over many stacks); anything of the stack's that reads
+        or moves its storage runs them first."""
         r = lora_a.shape[0]
         if lora_a.shape[1] != self.in_features or lora_b.shape != (self.out_features, r):
             raise ValueError(
@@ -350,11 +370,11 @@ class LoraStack:
         self.ensure_capacity(slot + 1)
         self._release(slot)
         with torch.no_grad():
-            if lora_a.device == self.device:
+            if lora_a.device == self.device and self._aliases(lora_a, lora_b):
                 # Copies first: the sources may be views of this very slot (a restack of shared weights).
                 a_val = lora_a.detach().to(dtype=self.dtype, copy=True)
                 b_val = lora_b.detach().to(dtype=self.dtype, copy=True)
-            else:  # from elsewhere (the host tier's pinned memory): one asynchronous copy straight into the slot
+            else:  # memory of their own, or elsewhere (pinned host memory): one asynchronous copy into the slot
                 a_val, b_val = lora_a.detach(), lora_b.detach()
             length = self.slot_elements(r, self.in_features, self.out_features)
             extent = self.extents.get(slot)
@@ -363,8 +383,12 @@ class LoraStack:
                 self.extents[slot] = (self._alloc(length), length)
             self._set_offsets(slot, self.extents[slot][0], r)
             self.ranks_host[slot] = r
-            self.slot_a(slot).copy_(a_val, non_blocking=True)
-            self.slot_b(slot).copy_(b_val, non_blocking=True)
+            dst_a, dst_b = self.slot_a(slot), self.slot_b(slot)
+            if defer:
+                self.pending += ((dst_a, a_val), (dst_b, b_val))
+            else:
+                dst_a.copy_(a_val, non_blocking=True)
+                dst_b.copy_(b_val, non_blocking=True)
         self.scalings_host[slot] = float(scaling)
         self.sources[slot] = source
         if share:
@@ -390,6 +414,11 @@ class LoraStack:
                 else:
                     self.lora_bias[slot] = lora_bias.detach().to(device=self.device, dtype=torch.float32)
 
+    def _aliases(self, *tensors: torch.Tensor) -> bool:
+        """Whether any of ``tensors`` lives in this stack's storage."""
+        mine = self.data.untyped_storage().data_ptr()
+        return any(t.untyped_storage().data_ptr() == mine for t in tensors)
+
     def _point_shared(self, only: int | None = None) -> None:
         """Re-point the shared parameters (of ``only``, or of every slot) at their views of the current storage."""
         for slot, (pa, pb) in self.shared.items():
@@ -400,6 +429,7 @@ class LoraStack:
         """Give a shared slot's parameters their own memory again (a copy of their values)."""
         pair = self.shared.pop(slot, None)
         if pair is not None:
+            run_pending([self])
             for p in pair:
                 p.data = p.data.clone()
 
@@ -439,6 +469,7 @@ class LoraStack:
     def to(self, device: torch.device) -> "LoraStack":
         """Move the stack (after the model was moved). Every tensor is copied before any is replaced, so a copy
         that fails leaves the stack as it was."""
+        run_pending([self])
         moved = {n: getattr(self, n).to(device) for n in sorted(_TENSORS) if getattr(self, n) is not None}
         for n, t in moved.items():
             setattr(self, n, t)
