@@ -250,13 +250,15 @@ class LoraStack:
 
     def slot_a(self, slot: int) -> torch.Tensor:
         """Slot ``slot``'s ``lora_A`` ``(r, in)``: a view of the storage."""
-        r, off = self.ranks_host[slot], self.a_off_host[slot]
-        return self.data[off : off + r * self.in_features].view(r, self.in_features)
+        k = self.in_features
+        return self.data.as_strided(
+            (self.ranks_host[slot], k), (k, 1), self.data.storage_offset() + self.a_off_host[slot]
+        )
 
     def slot_b(self, slot: int) -> torch.Tensor:
         """Slot ``slot``'s ``lora_B`` ``(out, r)``: a view of the storage."""
-        r, off = self.ranks_host[slot], self.b_off_host[slot]
-        return self.data[off : off + self.out_features * r].view(self.out_features, r)
+        r = self.ranks_host[slot]
+        return self.data.as_strided((self.out_features, r), (r, 1), self.data.storage_offset() + self.b_off_host[slot])
 
     @property
     def nbytes(self) -> int:
@@ -393,7 +395,7 @@ class LoraStack:
         self.sources[slot] = source
         if share:
             self.shared[slot] = (lora_a, lora_b)
-            self._point_shared(slot)
+            lora_a.data, lora_b.data = dst_a, dst_b
         if dora is not None:
             mag, bias = dora
             if self.mag is None:
@@ -419,11 +421,10 @@ class LoraStack:
         mine = self.data.untyped_storage().data_ptr()
         return any(t.untyped_storage().data_ptr() == mine for t in tensors)
 
-    def _point_shared(self, only: int | None = None) -> None:
-        """Re-point the shared parameters (of ``only``, or of every slot) at their views of the current storage."""
+    def _point_shared(self) -> None:
+        """Re-point every shared parameter at its view of the current storage."""
         for slot, (pa, pb) in self.shared.items():
-            if only is None or slot == only:
-                pa.data, pb.data = self.slot_a(slot), self.slot_b(slot)
+            pa.data, pb.data = self.slot_a(slot), self.slot_b(slot)
 
     def _release(self, slot: int) -> None:
         """Give a shared slot's parameters their own memory again (a copy of their values)."""
