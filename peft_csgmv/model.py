@@ -32,7 +32,16 @@ from torch import nn
 
 from .executor import CallContext, Executor
 from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer
-from .slots import HostArena, LoraStack, SlotRegistry, layer_adapter, layer_adapters, run_pending, weights_device
+from .slots import (
+    HostArena,
+    LoraStack,
+    SlotRegistry,
+    layer_adapter,
+    layer_adapters,
+    module_param,
+    run_pending,
+    weights_device,
+)
 
 BASE = "__base__"
 BASE_NAMES = (None, BASE)
@@ -270,7 +279,7 @@ class CsgmvState:
             a, b = weights
             if stack.sources.get(slot) is not a:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
-                lora_bias = None if stack.embedding else getattr(layer.lora_B[name], "bias", None)
+                lora_bias = None if stack.embedding else module_param(layer._modules["lora_B"][name], "bias")
                 # PEFT's weights become views into the stack where dtype and device allow: one copy of each adapter.
                 share = (
                     isinstance(a, nn.Parameter)

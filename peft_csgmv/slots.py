@@ -84,12 +84,22 @@ def layer_adapters(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tens
 
 def layer_adapter(layer: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One adapter's (A, B) weights in a PEFT LoRA Linear or Embedding layer (as :func:`layer_adapters`), ``None``
-    where the layer does not hold it: a lookup, for layers that hold many adapters."""
-    if name in layer.lora_embedding_A:
+    where the layer does not hold it: a lookup, for layers that hold many adapters (the host tier looks up each
+    adapter it brings in, in every layer: through the module dicts, not ``Module.__getattr__``)."""
+    held = layer._modules
+    embedding_a = held.get("lora_embedding_A")
+    if embedding_a is not None and name in embedding_a:
         return layer.lora_embedding_A[name], layer.lora_embedding_B[name]
-    if name in layer.lora_A:
-        return layer.lora_A[name].weight, layer.lora_B[name].weight
-    return None
+    a = held["lora_A"]._modules.get(name)
+    if a is None:
+        return None
+    return module_param(a, "weight"), module_param(held["lora_B"]._modules[name], "weight")
+
+
+def module_param(module: nn.Module, name: str) -> torch.Tensor | None:
+    """``getattr(module, name, None)`` for a parameter, read from the module's own dict where it is there."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name, None)
 
 
 def weights_device(layer: nn.Module) -> torch.device:
@@ -371,26 +381,26 @@ class LoraStack:
             )
         self.ensure_capacity(slot + 1)
         self._release(slot)
-        with torch.no_grad():
-            if lora_a.device == self.device and self._aliases(lora_a, lora_b):
-                # Copies first: the sources may be views of this very slot (a restack of shared weights).
-                a_val = lora_a.detach().to(dtype=self.dtype, copy=True)
-                b_val = lora_b.detach().to(dtype=self.dtype, copy=True)
-            else:  # memory of their own, or elsewhere (pinned host memory): one asynchronous copy into the slot
-                a_val, b_val = lora_a.detach(), lora_b.detach()
-            length = self.slot_elements(r, self.in_features, self.out_features)
-            extent = self.extents.get(slot)
-            if extent is None or extent[1] != length:
-                self._free(slot)
-                self.extents[slot] = (self._alloc(length), length)
-            self._set_offsets(slot, self.extents[slot][0], r)
-            self.ranks_host[slot] = r
-            dst_a, dst_b = self.slot_a(slot), self.slot_b(slot)
-            if defer:
-                self.pending += ((dst_a, a_val), (dst_b, b_val))
-            else:
-                dst_a.copy_(a_val, non_blocking=True)
-                dst_b.copy_(b_val, non_blocking=True)
+        # Detached sources into the stack's own (never grad-requiring) storage: nothing for autograd to record.
+        if lora_a.device == self.device and self._aliases(lora_a, lora_b):
+            # Copies first: the sources may be views of this very slot (a restack of shared weights).
+            a_val = lora_a.detach().to(dtype=self.dtype, copy=True)
+            b_val = lora_b.detach().to(dtype=self.dtype, copy=True)
+        else:  # memory of their own, or elsewhere (pinned host memory): one asynchronous copy into the slot
+            a_val, b_val = lora_a.detach(), lora_b.detach()
+        length = self.slot_elements(r, self.in_features, self.out_features)
+        extent = self.extents.get(slot)
+        if extent is None or extent[1] != length:
+            self._free(slot)
+            self.extents[slot] = (self._alloc(length), length)
+        self._set_offsets(slot, self.extents[slot][0], r)
+        self.ranks_host[slot] = r
+        dst_a, dst_b = self.slot_a(slot), self.slot_b(slot)
+        if defer:
+            self.pending += ((dst_a, a_val), (dst_b, b_val))
+        else:
+            dst_a.copy_(a_val, non_blocking=True)
+            dst_b.copy_(b_val, non_blocking=True)
         self.scalings_host[slot] = float(scaling)
         self.sources[slot] = source
         if share:
