@@ -387,6 +387,8 @@ class CsgmvState:
         slot = self.registry.index[name]
         for layer in self.layers.values():
             layer._csgmv_stack.forget(slot)  # its weights leave the slot as they are (edits included)
+            if name in layer._csgmv_peft:  # served by PEFT's path here: decided again when it is brought back
+                layer._csgmv_peft = layer._csgmv_peft - {name}
         _move_to_host(self.layers.values(), [name], self.host, copy=True)
         self.registry.remove(name)
         self.lru.pop(name)

@@ -160,3 +160,54 @@ def test_deleted_adapter_frees_its_host_region(tiered):
     _call(model, input_ids, mask, outs, ["a3", "a1", BASE, "a3"])  # the next call sees the deletion
     assert not any(k[0] == "a0" for k in host.regions)
     assert sum(len(v) for v in host.spare.values()) == len(held)
+
+
+def test_dora_and_lora_bias_adapters_through_evictions():
+    """Adapters with weights the stacks do not hold (a DoRA magnitude, a ``lora_B`` bias) go to host memory and come
+    back with them: each call's rows as their adapter's own stock PEFT run, through several rounds of evictions."""
+    model, _ = tiny_model("llama")
+    specs = {
+        "d": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR, use_dora=True),
+        "b": dict(r=6, lora_alpha=8, target_modules=ALL_LINEAR, lora_bias=True),
+        "p": dict(r=4, lora_alpha=16, target_modules=ALL_LINEAR),
+        "q": dict(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    }
+    model = add_adapters(model, specs).to(DEVICE)
+    input_ids, mask = make_batch(4, 6)
+    outs = per_adapter(model, [*specs, BASE], lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    for names in (["p", "q", BASE, "p"], ["d", "b", "d", BASE], ["q", "p", "q", "q"], ["b", "d", BASE, "b"]):
+        _call(model, input_ids, mask, outs, names)
+        assert set(csgmv_stats(model)["resident"]) == set(names) - {BASE}
+    disable_csgmv(model)
+    for name in specs:
+        model.set_adapter(name)
+        with torch.no_grad():
+            close(model(input_ids, attention_mask=mask).logits, outs[name], f"stock PEFT {name} after disable")
+
+
+def test_alora_rows_through_evictions():
+    """An aLoRA adapter (its rows on PEFT's path in the layers it targets) evicted and brought back: every call gives
+    PEFT's own mixed-batch result for its ids."""
+    model, targets = tiny_model("llama")
+    invocation = [7, 8]
+    specs = {
+        "a0": dict(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"),
+        "a1": dict(r=6, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"),
+        "al": dict(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=invocation,
+            task_type="CAUSAL_LM",
+        ),
+    }  # fmt: skip
+    model = add_adapters(model, specs).to(DEVICE)
+    input_ids, mask = make_batch(4, 8)
+    input_ids[:, 3:5] = torch.tensor(invocation, device=DEVICE)
+    calls = (["al", "a0", BASE, "al"], ["a1", "a0", "a1", BASE], ["al", "a1", "al", "a1"], ["a0", "al", BASE, "a0"])
+    with torch.no_grad():  # stock PEFT's own mixed batches: the reference
+        expected = [model(input_ids, attention_mask=mask, adapter_names=names).logits for names in calls]
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    for names, want in zip(calls, expected):
+        with torch.no_grad():
+            got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+        close(got, want, f"ids {names}")
+        assert set(csgmv_stats(model)["resident"]) == set(names) - {BASE}
