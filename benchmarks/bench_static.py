@@ -45,6 +45,11 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--distinct", default="1,8,32")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="also the widest row with one launch per layer in decode (PEFT_CSGMV_FUSED_DECODE)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
@@ -108,6 +113,17 @@ def main(argv=None) -> int:
     same = (outs[max(distinct)] == eager).float().mean().item()
     print(f"compiled vs eager csgmv, {max(distinct)} distinct: {same * 100:.1f}% of tokens identical")
     disable_csgmv(pm)
+    same_fused = None
+    if args.fused:  # the same row with one launch per layer in decode (the developer switch, read when enabling)
+        os.environ["PEFT_CSGMV_FUSED_DECODE"] = "1"
+        try:
+            enable_csgmv(pm)
+        finally:
+            del os.environ["PEFT_CSGMV_FUSED_DECODE"]
+        fused = measure(f"peft_csgmv, {max(distinct)} distinct, fused decode", pm, adapter_ids=ids)
+        same_fused = (outs[max(distinct)] == fused).float().mean().item()
+        print(f"fused vs two-launch compiled csgmv: {same_fused * 100:.1f}% of tokens identical")
+        disable_csgmv(pm)
 
     ref = {r["row"]: r for r in results}
     base, one = ref["base model, no LoRA"], ref["PEFT one adapter"]
@@ -121,7 +137,8 @@ def main(argv=None) -> int:
             f"{r['tok_s'] / base['tok_s']:.2f} | {r['compile_s']:.1f} |"
         )
     if args.out:
-        write_results(args.out, run_meta(device, args=vars(args), compiled_vs_eager_identical=same), results=results)
+        meta = run_meta(device, args=vars(args), compiled_vs_eager_identical=same, fused_vs_two_launch=same_fused)
+        write_results(args.out, meta, results=results)
     return 0
 
 

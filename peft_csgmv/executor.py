@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 import weakref
 from typing import TYPE_CHECKING, Callable
 
@@ -181,6 +182,9 @@ class Executor:
         self.active = False  # a csgmv call is in progress (compiled code reads this: a guard with two values)
         self.num_ids = 0  # ids of the call in progress (compiled code reads this: a guard per batch shape)
         self.direct_launch = True  # the kernels' lean launch path; off for good once a Triton rejects it
+        # Compiled decode in one launch per layer (the expand computes the A product itself, kernels.fused_fits);
+        # a developer switch until it is measured on the GPU: PEFT_CSGMV_FUSED_DECODE=1 when the model is enabled.
+        self.fused_decode = os.environ.get("PEFT_CSGMV_FUSED_DECODE", "0") == "1"
         self.plans: collections.OrderedDict = collections.OrderedDict()  # LRU: (slots, repeat, tpr, device) -> PlanRun
         self.statics: list[StaticPlan] = []
         self._triton: dict = {}

@@ -171,9 +171,10 @@ def _compiled_lora(ex: Executor, stack: "LoraStack", x2, result, rows: int, devi
     y = result.reshape(-1, result.shape[-1])
     # On CUDA always the Triton kernels (the torch reference reads the plan on the host); on CPU the backend's choice.
     triton = device.type == "cuda" or use_triton(ex.backend, device)
+    fused = triton and ex.fused_decode and not stack.embedding and kernels.fused_fits(x2.shape[0], stack.in_features)
     out = ops.lora(
         x2, y, static.permutation, static.seg_indptr, static.seg_slot, embed_scale, stack.handle, stack.version,
-        static.chunk, triton,
+        static.chunk, triton, fused,
     )  # fmt: skip
     return out.view(result.shape)
 

@@ -61,13 +61,15 @@ def lora(
     version: int,
     chunk: int,
     triton: bool,
+    fused: bool = False,
 ) -> torch.Tensor:
     """``x``: (T, in) activations or (T,) token ids (an embedding stack); ``y``: (T, out); ``permutation`` (T,),
     ``seg_indptr`` (M + 1,), ``seg_slot`` (M,) int32: the plan (a :class:`~peft_csgmv.executor.StaticPlan`'s: base
     rows in segments of slot ``-1``, then empty segments); ``embed_scale``: a scaled embedding's factor (0-dim fp32);
     ``stack``: the layer's :class:`~peft_csgmv.slots.LoraStack` handle, whose tensors are read here (not graph inputs);
     ``version``: the stack's version the caller's graph was traced with; ``chunk``: the plan's row tile; ``triton``:
-    the Triton kernels (else the torch reference, CPU). Returns ``y`` plus the LoRA (``y`` untouched)."""
+    the Triton kernels (else the torch reference, CPU); ``fused``: one launch for both products (the expand kernel
+    computes the A product itself; not for embeddings). Returns ``y`` plus the LoRA (``y`` untouched)."""
     s = stack_by_handle(stack)
     if s.version != version:  # the compiled caller guards on it: a mismatch is a bug, not a user error
         raise RuntimeError(f"peft_csgmv: stack {stack} is at version {s.version} under a graph of version {version}")
@@ -75,6 +77,11 @@ def lora(
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
     if triton:
         with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+            if fused:
+                out = torch.empty_like(y)
+                return kernels.expand(
+                    None, b, s.ranks, s.scalings, plan, y, s.mag, s.bias, s.lora_bias, out=out, x=x, a=a
+                )
             t = kernels.embedding_shrink(x, a, s.ranks, plan) if s.embedding else kernels.shrink(x, a, s.ranks, plan)
             if embed_scale is not None:
                 t.mul_(embed_scale)

@@ -42,6 +42,14 @@ def compile_variant(kernel, pointer_types: dict, constexprs: dict) -> None:
         raise RuntimeError("no cubin produced")
 
 
+def expand_types(b: str, y: str, a: str) -> dict:
+    """Pointer types of the expand kernel: B of ``b``, y / out / x of ``y``, A (read when fused) of ``a``."""
+    types = {"t_ptr": "*fp32", "b_ptr": b, "y_ptr": y, "out_ptr": y, "x_ptr": y, "a_ptr": a, **INTS}
+    types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32", b_off_ptr="*i64")
+    types["a_off_ptr"] = "*i64"
+    return types
+
+
 def variants():
     for dtype, block_m in itertools.product(PTR, (16, 128)):
         types = {"x_ptr": PTR[dtype], "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS, "a_off_ptr": "*i64"}
@@ -55,21 +63,29 @@ def variants():
     cx = dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=128, DOT_PRECISION="tf32", POOLED=True, ALIGN=16)
     yield "shrink bf16 x, fp32 A", shrink._shrink_kernel, types, cx
     for dtype, (dora, lora_bias) in itertools.product(PTR, ((False, False), (True, False), (False, True))):
-        types = {"t_ptr": "*fp32", "b_ptr": PTR[dtype], "y_ptr": PTR[dtype], "out_ptr": PTR[dtype], **INTS}
-        types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32", b_off_ptr="*i64")
+        types = expand_types(PTR[dtype], PTR[dtype], PTR[dtype])
         cx = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
         cx.update(HAS_DORA=dora, HAS_LORA_BIAS=lora_bias, POOLED=dora, ALIGN=16 if dora else 1, RANK_ALIGN=1)
+        cx.update(FUSED=False, BLOCK_K=16)
         for out_of_place in (False, True):  # in place (eager), out of place over base segments (compiled)
             cx["OUT_OF_PLACE"] = out_of_place
             label = f"expand {dtype} dora={dora} lora_bias={lora_bias} out_of_place={out_of_place}"
             yield label, expand._expand_kernel, types, dict(cx)
-    types = {"t_ptr": "*fp32", "b_ptr": PTR["fp32"], "y_ptr": PTR["bf16"], "out_ptr": PTR["bf16"], **INTS}
-    types.update(scaling_ptr="*fp32", mag_ptr="*fp32", bias_ptr="*fp32", lbias_ptr="*fp32", b_off_ptr="*i64")
+    types = expand_types(PTR["fp32"], PTR["bf16"], PTR["fp32"])
     cx = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32", HAS_DORA=False, HAS_LORA_BIAS=False)
+    cx.update(FUSED=False, BLOCK_K=16)
     for rank_align, out_of_place in ((1, False), (16, False), (16, True)):  # pooled B: row stride a multiple of 16?
         cx.update(POOLED=True, ALIGN=16, RANK_ALIGN=rank_align, OUT_OF_PLACE=out_of_place)
         label = f"expand fp32 B, bf16 y pooled rank_align={rank_align} out_of_place={out_of_place}"
         yield label, expand._expand_kernel, types, dict(cx)
+    # fused (the shrink's product inside the expand): bf16 adapters, fp32 adapters on bf16 activations, DoRA in fp32
+    for w, act, dora, out_of_place in (("bf16", "bf16", False, True), ("fp32", "bf16", False, True),
+                                       ("fp32", "fp32", True, False)):  # fmt: skip
+        cx = dict(BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, BLOCK_K=128, HAS_DORA=dora, HAS_LORA_BIAS=False, FUSED=True)
+        cx.update(DOT_PRECISION="ieee" if w == act == "fp32" else "tf32", POOLED=True, ALIGN=16, RANK_ALIGN=16)
+        cx["OUT_OF_PLACE"] = out_of_place
+        label = f"fused {w} weights, {act} activations dora={dora} out_of_place={out_of_place}"
+        yield label, expand._expand_kernel, expand_types(PTR[w], PTR[act], PTR[w]), cx
     for dtype, ids in (("bf16", "*i64"), ("fp32", "*i32")):  # ids of either width, read through stride_ids
         types = {"ids_ptr": ids, "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS, "a_off_ptr": "*i64"}
         cx = dict(BLOCK_M=32, BLOCK_R=16, POOLED=dtype == "bf16")

@@ -26,4 +26,4 @@ def test_all_kernel_variants_compile_for_sm90():
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     compiled = [line for line in proc.stdout.splitlines() if line.startswith("ok ")]
-    assert len(compiled) == 36, proc.stdout  # 13 shrink, 21 expand (in and out of place), 2 embedding
+    assert len(compiled) == 39, proc.stdout  # 13 shrink, 21 expand (in and out of place), 3 fused, 2 embedding

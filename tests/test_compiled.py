@@ -194,6 +194,40 @@ def test_compiled_model_follows_stack_changes(backend):
     assert _graphs() == 2
 
 
+def test_compiled_fused_decode_one_launch_per_layer(monkeypatch):
+    """``PEFT_CSGMV_FUSED_DECODE=1``: in compiled code, each LoRA layer of a decode-sized call is one fused launch
+    (the expand computing the A product itself, no shrink launch), with stock PEFT's per-adapter logits."""
+    import collections
+
+    import peft_csgmv.kernels as kernels
+    from peft_csgmv import csgmv_stats
+
+    monkeypatch.setenv("PEFT_CSGMV_FUSED_DECODE", "1")
+    model = _model(embedding=False)
+    input_ids, mask = make_batch(3, 5)
+    names = ["a0", BASE, "a1"]
+    outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="triton")
+    launches = collections.Counter()
+    shrink, expand = kernels.shrink, kernels.expand
+
+    def counted_shrink(*args, **kwargs):
+        launches["shrink"] += 1
+        return shrink(*args, **kwargs)
+
+    def counted_expand(*args, **kwargs):
+        launches["fused" if kwargs.get("x") is not None else "expand"] += 1
+        return expand(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "shrink", counted_shrink)
+    monkeypatch.setattr(kernels, "expand", counted_expand)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False, fullgraph=False)
+    with torch.no_grad():
+        got = compiled(input_ids, attention_mask=mask, adapter_ids=["a0", None, "a1"]).logits
+    close(got, stitch(outs, names), "fused, compiled")
+    assert launches == {"fused": csgmv_stats(model)["kernel_layers"]}, launches
+
+
 def test_disable_after_compile_restores_stock_peft():
     model = _model()
     enable_csgmv(model, backend="torch")

@@ -485,6 +485,96 @@ def test_expand_out_of_place_over_base_segments(layout, dora, dtype):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Fused: one launch computes both products (expand with x and A)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("pool", [False, True], ids=["padded", "pooled"])
+@pytest.mark.parametrize("plan_name", plan_params("distinct", "zipf", "base-interleaved", "docstring-chunk3"))
+def test_fused_matches_oracle(plan_name, pool, dtype):
+    """``expand(None, B, …, y, x=x, a=A)``: shrink and expand in one launch, ``t`` never in memory, against the float64
+    oracle of both steps; rows outside the segments bit-identical; a K longer than one BLOCK_K step (257)."""
+    plan, token_slot = make_plan(plan_name)
+    ranks, r_max = RANKS["r8-0-3-16"]
+    k, n = DIMS["in257-out33"]
+    a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=21, pad=math.nan if pool else 0.0)
+    a_k, b_k = a, b
+    if pool:
+        stack = pooled(a, b, ranks, scalings)
+        a_k, b_k, ranks_t = stack.a, stack.b, stack.ranks
+        a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+    x = randn(plan.num_tokens, k, dtype=dtype, seed=22)
+    y = randn(plan.num_tokens, n, dtype=dtype, seed=23)
+    y0 = y.clone()
+
+    got = expand(None, b_k, ranks_t, scalings, plan, y, x=x, a=a_k)
+
+    assert got is y
+    t_exp = oracle_shrink(x, a, ranks, token_slot, torch.zeros(plan.num_tokens, r_max, dtype=torch.float64))
+    check_close(y, oracle_expand(t_exp.float(), b, ranks, scalings, token_slot, y0), dtype, what=f"fused {plan_name}")
+    touched = touched_rows(token_slot, ranks)
+    assert torch.equal(bits(y[~touched]), bits(y0[~touched])), "fused: rows outside the segments changed"
+    assert not torch.equal(y[touched], y0[touched]), "fused: changed nothing"
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.parametrize("layout", ["dense", "strided"])
+def test_fused_out_of_place_over_base_segments(layout, dora, dtype):
+    """Fused over a static plan (base rows in segments of slot -1), out of place, ``x`` and ``out`` strided: adapter
+    rows as the oracle (DoRA's scale applied as the expand applies it), base and rank-0 rows a bit-exact copy of
+    ``y``, ``y`` untouched; the same as the two launches (shrink, then expand) to fp32 accumulation order."""
+    row_slots = [2, -1, 0, -1, 3, 1, -1, 2, 1]  # slot 1 has rank 0 here
+    plan = static_plan(row_slots, 2)
+    token_slot = [row_slots[i // 2] for i in range(plan.num_tokens)]
+    ranks, r_max = RANKS["r8-0-3-16"]
+    k, n = DIMS["in123-out431"]
+    a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=24)
+    x_dense = randn(plan.num_tokens, k, dtype=dtype, seed=25)
+    x = x_view(x_dense, "column-slice") if layout == "strided" else x_dense
+    y = randn(plan.num_tokens, n, dtype=dtype, seed=26)
+    y0 = y.clone()
+    tables = {}
+    if dora:
+        g = torch.Generator().manual_seed(27)
+        mag = (1 + 0.1 * torch.randn(NUM_SLOTS, n, generator=g)).to(DEVICE)
+        tables = dict(mag=mag, bias=torch.zeros(n, device=DEVICE))
+    if layout == "strided":
+        out, parent, outside = y_view(torch.zeros_like(y), "row-stride-2")
+        parent0 = parent.clone()
+    else:
+        out = torch.empty_like(y)
+
+    got = expand(None, b, ranks_t, scalings, plan, y, out=out, x=x, a=a, **tables)
+
+    assert got is out and torch.equal(bits(y), bits(y0)), "a fused out-of-place launch wrote y"
+    copied = device_mask([s < 0 or ranks[s] == 0 for s in token_slot])
+    assert torch.equal(bits(out[copied]), bits(y0[copied])), "base / rank-0 rows are not copied bit for bit"
+    t_exp = oracle_shrink(x_dense, a, ranks, token_slot, torch.zeros(plan.num_tokens, r_max, dtype=torch.float64))
+    expected = oracle_expand(t_exp.float(), b, ranks, scalings, token_slot, y0)
+    if dora:
+        slot_of = torch.tensor([max(s, 0) for s in token_slot])
+        expected = torch.where(copied.cpu()[:, None], expected, tables["mag"].cpu().double()[slot_of] * expected)
+    check_close(out[~copied], expected[~copied.cpu()], dtype, what=f"fused out of place ({layout}, dora={dora})")
+    two_launches = expand(shrink(x, a, ranks_t, plan), b, ranks_t, scalings, plan, y, out=torch.empty_like(y), **tables)
+    check_close(out, two_launches.double(), dtype, what="fused against shrink + expand")
+    if layout == "strided":
+        assert torch.equal(bits(parent[outside]), bits(parent0[outside])), "fused wrote outside the out view"
+
+
+def test_fused_shape_mismatch_raises():
+    plan, _ = make_plan("distinct")
+    ranks, r_max = RANKS["r1-3-8-16"]
+    a, b, ranks_t, scalings = make_weights(ranks, r_max, 33, 47, torch.float32, seed=28)
+    y = randn(plan.num_tokens, 47, dtype=torch.float32, seed=29)
+    with pytest.raises(ValueError, match="fused x"):
+        expand(None, b, ranks_t, scalings, plan, y, x=randn(plan.num_tokens, 34, dtype=torch.float32, seed=30), a=a)
+    with pytest.raises(ValueError, match="fused x"):
+        expand(None, b, ranks_t, scalings, plan, y, x=randn(plan.num_tokens, 33, dtype=torch.float32, seed=30))
+
+
 def test_expand_is_in_place():
     plan, token_slot = make_plan("zipf")
     ranks, r_max = RANKS["r1-3-8-16"]

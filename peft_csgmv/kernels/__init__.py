@@ -3,7 +3,7 @@ reference with the same semantics."""
 
 from .bound import BoundLayer
 from .embedding import embedding_shrink
-from .expand import expand
+from .expand import expand, fused_fits
 from .reference import embedding_shrink_reference, expand_reference, shrink_reference
 from .shrink import shrink, shrink_splits
 
@@ -14,6 +14,7 @@ __all__ = [
     "shrink",
     "shrink_splits",
     "expand",
+    "fused_fits",
     "shrink_reference",
     "expand_reference",
 ]

@@ -37,7 +37,7 @@ import triton.language as tl
 from ..plan import BatchPlan
 from .launch import Launcher
 from .pool import ALIGN, pool_offsets, pool_strides
-from .shrink import _block, _dense, _segment_rows, _tiles
+from .shrink import _a_product, _block, _dense, _segment_rows, _tiles
 
 
 @triton.jit
@@ -55,7 +55,11 @@ def _expand_kernel(
     bias_ptr,  # (N,) fp32 base-layer bias (read only with HAS_DORA)
     lbias_ptr,  # (S, N) fp32 lora_B bias per slot (read only with HAS_LORA_BIAS)
     b_off_ptr,  # (S,) int64 (read only when POOLED)
+    x_ptr,  # (T, K) activations (read only when FUSED)
+    a_ptr,  # stacked or pooled A, as the shrink's (read only when FUSED)
+    a_off_ptr,  # (S,) int64 (read only when FUSED and POOLED)
     N,
+    K,
     SPLITS,
     stride_tp,
     stride_tm,
@@ -69,6 +73,11 @@ def _expand_kernel(
     stride_on,
     stride_ms,
     stride_lbs,
+    stride_xm,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -79,6 +88,8 @@ def _expand_kernel(
     ALIGN: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
     OUT_OF_PLACE: tl.constexpr,
+    FUSED: tl.constexpr,  # t = x[rows] @ A[slot]ᵀ computed here over all of K (no shrink launch, no t in memory)
+    BLOCK_K: tl.constexpr,
 ):
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -103,11 +114,17 @@ def _expand_kernel(
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
         b_ptrs = b_base + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn
     b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-    t_ptrs = t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr
-    t_mask = m_mask[:, None] & r_mask[None, :]
-    t = tl.load(t_ptrs, mask=t_mask, other=0.0)
-    for p in range(1, SPLITS):
-        t += tl.load(t_ptrs + p * stride_tp, mask=t_mask, other=0.0)
+    if FUSED:  # rank 0 (a base segment copied out of place): no K steps
+        t = _a_product(
+            x_ptr, a_ptr, a_off_ptr, slot, rank, rows, m_mask, 0, tl.where(rank > 0, K, 0), stride_xm, stride_xk,
+            stride_as, stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, POOLED, ALIGN,
+        )  # fmt: skip
+    else:
+        t_ptrs = t_ptr + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr
+        t_mask = m_mask[:, None] & r_mask[None, :]
+        t = tl.load(t_ptrs, mask=t_mask, other=0.0)
+        for p in range(1, SPLITS):
+            t += tl.load(t_ptrs + p * stride_tp, mask=t_mask, other=0.0)
     acc = tl.dot(t.to(b.dtype), b, input_precision=DOT_PRECISION)
     if HAS_LORA_BIAS:
         acc += tl.load(lbias_ptr + slot.to(tl.int64) * stride_lbs + offs_n, mask=n_mask, other=0.0)[None, :]
@@ -131,7 +148,7 @@ def _expand_kernel(
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_launch_expand = Launcher(_expand_kernel, num_tensors=13)
+_launch_expand = Launcher(_expand_kernel, num_tensors=16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,10 +167,12 @@ def expand_tiles(block_m: int, num_segments: int, r: int) -> tuple[int, tuple]:
 
 
 def expand_launch_args(
-    t, b, ranks, scalings, plan, y, mag, bias, lora_bias, has_dora, has_lora_bias, block_n, options, out=None
-) -> tuple:
+    t, b, ranks, scalings, plan, y, mag, bias, lora_bias, has_dora, has_lora_bias, block_n, options, out=None,
+    fused=None,
+) -> tuple:  # fmt: skip
     """``(grid, args, constexprs, options)`` of one expand launch (checked arguments; unused ``mag``/``bias``/
-    ``lora_bias`` are any fp32 tensor; ``out``: the out-of-place output, else ``y`` is updated in place)."""
+    ``lora_bias`` are any fp32 tensor; ``out``: the out-of-place output, else ``y`` is updated in place; ``fused``:
+    ``(x, A stack, BLOCK_K)`` where the kernel computes ``t`` itself, ``t`` then unused)."""
     if t.dim() == 2:  # one plane: plane stride 0, no view needed
         splits, stride_tp, (stride_tm, stride_tr) = 1, 0, t.stride()
     else:
@@ -163,11 +182,19 @@ def expand_launch_args(
     stride_ym, stride_yn = y.stride()
     out_of_place = out is not None
     stride_om, stride_on = out.stride() if out_of_place else (0, 0)
+    if fused is None:  # never read: any tensors, zero strides
+        x, a_data, a_off, k, x_strides, a_strides, block_k = t, t, ranks, 0, (0, 0), (0, 0, 0), 16
+    else:
+        x, a, block_k = fused
+        a_pooled, *a_strides = pool_strides(a)
+        if a_pooled != pooled:
+            raise ValueError("expand: a fused launch takes A and B stacked the same way (both pooled, or neither)")
+        a_data, a_off, k, x_strides = a.data if pooled else a, pool_offsets(a, ranks), x.shape[1], x.stride()
     args = (
         t, b.data if pooled else b, y, out if out_of_place else y, plan.permutation, plan.seg_indptr, plan.seg_slot,
-        ranks, scalings, mag, bias, lora_bias, pool_offsets(b, ranks), n, splits, stride_tp, stride_tm, stride_tr,
-        stride_bs, stride_bn, stride_br, stride_ym, stride_yn, stride_om, stride_on, mag.stride(0) if has_dora else 0,
-        lora_bias.stride(0) if has_lora_bias else 0,
+        ranks, scalings, mag, bias, lora_bias, pool_offsets(b, ranks), x, a_data, a_off, n, k, splits, stride_tp,
+        stride_tm, stride_tr, stride_bs, stride_bn, stride_br, stride_ym, stride_yn, stride_om, stride_on,
+        mag.stride(0) if has_dora else 0, lora_bias.stride(0) if has_lora_bias else 0, *x_strides, *a_strides,
     )  # fmt: skip
     constexprs = dict(
         BLOCK_M=_block(plan.chunk_size),
@@ -180,6 +207,8 @@ def expand_launch_args(
         ALIGN=ALIGN if pooled else 1,
         RANK_ALIGN=b.rank_align if pooled else 1,
         OUT_OF_PLACE=out_of_place,
+        FUSED=fused is not None,
+        BLOCK_K=block_k,
     )
     return (plan.num_segments, -(-n // block_n), 1), args, constexprs, options
 
@@ -196,9 +225,14 @@ def expand(
     lora_bias: torch.Tensor | None = None,
     config: dict | None = None,
     out: torch.Tensor | None = None,
+    x: torch.Tensor | None = None,
+    a: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the expand kernel; ``y`` is updated in place and returned (or, with ``out``, ``out`` is written and
-    returned, ``y`` only read).
+    returned, ``y`` only read). With ``x`` and ``a``, *fused*: the kernel computes ``t = x @ A[slot]ᵀ`` itself over
+    all of ``K`` (the shrink's product, in the same fp32 accumulation), so one launch does the whole LoRA of a layer
+    and ``t`` never goes through memory; each program of a segment repeats that product for its ``BLOCK_N`` columns,
+    which pays where ``K`` is short and the segments few rows (decode: see :func:`fused_fits`).
 
     Args:
         t: ``(T, R)`` or ``(P, T, R)`` fp32, the shrink output (``R`` = the layer's max rank; ``P`` split-K planes,
@@ -214,16 +248,28 @@ def expand(
         bias: with ``mag``, the ``(N,)`` fp32 base-layer bias that ``y`` includes (zeros for none).
         lora_bias: optional ``(S, N)`` fp32 bias of each slot's ``lora_B`` (PEFT's ``lora_bias=True``; zeros for the
             others), added before the scaling.
-        config: override the tile choice (for tuning): ``block_n``, ``num_warps``, ``num_stages``.
+        config: override the tile choice (for tuning): ``block_n``, ``num_warps``, ``num_stages`` (fused: and
+            ``block_k``).
         out: optional ``(T, N)`` output of ``y``'s dtype, any strides: written out of place for every token of a
             segment (``y`` plus the LoRA; a copy of ``y`` for segments of slot ``-1`` or of a rank-0 slot). Tokens in
             no segment are not written: the caller's plan covers every token (as a static plan's base segments do).
+        x: fused only, ``(T, K)`` activations, any strides, as :func:`~peft_csgmv.kernels.shrink` takes them (``t``
+            is then not read and may be ``None``).
+        a: fused only, the A stack, as :func:`~peft_csgmv.kernels.shrink` takes it, stacked as ``b`` is.
     """
     num_tokens, n = y.shape
     if out is not None and (out.shape != y.shape or out.dtype != y.dtype):
         raise ValueError(f"expand: out {tuple(out.shape)} {out.dtype} is not like y {tuple(y.shape)} {y.dtype}")
     num_slots, n_b, r = b.shape
-    if n_b != n or t.shape[-2:] != (num_tokens, r) or num_tokens != plan.num_tokens:
+    fusing = x is not None
+    if fusing:
+        if a is None or a.shape[:2] != (num_slots, r) or x.shape != (num_tokens, a.shape[2]):
+            raise ValueError(
+                f"expand: fused x {tuple(x.shape)} and A {None if a is None else tuple(a.shape)} do not fit B "
+                f"{tuple(b.shape)} and y {tuple(y.shape)}"
+            )
+        t = scalings.view(-1, 1)  # never read
+    if n_b != n or (not fusing and t.shape[-2:] != (num_tokens, r)) or num_tokens != plan.num_tokens:
         raise ValueError(
             f"expand: t {tuple(t.shape)}, B {tuple(b.shape)} and y {tuple(y.shape)} do not fit a plan of "
             f"{plan.num_tokens} tokens"
@@ -243,9 +289,36 @@ def expand(
         raise ValueError(f"expand: lora_bias must be ({num_slots}, {n}), got {tuple(lora_bias.shape)}")
     lora_bias = _dense(lora_bias) if has_lora_bias else scalings  # else never read
     block_m = _block(plan.chunk_size)
-    block_n, options = expand_tiles(block_m, plan.num_segments, r) if config is None else _tiles(config, "block_n")
+    fused = None
+    if fusing:
+        block_n, block_k, options = fused_tiles(x.shape[1])
+        if config is not None:
+            (block_n, options), block_k = _tiles(config, "block_n"), config.get("block_k", block_k)
+        fused = (x, a, block_k)
+    elif config is None:
+        block_n, options = expand_tiles(block_m, plan.num_segments, r)
+    else:
+        block_n, options = _tiles(config, "block_n")
     _launch_expand(
         *expand_launch_args(t, b, ranks, scalings, plan, y, mag, bias, lora_bias, has_dora, has_lora_bias, block_n,
-                            options, out)
+                            options, out, fused)
     )  # fmt: skip
     return y if out is None else out
+
+
+# Fused launches (one per layer) where both products are short: decode-sized plans (16-row tiles, fewer than 64
+# tokens) over inputs of at most this width. Each program repeats its segment's whole A product, so wide inputs
+# keep the split-K shrink and the expand.
+FUSED_MAX_K = 4096
+
+
+def fused_fits(num_tokens: int, k: int) -> bool:
+    """Whether a layer of input width ``k`` over a plan of ``num_tokens`` tokens runs fused (one launch)."""
+    return num_tokens < 64 and k <= FUSED_MAX_K
+
+
+@functools.lru_cache(maxsize=None)
+def fused_tiles(k: int) -> tuple[int, int, tuple]:
+    """``(BLOCK_N, BLOCK_K, launch options)`` of a fused launch: wide column tiles (each repeats the A product),
+    K in steps of 128 (64 for inputs narrower than 1024). Not yet tuned on the H200."""
+    return 256, (128 if k >= 1024 else 64), (("num_warps", 4), ("num_stages", 3))

@@ -40,6 +40,52 @@ def _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _a_product(
+    x_ptr,
+    a_ptr,
+    a_off_ptr,
+    slot,
+    rank,
+    rows,
+    m_mask,
+    k_start,
+    k_len,
+    stride_xm,
+    stride_xk,
+    stride_as,
+    stride_ar,
+    stride_ak,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    POOLED: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """``x[rows, k_start : k_start + k_len] @ A[slot, :rank, k_start : k_start + k_len]ᵀ`` as a ``(BLOCK_M,
+    BLOCK_R)`` fp32 tile (lanes past ``rank`` and masked rows are 0): the shrink's work, which the fused expand does
+    too."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + offs_k[None, :]) * stride_xk
+    if POOLED:
+        a_base = a_ptr + tl.multiple_of(tl.load(a_off_ptr + slot), ALIGN)
+    else:
+        a_base = a_ptr + slot.to(tl.int64) * stride_as
+    a_ptrs = a_base + offs_r[None, :] * stride_ar + (k_start + offs_k[:, None]) * stride_ak
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(0, tl.cdiv(k_len, BLOCK_K)):
+        k_mask = offs_k < k_len - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x.to(a.dtype), a, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
+    return acc
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,  # (T, K) activations, any float dtype
     a_ptr,  # (S, R, K) stacked A, or a pool (POOLED: slot s's (r, K) matrix at element a_off[s])
@@ -78,27 +124,13 @@ def _shrink_kernel(
     k_start = split * K_PER_SPLIT
     k_len = tl.minimum(K - k_start, K_PER_SPLIT)
     rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
+    acc = _a_product(
+        x_ptr, a_ptr, a_off_ptr, slot, rank, rows, m_mask, k_start, k_len, stride_xm, stride_xk, stride_as,
+        stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, POOLED, ALIGN,
+    )  # fmt: skip
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    offs_k = tl.arange(0, BLOCK_K)
-
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + offs_k[None, :]) * stride_xk
-    if POOLED:
-        a_base = a_ptr + tl.multiple_of(tl.load(a_off_ptr + slot), ALIGN)
-    else:
-        a_base = a_ptr + slot.to(tl.int64) * stride_as
-    a_ptrs = a_base + offs_r[None, :] * stride_ar + (k_start + offs_k[:, None]) * stride_ak
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, tl.cdiv(k_len, BLOCK_K)):
-        k_mask = offs_k < k_len - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=r_mask[None, :] & k_mask[:, None], other=0.0)
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(x.to(a.dtype), a, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K * stride_ak
-
     t_ptrs = t_ptr + split * stride_tp + rows[:, None] * stride_tm + offs_r[None, :] * stride_tr
-    tl.store(t_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
+    tl.store(t_ptrs, acc, mask=m_mask[:, None] & (offs_r < rank)[None, :])
 
 
 _launch_shrink = Launcher(_shrink_kernel, num_tensors=8)
