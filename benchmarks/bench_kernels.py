@@ -6,7 +6,10 @@ For each (in → out, rank, tokens, distinct adapters, distribution) it reports
 * GPU µs: one layer's shrink + expand, median over CUDA-graph replays (launch gaps removed);
 * host µs: eager host time per layer (two launches through the library's launch path, no sync);
 * GB/s achieved and the ratio to the memory floor: x, y (read + write) and each used adapter's A and B read once,
-  over the measured device copy rate (``--copy-gbs``, default 4300 GB/s on the H200).
+  over the measured device copy rate (``--copy-gbs``, default 4300 GB/s on the H200);
+* fused GPU µs, where a layer may run fused (``kernels.fused_fits``: decode-sized plans, inputs up to 4096 wide): the
+  same layer as one launch, the expand computing the A product itself (``PEFT_CSGMV_FUSED_DECODE``);
+  ``--fused-sweep`` also times every fused tile config there and reports the best.
 Then the per-layer cost of the whole patched module (base Linear alone, PEFT one adapter, csgmv) and the plan build
 time. The tables are printed last; the JSON holds GPU name, versions and date.
 """
@@ -26,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from peft_csgmv import BatchPlan  # noqa: E402
 from peft_csgmv.bench import run_meta, write_results  # noqa: E402
 from peft_csgmv.executor import PlanRun  # noqa: E402
-from peft_csgmv.kernels import BoundLayer, expand, shrink, shrink_splits  # noqa: E402
+from peft_csgmv.kernels import BoundLayer, expand, fused_fits, shrink, shrink_splits  # noqa: E402
 from peft_csgmv.slots import LoraStack  # noqa: E402
 
 SHAPES = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048), (4096, 4096), (4096, 1024), (4096, 14336),
@@ -86,7 +89,15 @@ def host_time_us(fn, iters: int = 200) -> float:
     return statistics.median(samples)
 
 
-def bench_case(k, n, rank, tokens, rows, distinct, dist, dtype, copy_gbs, gen):
+FUSED_CONFIGS = [
+    dict(block_n=bn, block_k=bk, num_warps=w, num_stages=3)
+    for bn in (64, 128, 256)
+    for bk in (64, 128, 256)
+    for w in (2, 4)
+]
+
+
+def bench_case(k, n, rank, tokens, rows, distinct, dist, dtype, copy_gbs, gen, fused_sweep=False):
     slots = row_slots(rows, distinct, dist, gen)
     num_slots = max(distinct, 1)
     dev = "cuda"
@@ -109,6 +120,13 @@ def bench_case(k, n, rank, tokens, rows, distinct, dist, dtype, copy_gbs, gen):
 
     gpu_us = graph_time_us(layer)
     host_us = host_time_us(layer)
+    fused_us, best = float("nan"), None
+    if fused_fits(plan.num_tokens, k):
+        fused_us = graph_time_us(lambda: expand(None, b, ranks, scal, plan, y, x=x, a=a))
+        if fused_sweep:
+            timed = [(graph_time_us(lambda c=c: expand(None, b, ranks, scal, plan, y, x=x, a=a, config=c)), c)
+                     for c in FUSED_CONFIGS]  # fmt: skip
+            best = min(timed, key=lambda tc: tc[0])
     bound = BoundLayer.bind(x, y, t, stack, plan)
     bound_host_us = host_time_us(lambda: bound(x, y)) if bound is not None else float("nan")
     used = len(set(slots))
@@ -117,6 +135,8 @@ def bench_case(k, n, rank, tokens, rows, distinct, dist, dtype, copy_gbs, gen):
     floor_us = nbytes / (copy_gbs * 1e3)
     return dict(in_f=k, out_f=n, rank=rank, tokens=plan.num_tokens, distinct=distinct, used=used, dist=dist,
                 gpu_us=gpu_us, host_us=host_us, bound_host_us=bound_host_us, splits=shrink_splits(plan, k),
+                fused_gpu_us=fused_us, fused_best_us=best[0] if best else float("nan"),
+                fused_best_config=best[1] if best else None,
                 gbs=nbytes / gpu_us / 1e3, floor_us=floor_us,
                 vs_floor=gpu_us / floor_us, segments=plan.num_segments)  # fmt: skip
 
@@ -189,6 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--copy-gbs", type=float, default=4300.0)
     p.add_argument("--quick", action="store_true", help="a few cases only")
     p.add_argument("--ranks", default=None, help="comma-separated ranks (default 8,16,64,128 decode; 16,64 prefill)")
+    p.add_argument("--fused-sweep", action="store_true", help="time every fused tile config where a layer runs fused")
     args = p.parse_args(argv)
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
@@ -206,26 +227,26 @@ def main(argv=None) -> int:
                     cases.append((k, n, rank, tokens, min(rows, tokens), distinct, dist))
     results = []
     for c in cases:
-        r = bench_case(*c, dtype=dtype, copy_gbs=args.copy_gbs, gen=gen)
+        r = bench_case(*c, dtype=dtype, copy_gbs=args.copy_gbs, gen=gen, fused_sweep=args.fused_sweep)
         results.append(r)
         print(
             f"{r['in_f']:>5}→{r['out_f']:<5} r{r['rank']:<3} T{r['tokens']:<5} {r['distinct']:>3} {r['dist']:<7} "
             f"gpu {r['gpu_us']:7.1f} µs  host {r['host_us']:6.1f} / bound {r['bound_host_us']:5.1f} µs  "
             f"{r['gbs']:6.0f} GB/s  "
-            f"{r['vs_floor']:5.2f}× floor",
+            f"{r['vs_floor']:5.2f}× floor  fused {r['fused_gpu_us']:6.1f} µs (best {r['fused_best_us']:6.1f})",
             flush=True,
         )
     modules = bench_modules(dtype, gen)
     plans = bench_plan()
 
     print("\n| in→out | rank | tokens | distinct | K splits | GPU µs | host µs (checked) | host µs (bound) | GB/s "
-          "| × floor |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| × floor | fused GPU µs | fused, best config µs |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
             f"| {r['in_f']}→{r['out_f']} | {r['rank']} | {r['tokens']} | {r['distinct']} {r['dist']} | {r['splits']} | "
             f"{r['gpu_us']:.1f} | {r['host_us']:.1f} | {r['bound_host_us']:.1f} | {r['gbs']:.0f} | "
-            f"{r['vs_floor']:.2f} |"
+            f"{r['vs_floor']:.2f} | {r['fused_gpu_us']:.1f} | {r['fused_best_us']:.1f} {r['fused_best_config'] or ''} |"
         )
     print(
         "\n| module in→out, 32 decode tokens | base Linear host µs | PEFT one adapter host µs | csgmv host µs "

@@ -29,7 +29,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 -m pytest tests -q -p no:cacheprovider -rf --tb=short > "$OUT/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15 ;;
     kernels)
-      python3 benchmarks/bench_kernels.py --ranks 16,64 --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
+      python3 benchmarks/bench_kernels.py --ranks 16,64 --fused-sweep --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
       grep -A 12 "^| module" "$OUT/kernels.log" ;;
     tune)
       python3 benchmarks/tune_kernels.py --budget-s 240 --out "$OUT/tune.json" > "$OUT/tune.log" 2>&1
