@@ -422,6 +422,20 @@ def test_base_rows_bit_identical(dtype):
     assert not torch.equal(y[~base], y0[~base])
 
 
+def dora_tables(n: int, seed: int) -> dict:
+    """``mag`` / ``bias`` for an expand with DoRA: a per-slot scale near 1, no base bias."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(mag=(1 + 0.1 * torch.randn(NUM_SLOTS, n, generator=g)).to(DEVICE), bias=torch.zeros(n, device=DEVICE))
+
+
+def with_dora(expected: torch.Tensor, tables: dict, token_slot, copied: torch.Tensor) -> torch.Tensor:
+    """The oracle's expand rows scaled by DoRA's ``mag`` of their slot (the bias is zero); copied rows unchanged."""
+    if not tables:
+        return expected
+    slot_of = torch.tensor([max(s, 0) for s in token_slot])
+    return torch.where(copied.cpu()[:, None], expected, tables["mag"].cpu().double()[slot_of] * expected)
+
+
 def static_plan(row_slots, tokens_per_row):
     """The plan compiled code runs (:class:`~peft_csgmv.executor.StaticPlan`): adapter segments, the base tokens in
     segments of slot -1, then empty segments; as the ``peft_csgmv::lora`` op reads it."""
@@ -454,11 +468,7 @@ def test_expand_out_of_place_over_base_segments(layout, dora, dtype):
     y[copied] = special.repeat(n // len(special) + 1)[:n]
     t[copied] = float("nan")  # not read for rows that only copy
     y0 = y.clone()
-    tables = {}
-    if dora:
-        g = torch.Generator().manual_seed(78)
-        mag = (1 + 0.1 * torch.randn(NUM_SLOTS, n, generator=g)).to(DEVICE)
-        tables = dict(mag=mag, bias=torch.zeros(n, device=DEVICE))
+    tables = dora_tables(n, seed=78) if dora else {}
     if layout == "dense":
         out, parent, outside = torch.empty_like(y), None, None
     else:
@@ -470,11 +480,7 @@ def test_expand_out_of_place_over_base_segments(layout, dora, dtype):
     assert got is out
     assert torch.equal(bits(y), bits(y0)), "an out-of-place expand wrote y"
     assert torch.equal(bits(out[copied]), bits(y0[copied])), "base / rank-0 rows are not copied bit for bit"
-    expected = oracle_expand(t, b, ranks, scalings, token_slot, y0)
-    if dora:
-        mag = tables["mag"].cpu().double()
-        slot_of = torch.tensor([max(s, 0) for s in token_slot])
-        expected = torch.where(copied.cpu()[:, None], expected, mag[slot_of] * expected)
+    expected = with_dora(oracle_expand(t, b, ranks, scalings, token_slot, y0), tables, token_slot, copied)
     check_close(out[~copied], expected[~copied.cpu()], dtype, what=f"out-of-place expand ({layout}, dora={dora})")
     if parent is not None:
         assert torch.equal(bits(parent[outside]), bits(parent0[outside])), "expand wrote outside the out view"
@@ -536,11 +542,7 @@ def test_fused_out_of_place_over_base_segments(layout, dora, dtype):
     x = x_view(x_dense, "column-slice") if layout == "strided" else x_dense
     y = randn(plan.num_tokens, n, dtype=dtype, seed=26)
     y0 = y.clone()
-    tables = {}
-    if dora:
-        g = torch.Generator().manual_seed(27)
-        mag = (1 + 0.1 * torch.randn(NUM_SLOTS, n, generator=g)).to(DEVICE)
-        tables = dict(mag=mag, bias=torch.zeros(n, device=DEVICE))
+    tables = dora_tables(n, seed=27) if dora else {}
     if layout == "strided":
         out, parent, outside = y_view(torch.zeros_like(y), "row-stride-2")
         parent0 = parent.clone()
@@ -553,26 +555,12 @@ def test_fused_out_of_place_over_base_segments(layout, dora, dtype):
     copied = device_mask([s < 0 or ranks[s] == 0 for s in token_slot])
     assert torch.equal(bits(out[copied]), bits(y0[copied])), "base / rank-0 rows are not copied bit for bit"
     t_exp = oracle_shrink(x_dense, a, ranks, token_slot, torch.zeros(plan.num_tokens, r_max, dtype=torch.float64))
-    expected = oracle_expand(t_exp.float(), b, ranks, scalings, token_slot, y0)
-    if dora:
-        slot_of = torch.tensor([max(s, 0) for s in token_slot])
-        expected = torch.where(copied.cpu()[:, None], expected, tables["mag"].cpu().double()[slot_of] * expected)
+    expected = with_dora(oracle_expand(t_exp.float(), b, ranks, scalings, token_slot, y0), tables, token_slot, copied)
     check_close(out[~copied], expected[~copied.cpu()], dtype, what=f"fused out of place ({layout}, dora={dora})")
     two_launches = expand(shrink(x, a, ranks_t, plan), b, ranks_t, scalings, plan, y, out=torch.empty_like(y), **tables)
     check_close(out, two_launches.double(), dtype, what="fused against shrink + expand")
     if layout == "strided":
         assert torch.equal(bits(parent[outside]), bits(parent0[outside])), "fused wrote outside the out view"
-
-
-def test_fused_shape_mismatch_raises():
-    plan, _ = make_plan("distinct")
-    ranks, r_max = RANKS["r1-3-8-16"]
-    a, b, ranks_t, scalings = make_weights(ranks, r_max, 33, 47, torch.float32, seed=28)
-    y = randn(plan.num_tokens, 47, dtype=torch.float32, seed=29)
-    with pytest.raises(ValueError, match="fused x"):
-        expand(None, b, ranks_t, scalings, plan, y, x=randn(plan.num_tokens, 34, dtype=torch.float32, seed=30), a=a)
-    with pytest.raises(ValueError, match="fused x"):
-        expand(None, b, ranks_t, scalings, plan, y, x=randn(plan.num_tokens, 33, dtype=torch.float32, seed=30))
 
 
 def test_expand_is_in_place():
@@ -688,6 +676,10 @@ def test_shape_mismatch_raises():
         expand(t[:, :8], b, ranks_t, scalings, plan, y)  # R mismatch
     with pytest.raises(ValueError):
         expand(t[:-1], b, ranks_t, scalings, plan, y[:-1])  # token count mismatch
+    with pytest.raises(ValueError, match="fused x"):
+        expand(None, b, ranks_t, scalings, plan, y, x=x[:, :32], a=a)  # fused: K mismatch
+    with pytest.raises(ValueError, match="fused x"):
+        expand(None, b, ranks_t, scalings, plan, y, x=x)  # fused without A
 
 
 # ----------------------------------------------------------------------------------------------------------------------
