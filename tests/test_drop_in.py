@@ -327,7 +327,13 @@ def test_empty_batch_or_sequence_refused(enabled, kernel_calls, shape, message, 
 def _stacks(model):
     state = model._csgmv
     return {
-        name: (layer._csgmv_stack.device, layer._csgmv_stack.data.data_ptr(), layer._csgmv_stack.data.clone())
+        # The storage's raw bytes: the alignment gaps between slots are never written (uninitialized memory may hold
+        # NaN patterns, which no float comparison calls equal).
+        name: (
+            layer._csgmv_stack.device,
+            layer._csgmv_stack.data.data_ptr(),
+            layer._csgmv_stack.data.view(torch.uint8).clone(),
+        )
         for name, layer in state.layers.items()
     }
 
