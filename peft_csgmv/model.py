@@ -409,13 +409,12 @@ class CsgmvState:
                 self.stack_layer(layer, force=True)
 
     def validate(self, model, ids: Sequence[str | None], arg: str, args: tuple, kwargs: dict) -> None:
-        """Validate ``ids`` for a call with these inputs; raises before anything runs or moves. The checks and
-        messages are PEFT's (``adapter_names`` reads as ``arg``)."""
+        """Validate ``ids`` for a call with these inputs, after :meth:`sync`; raises before anything runs or moves. The
+        checks and messages are PEFT's (``adapter_names`` reads as ``arg``)."""
         _check_ids(ids, arg)
         batch_size = _check_inputs(args, kwargs, arg)
         if model.training:
             raise ValueError(f"Cannot pass `{arg}` when the model is in training mode.")
-        self.sync(model)
         unknown = {i for i in ids if i not in BASE_NAMES and i not in self.known}
         if unknown:
             raise ValueError(
