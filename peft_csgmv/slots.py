@@ -77,9 +77,15 @@ class SlotRegistry:
 def layer_adapters(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The adapters a PEFT LoRA Linear or Embedding layer holds: name → (A ``(r, in)``, B ``(out, r)``) weights
     (for an embedding, ``in`` is the vocabulary: PEFT's ``lora_embedding_A`` / ``lora_embedding_B``)."""
-    if layer.lora_embedding_A:
-        return {name: (layer.lora_embedding_A[name], layer.lora_embedding_B[name]) for name in layer.lora_embedding_A}
-    return {name: (layer.lora_A[name].weight, layer.lora_B[name].weight) for name in layer.lora_A.keys()}
+    held = layer._modules
+    embedding_a = held.get("lora_embedding_A")
+    if embedding_a:
+        return {name: (layer.lora_embedding_A[name], layer.lora_embedding_B[name]) for name in embedding_a}
+    b_modules = held["lora_B"]._modules  # the module dicts, not Module.__getattr__: layers may hold thousands
+    return {
+        name: (module_param(a, "weight"), module_param(b_modules[name], "weight"))
+        for name, a in held["lora_A"]._modules.items()
+    }
 
 
 def layer_adapter(layer: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
