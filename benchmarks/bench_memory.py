@@ -10,7 +10,9 @@ Random weights from the 1B Llama layout (no hub), LoRA on all 7 projections. Thr
    ratio column is (PEFT + what enabling added) / PEFT.
 2. **Scale.** ``--scale`` bf16 adapters (1000: about 22 GiB) loaded, ``enable_csgmv(max_resident_adapters=64)``:
    the decode step (batch 32, prompt 256) with 32 distinct resident adapters, against the same step with only 32
-   adapters loaded (no host tier) in the same run; GPU memory of both.
+   adapters loaded (no host tier) in the same run; GPU memory of both; and the host time a call with ids spends
+   before its forward (validation, residency, opening the call: ``adapter_ids_scope``), which is all the tier adds
+   to a call whose adapters are resident (the kernels do the same work).
 3. **Host-tier load cost.** A forward whose 32 adapters all wait in host memory (each copied into a slot first)
    against the same forward once they are resident; per adapter, against its bytes over the measured pinned
    host→device bandwidth.
@@ -30,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv  # noqa: E402
+from peft_csgmv import adapter_ids_scope, csgmv_stats, disable_csgmv, enable_csgmv  # noqa: E402
 from peft_csgmv._compat import cache_kwarg, output_cache  # noqa: E402
 from peft_csgmv.bench import (  # noqa: E402
     Timer,
@@ -151,6 +153,17 @@ def main(argv=None) -> int:
     input_ids, mask, step_ids, step_mask = decode_inputs(model.config.vocab_size, args.batch, args.prompt, device)
     names = [f"a{i % 32}" for i in range(args.batch)]
 
+    def call_us(pm) -> float:
+        """Host µs of opening and closing a call with ``names`` (no forward), median of 5 × 200."""
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                with adapter_ids_scope(pm, names):
+                    pass
+            samples.append((time.perf_counter() - t0) / 200 * 1e6)
+        return sorted(samples)[2]
+
     def decode_ms(pm) -> float:
         cache_name = cache_kwarg(pm)
         with torch.no_grad():
@@ -171,7 +184,7 @@ def main(argv=None) -> int:
         before = _allocated(device)
         pm = add_many(model, 32, [16], device, fp32=False)
         enable_csgmv(pm)
-        scale["loaded_32"] = dict(decode_ms=decode_ms(pm), gib=(_allocated(device) - before) / GIB)
+        scale["loaded_32"] = dict(decode_ms=decode_ms(pm), gib=(_allocated(device) - before) / GIB, call_us=call_us(pm))
         print(f"32 loaded: {scale['loaded_32']}", flush=True)
         disable_csgmv(pm)
         t0 = time.perf_counter()
@@ -217,7 +230,8 @@ def main(argv=None) -> int:
         per_adapter_ms = (cold_ms - warm_ms) / len(cold_names)
         scale["tier"] = dict(
             adapters=args.scale, resident=args.resident, load_s=load_s, enable_s=enable_s, peft_gib=peft_gib,
-            gib=tier_gib, decode_ms=decode_ms(pm), cold_call_ms=cold_ms, cold_calls_ms=cold_times, warm_call_ms=warm_ms,
+            gib=tier_gib, decode_ms=decode_ms(pm), call_us=call_us(pm), cold_call_ms=cold_ms, cold_calls_ms=cold_times,
+            warm_call_ms=warm_ms,
             per_adapter_load_ms=per_adapter_ms, adapter_mib=one_adapter_bytes / 2**20, h2d_gb_s=bw_gbs,
             pcie_ms_per_adapter=one_adapter_bytes / (bw_gbs * 1e9) * 1e3,
         )  # fmt: skip
@@ -237,10 +251,13 @@ def main(argv=None) -> int:
     if scale:
         t, one = scale["tier"], scale["loaded_32"]
         print()
-        print("| adapters loaded | on the GPU | adapter GiB on the GPU | decode-step ms, 32 distinct |")
-        print("|---|---|---|---|")
-        print(f"| 32 | all | {one['gib']:.2f} | {one['decode_ms']:.2f} |")
-        print(f"| {t['adapters']} | {t['resident']} (max_resident_adapters) | {t['gib']:.2f} | {t['decode_ms']:.2f} |")
+        print("| adapters loaded | on the GPU | adapter GiB on the GPU | decode-step ms, 32 distinct | call host µs |")
+        print("|---|---|---|---|---|")
+        print(f"| 32 | all | {one['gib']:.2f} | {one['decode_ms']:.2f} | {one['call_us']:.0f} |")
+        print(
+            f"| {t['adapters']} | {t['resident']} (max_resident_adapters) | {t['gib']:.2f} | {t['decode_ms']:.2f} | "
+            f"{t['call_us']:.0f} |"
+        )
         print()
         print("| adapter MiB | cold call ms (32 from host) | warm call ms | per adapter ms | its bytes over PCIe ms "
               "| pinned H2D GB/s |")  # fmt: skip
