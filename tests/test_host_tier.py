@@ -211,3 +211,20 @@ def test_alora_rows_through_evictions():
             got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
         close(got, want, f"ids {names}")
         assert set(csgmv_stats(model)["resident"]) == set(names) - {BASE}
+
+
+def test_bringing_adapters_in_leaves_the_collector_as_it_was(tiered):
+    """Adapters are moved with Python's cyclic collector paused (a burst of short-lived objects); afterwards it is on
+    or off as the caller had it."""
+    import gc
+
+    model, input_ids, mask, outs = tiered
+    assert gc.isenabled()
+    _call(model, input_ids, mask, outs, ["a3", "a4", BASE, "a3"])  # both come in, two go out
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        _call(model, input_ids, mask, outs, ["a0", "a2", BASE, "a0"])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
