@@ -362,7 +362,11 @@ class CsgmvState:
         missing = [n for n in needed if n not in self.registry.index]
         if missing:
             with _no_gc_pauses():
-                self._bring_in(missing, needed)
+                try:
+                    self._bring_in(missing, needed)
+                except BaseException:
+                    self._abandon(missing)
+                    raise
         for name in needed:
             self.lru.move_to_end(name)
 
@@ -393,13 +397,38 @@ class CsgmvState:
             for name in missing:
                 _move_adapter(layer, name, layer._csgmv_stack.device)
 
+    def _abandon(self, missing: list[str]) -> None:
+        """Undo a bring-in that failed part way (out of memory, an interrupt): the adapters it was bringing in leave
+        their slots and the registry again, and their weights go back to host memory, so no slot claims weights it was
+        not given and the next call brings them in afresh; the residents evicted for them stay in host memory."""
+        layers = list(self.layers.values())
+        for layer in layers:
+            layer._csgmv_stack.pending = []  # not run: the parameters were not re-pointed at those slots
+        for name in missing:
+            slot = self.registry.index.get(name)
+            if slot is None:
+                continue
+            for layer in layers:
+                stack = layer._csgmv_stack
+                pair = stack.shared.get(slot)
+                if pair is not None and not stack._aliases(*pair):
+                    del stack.shared[slot]  # registered, never re-pointed: they keep their own weights
+                stack.clear_slot(slot)  # (a pair already re-pointed at the slot gets a copy of its values)
+                stack.refresh()
+            self.registry.remove(name)
+            self.lru.pop(name, None)
+        _move_to_host(layers, missing, self.host)  # weights left on the device (staged, moved, released) go back
+        _host_copies_done(layers)
+
     def _evict(self, name: str) -> None:
         slot = self.registry.index[name]
+        # Its weights leave the slot as they are (edits included), copied out first: a copy that fails leaves the
+        # adapter resident and shared as it was.
+        _move_to_host(self.layers.values(), [name], self.host, copy=True)
         for layer in self.layers.values():
-            layer._csgmv_stack.forget(slot)  # its weights leave the slot as they are (edits included)
+            layer._csgmv_stack.forget(slot)
             if name in layer._csgmv_peft:  # served by PEFT's path here: decided again when it is brought back
                 layer._csgmv_peft = layer._csgmv_peft - {name}
-        _move_to_host(self.layers.values(), [name], self.host, copy=True)
         self.registry.remove(name)
         self.lru.pop(name)
 

@@ -134,17 +134,24 @@ def stack_by_handle(handle: int) -> "LoraStack":
 
 def run_pending(stacks) -> None:
     """Run the stacks' deferred slot copies (:meth:`LoraStack.set_slot`'s ``defer``), batched per device and dtypes:
-    a few launches for the thousands of weights the host tier brings in for one call."""
+    a few launches for the thousands of weights the host tier brings in for one call; then the shared parameters
+    among them become views of their slots (only once their copies are queued: a failure before leaves every
+    parameter with its own weights)."""
+    stacks = [stack for stack in stacks if stack.pending]
     groups: dict = {}
     for stack in stacks:
-        for dst, src in stack.pending:
+        for dst, src, _ in stack.pending:
             dsts, srcs = groups.setdefault((dst.device, src.device, dst.dtype, src.dtype), ([], []))
             dsts.append(dst)
             srcs.append(src)
-        stack.pending = []
     with torch.no_grad():
         for dsts, srcs in groups.values():
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
+    for stack in stacks:
+        for dst, _, param in stack.pending:
+            if param is not None:
+                param.data = dst
+        stack.pending = []
 
 
 def _up(n: int) -> int:
@@ -204,7 +211,8 @@ class LoraStack:
         self.mag: torch.Tensor | None = None  # (capacity, out) fp32 DoRA scale, once a DoRA adapter is stacked
         self.bias: torch.Tensor | None = None  # (out,) fp32 base bias, with mag
         self._views: tuple[Pooled, Pooled] | None = None
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # deferred (slot view, weight) copies
+        # deferred (slot view, weight, the shared parameter to re-point or None) copies, for run_pending
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     @staticmethod
     def slot_elements(rank: int, in_features: int, out_features: int) -> int:
@@ -376,9 +384,9 @@ class LoraStack:
         the slot (``.data`` re-pointed; from another device, as the host tier brings an adapter in, that is their move
         to this one), so the adapter is stored once, and PEFT's forward, merges, saves and in-place edits all work on
         the stack's memory (:meth:`release_shared` gives them their own again). Weights from pinned host memory are
-        copied asynchronously, in stream order. ``defer``: the two copies wait in :attr:`pending` for
-        :func:`run_pending` (which batches many slots' copies over many stacks); anything of the stack's that reads
-        or moves its storage runs them first."""
+        copied asynchronously, in stream order. ``defer``: the two copies, and the parameters' re-pointing, wait in
+        :attr:`pending` for :func:`run_pending` (which batches many slots' copies over many stacks); anything of the
+        stack's that reads or moves its storage runs them first."""
         r = lora_a.shape[0]
         if lora_a.shape[1] != self.in_features or lora_b.shape != (self.out_features, r):
             raise ValueError(
@@ -402,16 +410,17 @@ class LoraStack:
         self._set_offsets(slot, self.extents[slot][0], r)
         self.ranks_host[slot] = r
         dst_a, dst_b = self.slot_a(slot), self.slot_b(slot)
-        if defer:
-            self.pending += ((dst_a, a_val), (dst_b, b_val))
+        if defer:  # shared parameters become views of the slot once the copies run (run_pending)
+            self.pending += ((dst_a, a_val, lora_a if share else None), (dst_b, b_val, lora_b if share else None))
         else:
             dst_a.copy_(a_val, non_blocking=True)
             dst_b.copy_(b_val, non_blocking=True)
+            if share:
+                lora_a.data, lora_b.data = dst_a, dst_b
         self.scalings_host[slot] = float(scaling)
         self.sources[slot] = source
         if share:
             self.shared[slot] = (lora_a, lora_b)
-            lora_a.data, lora_b.data = dst_a, dst_b
         if dora is not None:
             mag, bias = dora
             if self.mag is None:

@@ -228,3 +228,42 @@ def test_bringing_adapters_in_leaves_the_collector_as_it_was(tiered):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("where", ["set_slot", "run_pending", "move_adapter"])
+def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
+    """A bring-in that fails part way (here: an injected error while filling slots, while running the batched copies,
+    or after them) leaves no slot claiming weights it was not given: the next calls, with the same adapters and
+    others, give every row its adapter's stock PEFT result."""
+    import peft_csgmv.model as csgmv_model
+    import peft_csgmv.slots as csgmv_slots
+
+    model, _ = tiny_model("llama")
+    specs = {
+        n: dict(r=4 + 2 * i, lora_alpha=8, target_modules=ALL_LINEAR) for i, n in enumerate(["a0", "a1", "a2", "a3"])
+    }
+    model = add_adapters(model, specs).to(DEVICE)
+    input_ids, mask = make_batch(4, 6)
+    outs = per_adapter(model, [*specs, BASE], lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    calls = []
+    owner, attr = {
+        "set_slot": (csgmv_slots.LoraStack, "set_slot"),
+        "run_pending": (csgmv_model, "run_pending"),
+        "move_adapter": (csgmv_model, "_move_adapter"),
+    }[where]
+    real = getattr(owner, attr)
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5 or where == "run_pending":
+            raise RuntimeError("out of memory (injected)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attr, failing)
+    with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
+        model(input_ids, attention_mask=mask, adapter_ids=["a2", "a3", BASE, "a2"])
+    monkeypatch.setattr(owner, attr, real)
+    assert active_calls() == 0 and "a2" not in csgmv_stats(model)["resident"]
+    for names in (["a2", "a3", BASE, "a2"], ["a0", "a2", "a0", BASE], ["a3", "a1", BASE, "a3"]):
+        _call(model, input_ids, mask, outs, names)
