@@ -392,10 +392,7 @@ class CsgmvState:
         for layer in layers:
             self.stack_layer(layer, adopt=adopt, only=adopt, defer=True)
         run_pending([layer._csgmv_stack for layer in layers])
-        _unstage(layers, missing, staged_at)
-        for layer in layers:
-            for name in missing:
-                _move_adapter(layer, name, layer._csgmv_stack.device)
+        _settle(layers, missing, staged_at)
 
     def _abandon(self, missing: list[str]) -> None:
         """Undo a bring-in that failed part way (out of memory, an interrupt): the adapters it was bringing in leave
@@ -545,7 +542,7 @@ def _stage_in(layers, names, host: HostArena) -> set[int]:
     reverse of :func:`_move_to_host`'s gather): their parameters become views of that copy, from which the slots copy
     device to device. Layers spread over several devices keep their host weights (each then copied on its own).
     Returns the staging buffers' storage addresses: parameters still pointing into one afterwards get their own
-    memory (:func:`_unstage`)."""
+    memory (:func:`_settle`)."""
     staged_at: set[int] = set()
     layers = list(layers)
     if not layers:
@@ -572,15 +569,18 @@ def _stage_in(layers, names, host: HostArena) -> set[int]:
     return staged_at
 
 
-def _unstage(layers, names, staged_at: set[int]) -> None:
-    """Parameters of ``names`` that still point into a staging buffer of :func:`_stage_in` (those the stacks do not
-    hold: DoRA magnitudes, ``lora_B`` biases, weights of another dtype than their stack's) get their own memory."""
-    if not staged_at:
-        return
+def _settle(layers, names, staged_at: set[int]) -> None:
+    """After adapters ``names`` came into their slots: their parameters the stacks do not hold (DoRA magnitudes,
+    ``lora_B`` biases, weights of another dtype than their stack's, PEFT-path adapters) get memory of their own on the
+    layer's device, where they still point into a staging buffer of :func:`_stage_in` or are elsewhere. One pass over
+    every layer's parameters of ``names``."""
     for layer in layers:
+        device = layer._csgmv_stack.device
         for name in names:
             for p in _adapter_params(layer, name):
-                if p.device.type != "cpu" and p.untyped_storage().data_ptr() in staged_at:
+                if p.device != device:  # from pinned host memory: asynchronously
+                    p.data = p.data.to(device, copy=True, non_blocking=True)
+                elif staged_at and p.untyped_storage().data_ptr() in staged_at:
                     p.data = p.data.clone()
 
 
