@@ -249,7 +249,6 @@ class CsgmvState:
         layer: nn.Module,
         force: bool = False,
         adopt: frozenset = frozenset(),
-        only: frozenset | None = None,
         defer: bool = False,
     ) -> None:
         """Bring one kernel-path layer's stack in line with its adapters: copy new or replaced ones (all with
@@ -257,18 +256,18 @@ class CsgmvState:
         the layer's ``_csgmv_peft``: their rows run through PEFT's forward of this layer. Also called when PEFT
         rescales the layer (``set_scale``, ``scale_layer``, ``unscale_layer``, or a new ``scaling`` dict as
         ``peft.helpers.rescale_adapter_scale`` sets). ``adopt``: adapters the host tier brings in from host memory:
-        their weights are copied straight into their slots and become views of them there. ``only``: just these
-        adapters' slots changed (the host tier's: a layer holds thousands of adapters, a call brings in a few).
-        ``defer``: the weights' copies into their slots wait for the caller's :func:`~peft_csgmv.slots.run_pending`."""
+        their weights are copied straight into their slots and become views of them there, and only their slots are
+        looked at (a layer may hold thousands of adapters, a call brings in a few). ``defer``: the weights' copies
+        into their slots wait for the caller's :func:`~peft_csgmv.slots.run_pending`."""
         stack: LoraStack = layer._csgmv_stack
         if force:
             stack.sources.clear()
         names = self.registry.names
-        if only is None:
+        if not adopt:
             peft_rows, slots = set(), enumerate(names)
         else:
             index = self.registry.index
-            peft_rows, slots = set(layer._csgmv_peft - only), [(index[n], n) for n in only]
+            peft_rows, slots = set(layer._csgmv_peft - adopt), [(index[n], n) for n in adopt]
         for slot, name in slots:
             weights = None if name is None else layer_adapter(layer, name)  # a lookup: layers may hold thousands
             if weights is None:
@@ -390,7 +389,7 @@ class CsgmvState:
         # PEFT-path adapters) moves on its own.
         staged_at = _stage_in(layers, missing, self.host)
         for layer in layers:
-            self.stack_layer(layer, adopt=adopt, only=adopt, defer=True)
+            self.stack_layer(layer, adopt=adopt, defer=True)
         run_pending([layer._csgmv_stack for layer in layers])
         _settle(layers, missing, staged_at)
 
