@@ -33,6 +33,7 @@ from peft_csgmv.bench import (  # noqa: E402
     run_meta,
     write_results,
 )
+from peft_csgmv.kernels.launch import pdl, reset_pdl  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -49,6 +50,11 @@ def main(argv=None) -> int:
         "--fused",
         action="store_true",
         help="also the widest row with one launch per layer in decode (PEFT_CSGMV_FUSED_DECODE)",
+    )
+    p.add_argument(
+        "--pdl-off",
+        action="store_true",
+        help="also the widest row without programmatic dependent launch (PEFT_CSGMV_PDL=0), to see what it gives",
     )
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
@@ -125,6 +131,20 @@ def main(argv=None) -> int:
         print(f"fused vs two-launch compiled csgmv: {same_fused * 100:.1f}% of tokens identical")
         disable_csgmv(pm)
 
+    same_no_pdl = None
+    if args.pdl_off:  # the same row with every kernel launched as it follows the one before
+        os.environ["PEFT_CSGMV_PDL"] = "0"
+        reset_pdl()
+        try:
+            enable_csgmv(pm)
+            no_pdl = measure(f"peft_csgmv, {max(distinct)} distinct, no PDL", pm, adapter_ids=ids)
+            same_no_pdl = (outs[max(distinct)] == no_pdl).float().mean().item()
+            print(f"no PDL vs PDL compiled csgmv: {same_no_pdl * 100:.1f}% of tokens identical")
+            disable_csgmv(pm)
+        finally:
+            del os.environ["PEFT_CSGMV_PDL"]
+            reset_pdl()
+
     ref = {r["row"]: r for r in results}
     base, one = ref["base model, no LoRA"], ref["PEFT one adapter"]
     print()
@@ -137,7 +157,14 @@ def main(argv=None) -> int:
             f"{r['tok_s'] / base['tok_s']:.2f} | {r['compile_s']:.1f} |"
         )
     if args.out:
-        meta = run_meta(device, args=vars(args), compiled_vs_eager_identical=same, fused_vs_two_launch=same_fused)
+        meta = run_meta(
+            device,
+            args=vars(args),
+            compiled_vs_eager_identical=same,
+            fused_vs_two_launch=same_fused,
+            no_pdl_vs_pdl=same_no_pdl,
+            pdl=pdl(device),
+        )
         write_results(args.out, meta, results=results)
     return 0
 

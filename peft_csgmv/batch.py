@@ -141,6 +141,10 @@ def _no_barrier() -> None:
     pass
 
 
+class ShardError(ValueError):
+    """A data-parallel launch this command cannot run (found before any process touches the output)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Shard:
     """This process's share of a data-parallel run: process ``rank`` of ``world``, the device it generates on
@@ -160,11 +164,24 @@ def current_shard() -> Shard:
     """The shard of this process: one of several when launched by ``accelerate launch`` or ``torchrun`` with more
     than one process (accelerate's ``PartialState``: each process on its own GPU, or on the CPU where there is none),
     else the whole run."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
         return Shard()
     from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
 
-    state = PartialState(cpu=not torch.cuda.is_available())
+    cpu = not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")  # ``accelerate launch --cpu``
+    if not cpu:
+        # Each process takes the GPU of its local rank: more processes on a machine than GPUs fail in the first
+        # collective with CUDA's "invalid device ordinal". Say so before anything starts.
+        local, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.cuda.device_count()
+        if local > gpus:
+            raise ShardError(
+                f"{local} processes on this machine but {gpus} GPU{'s' if gpus != 1 else ''} visible: each process "
+                f"generates on a GPU of its own; launch at most {gpus} per machine, or run them on the CPU "
+                "(accelerate launch --cpu)"
+            )
+    state = PartialState(cpu=cpu)
     return Shard(state.process_index, state.num_processes, state.device, state.wait_for_everyone)
 
 

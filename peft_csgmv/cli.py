@@ -271,7 +271,10 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
     problems = check_generate_args(args)
     if problems:
         return fail(problems)
-    shard = batch.current_shard()
+    try:
+        shard = batch.current_shard()
+    except batch.ShardError as e:
+        return fail([str(e)])
     if shard.world > 1:
         for flag, value in (("--device-map", args.device_map), ("--device", args.device)):
             if value:

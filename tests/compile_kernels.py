@@ -32,6 +32,8 @@ def compile_variant(kernel, pointer_types: dict, constexprs: dict) -> None:
     """Compile ``kernel`` with the given pointer types; every other runtime argument (sizes, strides such as
     ``stride_ids``) is an unspecialized i32, as each name comes from the kernel's own signature."""
     names = kernel.arg_names
+    if "USE_GDC" in names:  # launched with programmatic dependent launch or not (a variant says which)
+        constexprs = {"USE_GDC": False, **constexprs}
     unknown = set(pointer_types) - set(names)
     if unknown:
         raise ValueError(f"{kernel.fn.__name__} has no argument(s) {sorted(unknown)}")
@@ -40,6 +42,9 @@ def compile_variant(kernel, pointer_types: dict, constexprs: dict) -> None:
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     if not compiled.asm.get("cubin"):
         raise RuntimeError("no cubin produced")
+    ptx = compiled.asm.get("ptx", "")
+    if bool(constexprs.get("USE_GDC")) != ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx):
+        raise RuntimeError(f"USE_GDC={constexprs.get('USE_GDC')} but the PTX disagrees on griddepcontrol")
 
 
 def expand_types(b: str, y: str, a: str) -> dict:
@@ -86,6 +91,16 @@ def variants():
         cx["OUT_OF_PLACE"] = out_of_place
         label = f"fused {w} weights, {act} activations dora={dora} out_of_place={out_of_place}"
         yield label, expand._expand_kernel, expand_types(PTR[w], PTR[act], PTR[w]), cx
+    # programmatic dependent launch (launch.pdl, sm_90+): the decode launches of a bf16 model, in place and compiled
+    types = {"x_ptr": PTR["bf16"], "a_ptr": PTR["bf16"], "t_ptr": "*fp32", **INTS, "a_off_ptr": "*i64"}
+    cx = dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=64, DOT_PRECISION="tf32", POOLED=True, ALIGN=16, USE_GDC=True)
+    yield "shrink bf16 pdl", shrink._shrink_kernel, types, cx
+    for out_of_place, fused in ((False, False), (True, False), (True, True)):
+        cx = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32", HAS_DORA=False)
+        cx.update(HAS_LORA_BIAS=False, POOLED=True, ALIGN=16, RANK_ALIGN=16, USE_GDC=True)
+        cx.update(OUT_OF_PLACE=out_of_place, FUSED=fused)
+        label = f"expand bf16 pdl out_of_place={out_of_place} fused={fused}"
+        yield label, expand._expand_kernel, expand_types(PTR["bf16"], PTR["bf16"], PTR["bf16"]), cx
     for dtype, ids in (("bf16", "*i64"), ("fp32", "*i32")):  # ids of either width, read through stride_ids
         types = {"ids_ptr": ids, "a_ptr": PTR[dtype], "t_ptr": "*fp32", **INTS, "a_off_ptr": "*i64"}
         cx = dict(BLOCK_M=32, BLOCK_R=16, POOLED=dtype == "bf16")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from peft_csgmv import batch
 from peft_csgmv.cli import main
@@ -38,7 +39,8 @@ def setup(tmp_path_factory):
 
 
 def _torchrun(flags, out, processes=2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # On the CPU (gloo), as the docstring says, on machines with GPUs too.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
            "-m", "peft_csgmv", "generate", *flags, "--output", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -110,3 +112,19 @@ def test_device_flags_refused_with_several_processes(setup, tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert f"{flag[0]} with 2 processes" in err and "leave" in err
     assert not out.exists()
+
+
+def test_more_processes_than_gpus_refused_before_anything(setup, tmp_path, capsys, monkeypatch):
+    """Two processes on a machine with one GPU: each would take the GPU of its local rank, and the second fails in the
+    first collective with CUDA's "invalid device ordinal". The command says so up front and writes nothing."""
+    flags, _, _ = setup
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    for k, v in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", *flags, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "2 processes on this machine but 1 GPU visible" in err and "accelerate launch --cpu" in err
+    assert not out.exists() and batch.part_paths(str(out)) == []

@@ -276,3 +276,77 @@ def test_model_moved_after_enable():
         disable_csgmv(model)
     close(on_cpu, on_gpu.cpu(), "after moving to the CPU")
     close(back, on_gpu, "after moving back")
+
+
+def _chain(layers, plan, x, out_of_place):
+    """``x`` through ``layers`` of base matmul + LoRA, each layer's input the previous layer's output: every kernel
+    reads what the one before it wrote, and the shrinks of all layers share one workspace (``t``)."""
+    t = None
+    for w, a, b, r, scal in layers:
+        y = x @ w
+        if t is None:
+            t = shrink(x, a, r, plan)
+        else:
+            shrink(x, a, r, plan, t=t)
+        x = expand(t, b, r, scal, plan, y, out=torch.empty_like(y) if out_of_place else None)
+    return x
+
+
+@pytest.mark.parametrize("out_of_place", [False, True], ids=["in-place", "out-of-place"])
+def test_pdl_launches_give_the_serial_launches_results(out_of_place, monkeypatch):
+    """On Hopper the kernels launch with programmatic dependent launch (each may start while the one before it ends,
+    and waits for it before touching activations): a chain of layers, each reading what the last wrote, gives
+    bit for bit what launches that wait in full give, eagerly and replayed from a CUDA graph, 20 times over."""
+    from peft_csgmv.kernels import launch
+
+    if torch.cuda.get_device_capability()[0] < 9 or not launch._triton_has_pdl():
+        pytest.skip("programmatic dependent launch needs sm_90 and a Triton with launch_pdl")
+    torch.manual_seed(0)
+    dt, k = torch.bfloat16, 2048
+    layers = []
+    for i in range(12):
+        a, b, r, scal = _stack(32, [16] * 32, k, k, dt, seed=i)
+        layers.append((torch.randn(k, k, device=DEV, dtype=dt) / k**0.5, a, b, r, scal))
+    rows = list(range(32))
+    if out_of_place:
+        # Base rows too, in segments of slot -1 as a static plan has them (out of place, the plan covers every row).
+        from peft_csgmv.executor import StaticPlan
+        from peft_csgmv.ops import _plan
+
+        rows[::5] = [-1] * len(rows[::5])
+        static = StaticPlan(32, 32, 1, torch.device(DEV))
+        static.fill(tuple(rows))
+        plan = _plan(static.permutation, static.seg_indptr, static.seg_slot, static.chunk, runs=False)
+    else:
+        plan = BatchPlan.build(rows, 1, DEV)
+    x = torch.randn(32, k, device=DEV, dtype=dt)
+
+    def results():
+        eager = [_chain(layers, plan, x, out_of_place) for _ in range(20)]
+        static_x = x.clone()
+        _chain(layers, plan, static_x, out_of_place)  # warm up (compile) outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _chain(layers, plan, static_x, out_of_place)
+        replays = []
+        for _ in range(20):
+            graph.replay()
+            replays.append(out.clone())
+        return eager, replays
+
+    launch.reset_pdl()
+    assert launch.pdl(torch.device(DEV, torch.cuda.current_device()))
+    with_pdl = results()
+    monkeypatch.setenv("PEFT_CSGMV_PDL", "0")
+    launch.reset_pdl()
+    try:
+        assert not launch.pdl(torch.device(DEV, torch.cuda.current_device()))
+        eager, _ = results()
+    finally:
+        monkeypatch.delenv("PEFT_CSGMV_PDL")
+        launch.reset_pdl()
+    serial = eager[0]
+    assert torch.isfinite(serial).all() and serial.abs().sum() > 0
+    for got in with_pdl[0] + with_pdl[1]:
+        assert torch.equal(got, serial)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..plan import BatchPlan
+from . import launch
 from .launch import Launcher
 from .pool import ALIGN, pool_offsets, pool_strides
 from .shrink import _a_product, _block, _dense, _segment_rows, _tiles
@@ -90,16 +91,18 @@ def _expand_kernel(
     OUT_OF_PLACE: tl.constexpr,
     FUSED: tl.constexpr,  # t = x[rows] @ A[slot]ᵀ computed here over all of K (no shrink launch, no t in memory)
     BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,  # launched with programmatic dependent launch (launch.pdl)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if tl.load(seg_indptr_ptr + seg + 1) <= tl.load(seg_indptr_ptr + seg):
-        return  # an empty segment: a static plan's grid covers the most segments its shape can have
     seg_slot = tl.load(seg_slot_ptr + seg)
     slot = tl.maximum(seg_slot, 0)  # a base segment (-1) reads slot 0's entries, all masked or discarded below
     rank = tl.where(seg_slot < 0, 0, tl.load(rank_ptr + slot))
-    if rank + OUT_OF_PLACE == 0:
-        return  # in place, a rank-0 slot has nothing to add (out of place, its rows are copied)
+    # An empty segment (a static plan's grid covers the most segments its shape can have), or in place a rank-0 slot
+    # (nothing to add; out of place, its rows are copied): the program exits, after the wait below.
+    live = (tl.load(seg_indptr_ptr + seg + 1) > tl.load(seg_indptr_ptr + seg)) & (rank + OUT_OF_PLACE > 0)
     scaling = tl.load(scaling_ptr + slot)
     rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
@@ -113,7 +116,13 @@ def _expand_kernel(
     else:
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
         b_ptrs = b_base + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn
-    b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    b = tl.load(b_ptrs, mask=(offs_r < tl.where(live, rank, 0))[:, None] & n_mask[None, :], other=0.0)
+    if USE_GDC:
+        # The plan and B above are not the previous kernel's output; t, x and y may be, and out may still be read by
+        # the one before. Every program waits (see the shrink).
+        tl.extra.cuda.gdc_wait()
+    if not live:
+        return
     if FUSED:  # rank 0 (a base segment copied out of place): no K steps
         t = _a_product(
             x_ptr, a_ptr, a_off_ptr, slot, rank, rows, m_mask, 0, tl.where(rank > 0, K, 0), stride_xm, stride_xk,
@@ -209,7 +218,10 @@ def expand_launch_args(
         OUT_OF_PLACE=out_of_place,
         FUSED=fused is not None,
         BLOCK_K=block_k,
+        USE_GDC=launch.pdl(y.device),
     )
+    if constexprs["USE_GDC"]:
+        options = options + launch.PDL_OPTION
     return (plan.num_segments, -(-n // block_n), 1), args, constexprs, options
 
 

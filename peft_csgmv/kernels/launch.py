@@ -37,6 +37,50 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _triton_has_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+_PDL: dict = {}
+
+
+def pdl(device) -> bool:
+    """Whether the kernels on ``device`` launch with programmatic dependent launch (Hopper and later): a kernel may
+    start while the one before it in the stream finishes, reads only what that kernel does not write (its plan, its
+    weights) and waits for it (``gdc_wait``) before touching activations or writing anything. The shrink lets the
+    expand start at once, so the expand's launch and its ``B`` loads overlap the shrink, in eager streams and in
+    captured CUDA graphs alike. ``PEFT_CSGMV_PDL=0`` turns it off (for comparison); the choice is made once per
+    device (:func:`reset_pdl` forgets it)."""
+    on = _PDL.get(device)
+    if on is None:
+        on = _PDL[device] = (
+            getattr(device, "type", None) == "cuda"
+            and not _interpreting()
+            and os.environ.get("PEFT_CSGMV_PDL", "1") != "0"
+            and _triton_has_pdl()
+            and _capability(device) >= 9
+        )
+    return on
+
+
+def reset_pdl() -> None:
+    """Forget :func:`pdl`'s choices (after ``PEFT_CSGMV_PDL`` changed: benchmarks comparing both)."""
+    _PDL.clear()
+
+
+def _capability(device) -> int:
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0]
+
+
+PDL_OPTION = (("launch_pdl", True),)
+
+
 class Launcher:
     """Launch one ``@triton.jit`` kernel; see the module docstring."""
 

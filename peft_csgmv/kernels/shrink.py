@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..plan import BatchPlan
+from . import launch
 from .launch import Launcher
 from .pool import ALIGN, pool_offsets, pool_strides
 
@@ -111,19 +112,27 @@ def _shrink_kernel(
     DOT_PRECISION: tl.constexpr,
     POOLED: tl.constexpr,
     ALIGN: tl.constexpr,
+    USE_GDC: tl.constexpr,  # launched with programmatic dependent launch (launch.pdl)
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()  # the expand may start now: it waits for this grid before reading t
     seg = tl.program_id(0)
     split = tl.program_id(1)
-    if tl.load(seg_indptr_ptr + seg + 1) <= tl.load(seg_indptr_ptr + seg):
-        return  # an empty segment: a static plan's grid covers the most segments its shape can have
-    seg_slot = tl.load(seg_slot_ptr + seg)
+    live = tl.load(seg_indptr_ptr + seg + 1) > tl.load(seg_indptr_ptr + seg)  # a static plan's grid covers the most
+    seg_slot = tl.load(seg_slot_ptr + seg)  # segments its shape can have: programs of empty ones exit
     slot = tl.maximum(seg_slot, 0)
     rank = tl.where(seg_slot < 0, 0, tl.load(rank_ptr + slot))
+    rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)  # no lanes for an empty segment
+    if USE_GDC:
+        # The plan is not the previous kernel's output, x is, and t may still be read by the one before: wait for
+        # it here, on every path (a grid that ends has waited, so the kernels after it wait for all before it).
+        tl.extra.cuda.gdc_wait()
+    if not live:
+        return
     if rank == 0:
         return  # a base segment (slot -1: only an out-of-place expand reads it) or a slot with nothing here
     k_start = split * K_PER_SPLIT
     k_len = tl.minimum(K - k_start, K_PER_SPLIT)
-    rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
     acc = _a_product(
         x_ptr, a_ptr, a_off_ptr, slot, rank, rows, m_mask, k_start, k_len, stride_xm, stride_xk, stride_as,
         stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, POOLED, ALIGN,
@@ -219,7 +228,10 @@ def shrink_launch_args(x, a, ranks, plan, t, split_k, k_per_split, block_k, opti
         DOT_PRECISION="ieee" if a.dtype == x.dtype == torch.float32 else "tf32",
         POOLED=pooled,
         ALIGN=ALIGN if pooled else 1,
+        USE_GDC=launch.pdl(x.device),
     )
+    if constexprs["USE_GDC"]:
+        options = options + launch.PDL_OPTION
     return (plan.num_segments, split_k, 1), args, constexprs, options
 
 
