@@ -26,5 +26,7 @@ def test_all_kernel_variants_compile_for_sm90():
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     compiled = [line for line in proc.stdout.splitlines() if line.startswith("ok ")]
-    # 14 shrink, 23 expand (in and out of place), 4 fused, 2 embedding; 4 of them with programmatic dependent launch
-    assert len(compiled) == 43, proc.stdout
+    # 13 shrink, 21 expand (in and out of place), 3 fused, 2 embedding; and where this Triton compiles them, the
+    # decode launches with programmatic dependent launch: 1 shrink, 2 expand, 1 fused
+    pdl = "skip: programmatic dependent launch" not in proc.stdout
+    assert len(compiled) == 39 + 4 * pdl, proc.stdout

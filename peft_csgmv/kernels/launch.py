@@ -38,11 +38,19 @@ def _interpreting() -> bool:
 
 
 def _triton_has_pdl() -> bool:
+    """Whether this Triton launches with PDL (``launch_pdl``) and compiles ``gdc_wait`` / ``gdc_launch_dependents``
+    (Triton 3.4 has both names, but its ``gdc`` functions take the builder argument its compiler no longer passes)."""
     try:
+        import inspect
+
         from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc
     except ImportError:
         return False
-    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+    if "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return False
+    fns = (gdc.gdc_wait, gdc.gdc_launch_dependents)
+    return all("_semantic" in inspect.signature(getattr(f, "__wrapped__", f)).parameters for f in fns)
 
 
 _PDL: dict = {}
