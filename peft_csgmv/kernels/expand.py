@@ -205,6 +205,7 @@ def expand_launch_args(
         stride_tm, stride_tr, stride_bs, stride_bn, stride_br, stride_ym, stride_yn, stride_om, stride_on,
         mag.stride(0) if has_dora else 0, lora_bias.stride(0) if has_lora_bias else 0, *x_strides, *a_strides,
     )  # fmt: skip
+    use_gdc, options = launch.with_pdl(y.device, options)
     constexprs = dict(
         BLOCK_M=_block(plan.chunk_size),
         BLOCK_N=block_n,
@@ -218,10 +219,8 @@ def expand_launch_args(
         OUT_OF_PLACE=out_of_place,
         FUSED=fused is not None,
         BLOCK_K=block_k,
-        USE_GDC=launch.pdl(y.device),
+        USE_GDC=use_gdc,
     )
-    if constexprs["USE_GDC"]:
-        options = options + launch.PDL_OPTION
     return (plan.num_segments, -(-n // block_n), 1), args, constexprs, options
 
 

@@ -86,7 +86,12 @@ def _capability(device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
-PDL_OPTION = (("launch_pdl", True),)
+def with_pdl(device, options: tuple) -> tuple[bool, tuple]:
+    """``(USE_GDC, launch options)`` of a kernel launch on ``device``: the launch options with Triton's
+    ``launch_pdl`` added where :func:`pdl` holds, and whether the kernel is compiled to wait for its predecessor."""
+    if pdl(device):
+        return True, (*options, ("launch_pdl", True))
+    return False, options
 
 
 class Launcher:

@@ -219,6 +219,7 @@ def shrink_launch_args(x, a, ranks, plan, t, split_k, k_per_split, block_k, opti
         x, a.data if pooled else a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks, pool_offsets(a, ranks),
         k, k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_tp, stride_tm, stride_tr,
     )  # fmt: skip
+    use_gdc, options = launch.with_pdl(x.device, options)
     constexprs = dict(
         BLOCK_M=_block(plan.chunk_size),
         BLOCK_R=_block(a.shape[1]),
@@ -228,10 +229,8 @@ def shrink_launch_args(x, a, ranks, plan, t, split_k, k_per_split, block_k, opti
         DOT_PRECISION="ieee" if a.dtype == x.dtype == torch.float32 else "tf32",
         POOLED=pooled,
         ALIGN=ALIGN if pooled else 1,
-        USE_GDC=launch.pdl(x.device),
+        USE_GDC=use_gdc,
     )
-    if constexprs["USE_GDC"]:
-        options = options + launch.PDL_OPTION
     return (plan.num_segments, split_k, 1), args, constexprs, options
 
 
