@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import gc
 import warnings
 from typing import Any, Iterator, Sequence
@@ -520,10 +521,7 @@ def _move_to_host(layers, names, host: HostArena, copy: bool = False) -> None:
         for dtype, params in by_dtype.items():
             total = sum(p.numel() for p in params)
             buf = host.region(name, dtype, total)
-            views, pos = [], 0
-            for p in params:
-                views.append(buf[pos : pos + p.numel()].view(p.shape))
-                pos += p.numel()
+            views = _packed_views(buf, params)
             device = _one_cuda_device(params)
             if device is not None:
                 staged = torch.empty(total, dtype=dtype, device=device)
@@ -562,10 +560,33 @@ def _stage_in(layers, names, host: HostArena) -> set[int]:
             staged = region.to(device, non_blocking=True)
             staged_at.add(staged.untyped_storage().data_ptr())
             size = region.element_size()
-            for p in mine:
-                offset = (p.data_ptr() - start) // size
-                p.data = staged[offset : offset + p.numel()].view(p.shape)
+            offsets = [(p.data_ptr() - start) // size for p in mine]
+            for p, view in zip(mine, _packed_views(staged, mine, offsets)):
+                p.data = view
     return staged_at
+
+
+def _packed_views(flat: torch.Tensor, params, offsets=None) -> list[torch.Tensor]:
+    """Contiguous views of the 1-D ``flat``, one of each parameter's shape: packed one after another, or at element
+    ``offsets`` of ``flat``. ``as_strided`` on ``flat``'s storage: slicing and then viewing costs ~5 µs more per view,
+    paid for each of an adapter's hundreds of weights every time it moves."""
+    base = flat.storage_offset()
+    views, pos = [], 0
+    for i, p in enumerate(params):
+        shape = p.shape
+        start = pos if offsets is None else offsets[i]
+        views.append(flat.as_strided(shape, _contiguous_strides(shape), base + start))
+        pos += p.numel()
+    return views
+
+
+@functools.lru_cache(maxsize=None)
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def _settle(layers, names, staged_at: set[int]) -> None:
