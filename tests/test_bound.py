@@ -7,6 +7,7 @@ thing (every decode step after the first goes through the bound launches).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
@@ -95,6 +96,78 @@ def test_bound_launches_match_the_checked_path(recorded):
             model._csgmv.sync(model)
             assert layer._csgmv_stack.a is not bound.tensors[0]
             assert not bound.fits(torch.randn(4, 40), torch.empty(4, 24), layer._csgmv_stack)
+    finally:
+        executor.end()
+        disable_csgmv(model)
+
+
+def test_pdl_choice(monkeypatch):
+    """Programmatic dependent launch only on CUDA devices of compute capability 9 and up, compiled (not interpreted),
+    with a Triton whose ``gdc`` functions compile, and not under ``PEFT_CSGMV_PDL=0``."""
+    from triton.language.extra.cuda import gdc
+
+    from peft_csgmv.kernels import launch
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(launch, "_interpreting", lambda: False)
+    monkeypatch.setattr(launch, "_triton_has_pdl", lambda: True)
+    monkeypatch.setattr(launch, "_capability", lambda device: 9)
+    monkeypatch.delenv("PEFT_CSGMV_PDL", raising=False)
+    launch.reset_pdl()
+    try:
+        assert launch.pdl(cuda) and not launch.pdl(torch.device("cpu"))
+        assert launch.with_pdl(cuda, (("num_warps", 4),)) == (True, (("num_warps", 4), ("launch_pdl", True)))
+        assert launch.with_pdl(torch.device("cpu"), (("num_warps", 4),)) == (False, (("num_warps", 4),))
+        monkeypatch.setenv("PEFT_CSGMV_PDL", "0")
+        assert launch.pdl(cuda), "the choice is made once per device"
+        launch.reset_pdl()
+        assert not launch.pdl(cuda)
+        monkeypatch.delenv("PEFT_CSGMV_PDL")
+        launch.reset_pdl()
+        monkeypatch.setattr(launch, "_capability", lambda device: 8)
+        assert not launch.pdl(cuda), "Ampere: no PDL"
+    finally:
+        launch.reset_pdl()
+    monkeypatch.undo()
+
+    # Triton 3.4's gdc functions take the ``_builder`` argument its compiler no longer passes: no PDL there.
+    def old_wait(_builder=None):
+        pass
+
+    monkeypatch.setattr(gdc, "gdc_wait", old_wait)
+    assert not launch._triton_has_pdl()
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["serial", "pdl"])
+def test_pdl_reaches_checked_and_bound_launches(recorded, monkeypatch, pdl):
+    """Where PDL is on, both kernels are compiled with ``USE_GDC`` and launched with Triton's ``launch_pdl`` option
+    (part of the compiled kernel's key), and the bound launches use the kernels so compiled."""
+    from peft_csgmv.kernels import launch
+
+    monkeypatch.setattr(launch, "pdl", lambda device: pdl)
+    torch.manual_seed(0)
+    model = get_peft_model(OneLayer(), LoraConfig(r=4, target_modules=["proj"], init_lora_weights=False), "a0")
+    model.add_adapter("a1", LoraConfig(r=8, target_modules=["proj"], init_lora_weights=False))
+    model.eval()
+    layer = model.base_model.model.proj
+    enable_csgmv(model, backend="triton")
+    names = ("a0", "a1", "a0", "a1")
+    slots = tuple(model._csgmv.registry.index[n] for n in names)
+    x = torch.randn(4, 1, 40)
+    executor = model._csgmv.executor
+    executor.begin(CallContext(row_slots=slots, names=names, arg_name="adapter_ids"))
+    try:
+        with torch.no_grad():
+            for _ in range(3):  # Triton's launch, the direct launch (then bound), the bound launches
+                layer(x)
+        first, bound = recorded[:2], recorded[4:]
+        for name, how, _, _, kwargs in first:
+            kwargs = dict(kwargs)
+            assert how == "triton" and kwargs["USE_GDC"] is pdl and kwargs.get("launch_pdl", False) is pdl, name
+        plan = next(iter(executor.plans.values()))
+        assert isinstance(plan.bound[layer._csgmv_stack], BoundLayer)
+        assert [(e[0], e[1]) for e in bound] == [("shrink", "direct"), ("expand", "direct")]
+        assert all(e[3][-1] is pdl for e in bound), "USE_GDC is the last constexpr of both kernels"
     finally:
         executor.end()
         disable_csgmv(model)
