@@ -267,3 +267,25 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
     assert active_calls() == 0 and "a2" not in csgmv_stats(model)["resident"]
     for names in (["a2", "a3", BASE, "a2"], ["a0", "a2", "a0", BASE], ["a3", "a1", BASE, "a3"]):
         _call(model, input_ids, mask, outs, names)
+
+
+def test_packed_views_are_the_slices_they_replace():
+    """``_packed_views`` (the views a moving adapter's weights take of its host region or of its staging copy on the
+    GPU): each weight's shape, contiguous, packed one after another or at given element offsets, on a buffer that is
+    itself a view at an offset of a larger one; writes through them land in the buffer."""
+    from peft_csgmv.model import _packed_views
+
+    slab = torch.arange(200, dtype=torch.float32)
+    buf = slab[37:137]  # a region of a slab: storage offset 37
+    params = [torch.empty(3, 4), torch.empty(5), torch.empty(2, 1, 3), torch.empty(0, 7)]
+    packed = _packed_views(buf, params)
+    pos = 0
+    for p, v in zip(params, packed):
+        assert v.shape == p.shape and v.is_contiguous()
+        assert torch.equal(v, buf[pos : pos + p.numel()].view(p.shape))
+        pos += p.numel()
+    at = [50, 0, 80, 99]
+    for p, v, start in zip(params, _packed_views(buf, params, at), at):
+        assert torch.equal(v, buf[start : start + p.numel()].view(p.shape))
+    packed[0].fill_(-1.0)
+    assert torch.equal(slab[37:49], torch.full((12,), -1.0)) and slab[36] == 36 and slab[49] == 49
