@@ -12,7 +12,8 @@
 #   pstatic  static-cache generate, 1B: prefill vs decode step, GPU kernels per step (base, PEFT, csgmv) -> profile_static_1b.*
 #   ranks    end to end, 1B, r=64 and mixed ranks 8/16/64 (PEFT one adapter vs csgmv) -> e2e_1b_r64.json, ...
 #   static   transformers' static cache (compiled decode), 1B and 8B, all rows, 1B without PDL too (~7 min) -> static_{1b,8b}.json
-#   memory   adapter memory with csgmv vs PEFT alone; 1000 adapters with the host tier (~2 min) -> memory_1b.json
+#   memory   adapter memory with csgmv vs PEFT alone; 1000 adapters with the host tier; the tier's bookkeeping per move
+#            (~6 min) -> memory_1b.json, tier_host.log
 #   multi    two GPUs (the nvidia-h200-x2 kind): 8B with device_map over both vs one; data-parallel generate -> multi_gpu.json
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
@@ -67,7 +68,8 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       grep -h "^| [18]b" "$OUT/static_1b.log" "$OUT/static_8b.log" ;;
     memory)
       python3 benchmarks/bench_memory.py --out "$OUT/memory_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/memory_1b.log"
-      grep "^|" "$OUT/memory_1b.log" || tail -25 "$OUT/memory_1b.log" ;;
+      grep "^|" "$OUT/memory_1b.log" || tail -25 "$OUT/memory_1b.log"
+      python3 benchmarks/bench_tier_host.py --phases 2>&1 | grep "^|" | tee "$OUT/tier_host.log" ;;
     fp32)
       for m in 1b 8b; do
         python3 benchmarks/bench_e2e.py --model $m --fp32-adapters --csgmv-only --distinct 1,32 --repeats 5 \

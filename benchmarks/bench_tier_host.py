@@ -1,0 +1,115 @@
+"""Host cost of the host tier's moves: calls whose adapters all wait in host memory, without the forward.
+
+    python benchmarks/bench_tier_host.py                  # CPU or GPU: 100 adapters, 64 resident, calls of 32
+    python benchmarks/bench_tier_host.py --phases         # and where the time goes (timers around each step)
+
+A Llama of the 1B layout's depth (16 layers, LoRA on all 7 projections: 112 LoRA layers, 224 weights per adapter) at
+small widths, so that the copies are cheap and what is left is the bookkeeping per weight that the tier pays on every
+move. Each call opens ``adapter_ids_scope`` with 32 adapters that are all in host memory (each evicts a resident one);
+the median over ``--calls`` such calls, per adapter. The first two calls, which fill the 64 slots, are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from peft_csgmv import adapter_ids_scope, enable_csgmv  # noqa: E402
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _timed(owner, name: str, totals: collections.Counter):
+    """Wrap ``owner.name`` to add its wall time to ``totals[name]``."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - t0
+
+    setattr(owner, name, wrapper)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--adapters", type=int, default=100)
+    p.add_argument("--resident", type=int, default=64)
+    p.add_argument("--per-call", type=int, default=32)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--phases", action="store_true", help="also time the steps of a move (adds a little overhead)")
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    if args.adapters < args.resident + args.per_call:
+        p.error("--adapters must exceed --resident by at least --per-call (every counted call brings all in)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    lora = LoraConfig(r=args.rank, target_modules=PROJECTIONS, init_lora_weights=False)
+    model = get_peft_model(LlamaForCausalLM(config).to(device), lora, adapter_name="a0")
+    t0 = time.perf_counter()
+    for i in range(1, args.adapters):
+        model.add_adapter(f"a{i}", lora)
+    print(f"{args.adapters} adapters added in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    model.eval()
+    enable_csgmv(model, max_resident_adapters=args.resident)
+
+    def call(names):
+        with adapter_ids_scope(model, names):
+            pass
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    order = [f"a{i}" for i in range(args.adapters)]
+    nxt = 0
+    for _ in range(-(-args.resident // args.per_call)):  # fill the slots
+        call([order[(nxt + i) % args.adapters] for i in range(args.per_call)])
+        nxt += args.per_call
+    totals: collections.Counter = collections.Counter()
+    if args.phases:
+        import peft_csgmv.model as m
+
+        for name in ("_move_to_host", "_stage_in", "_settle", "run_pending"):
+            _timed(m, name, totals)
+        _timed(m.CsgmvState, "stack_layer", totals)
+    times = []
+    for _ in range(args.calls):
+        names = [order[(nxt + i) % args.adapters] for i in range(args.per_call)]
+        nxt += args.per_call
+        t0 = time.perf_counter()
+        call(names)
+        times.append(time.perf_counter() - t0)
+    per = statistics.median(times) * 1e3 / args.per_call
+    print("| layers | adapters | resident | calls of | median ms per call | ms per adapter | device |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {args.layers} | {args.adapters} | {args.resident} | {args.per_call} | "
+          f"{statistics.median(times) * 1e3:.1f} | {per:.2f} | {device.type} |")  # fmt: skip
+    if args.phases:
+        moved = args.calls * args.per_call
+        print("\n| step | ms per adapter |\n|---|---|")
+        for name, total in totals.most_common():
+            print(f"| {name} | {total * 1e3 / moved:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
