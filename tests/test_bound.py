@@ -41,18 +41,23 @@ def _assert_same_launch(got, expected):
         assert _same(a, b), f"{got[0]} argument {i}: {a!r} != {b!r}"
 
 
-def test_bound_launches_match_the_checked_path(recorded):
+def _two_adapters_in_a_call():
+    """A one-layer model with adapters of ranks 4 and 8 on the Triton backend, a call with both open on its executor
+    (the caller ends it and disables csgmv); ``(model, layer, executor, x)``."""
     torch.manual_seed(0)
     model = get_peft_model(OneLayer(), LoraConfig(r=4, target_modules=["proj"], init_lora_weights=False), "a0")
     model.add_adapter("a1", LoraConfig(r=8, target_modules=["proj"], init_lora_weights=False))
     model.eval()
-    layer = model.base_model.model.proj
     enable_csgmv(model, backend="triton")
     names = ("a0", "a1", "a0", "a1")
     slots = tuple(model._csgmv.registry.index[n] for n in names)
-    x = torch.randn(4, 1, 40)
     executor = model._csgmv.executor
     executor.begin(CallContext(row_slots=slots, names=names, arg_name="adapter_ids"))
+    return model, model.base_model.model.proj, executor, torch.randn(4, 1, 40)
+
+
+def test_bound_launches_match_the_checked_path(recorded):
+    model, layer, executor, x = _two_adapters_in_a_call()
     try:
         with torch.no_grad():
             layer(x)  # first call: Triton compiles (recorded as "triton"); a plan used once is not bound
@@ -145,17 +150,7 @@ def test_pdl_reaches_checked_and_bound_launches(recorded, monkeypatch, pdl):
     from peft_csgmv.kernels import launch
 
     monkeypatch.setattr(launch, "pdl", lambda device: pdl)
-    torch.manual_seed(0)
-    model = get_peft_model(OneLayer(), LoraConfig(r=4, target_modules=["proj"], init_lora_weights=False), "a0")
-    model.add_adapter("a1", LoraConfig(r=8, target_modules=["proj"], init_lora_weights=False))
-    model.eval()
-    layer = model.base_model.model.proj
-    enable_csgmv(model, backend="triton")
-    names = ("a0", "a1", "a0", "a1")
-    slots = tuple(model._csgmv.registry.index[n] for n in names)
-    x = torch.randn(4, 1, 40)
-    executor = model._csgmv.executor
-    executor.begin(CallContext(row_slots=slots, names=names, arg_name="adapter_ids"))
+    model, layer, executor, x = _two_adapters_in_a_call()
     try:
         with torch.no_grad():
             for _ in range(3):  # Triton's launch, the direct launch (then bound), the bound launches
