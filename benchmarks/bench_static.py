@@ -133,6 +133,7 @@ def main(argv=None) -> int:
 
     same_no_pdl = None
     if args.pdl_off:  # the same row with every kernel launched as it follows the one before
+        before = os.environ.get("PEFT_CSGMV_PDL")
         os.environ["PEFT_CSGMV_PDL"] = "0"
         reset_pdl()
         try:
@@ -142,7 +143,10 @@ def main(argv=None) -> int:
             print(f"no PDL vs PDL compiled csgmv: {same_no_pdl * 100:.1f}% of tokens identical")
             disable_csgmv(pm)
         finally:
-            del os.environ["PEFT_CSGMV_PDL"]
+            if before is None:
+                del os.environ["PEFT_CSGMV_PDL"]
+            else:
+                os.environ["PEFT_CSGMV_PDL"] = before
             reset_pdl()
 
     ref = {r["row"]: r for r in results}

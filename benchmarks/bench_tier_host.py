@@ -23,12 +23,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from peft_csgmv import adapter_ids_scope, enable_csgmv  # noqa: E402
-
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from peft_csgmv.bench import add_adapters  # noqa: E402
 
 
 def _timed(owner, name: str, totals: collections.Counter):
@@ -64,13 +62,9 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=128)  # fmt: skip
-    lora = LoraConfig(r=args.rank, target_modules=PROJECTIONS, init_lora_weights=False)
-    model = get_peft_model(LlamaForCausalLM(config).to(device), lora, adapter_name="a0")
     t0 = time.perf_counter()
-    for i in range(1, args.adapters):
-        model.add_adapter(f"a{i}", lora)
+    model = add_adapters(LlamaForCausalLM(config).to(device), args.adapters, [args.rank], device)  # all 7 projections
     print(f"{args.adapters} adapters added in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    model.eval()
     enable_csgmv(model, max_resident_adapters=args.resident)
 
     def call(names):
@@ -98,11 +92,11 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         call(names)
         times.append(time.perf_counter() - t0)
-    per = statistics.median(times) * 1e3 / args.per_call
+    median_ms = statistics.median(times) * 1e3
     print("| layers | adapters | resident | calls of | median ms per call | ms per adapter | device |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| {args.layers} | {args.adapters} | {args.resident} | {args.per_call} | "
-          f"{statistics.median(times) * 1e3:.1f} | {per:.2f} | {device.type} |")  # fmt: skip
+    print(f"| {args.layers} | {args.adapters} | {args.resident} | {args.per_call} | {median_ms:.1f} | "
+          f"{median_ms / args.per_call:.2f} | {device.type} |")  # fmt: skip
     if args.phases:
         moved = args.calls * args.per_call
         print("\n| step | ms per adapter |\n|---|---|")
