@@ -56,6 +56,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="also the widest row without programmatic dependent launch (PEFT_CSGMV_PDL=0), to see what it gives",
     )
+    p.add_argument(
+        "--beside-off",
+        action="store_true",
+        help="also the widest row with each layer's LoRA after its base product, not beside it (PEFT_CSGMV_BESIDE=0)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
@@ -119,34 +124,31 @@ def main(argv=None) -> int:
     same = (outs[max(distinct)] == eager).float().mean().item()
     print(f"compiled vs eager csgmv, {max(distinct)} distinct: {same * 100:.1f}% of tokens identical")
     disable_csgmv(pm)
-    same_fused = None
-    if args.fused:  # the same row with one launch per layer in decode (the developer switch, read when enabling)
-        os.environ["PEFT_CSGMV_FUSED_DECODE"] = "1"
-        try:
-            enable_csgmv(pm)
-        finally:
-            del os.environ["PEFT_CSGMV_FUSED_DECODE"]
-        fused = measure(f"peft_csgmv, {max(distinct)} distinct, fused decode", pm, adapter_ids=ids)
-        same_fused = (outs[max(distinct)] == fused).float().mean().item()
-        print(f"fused vs two-launch compiled csgmv: {same_fused * 100:.1f}% of tokens identical")
-        disable_csgmv(pm)
-
-    same_no_pdl = None
-    if args.pdl_off:  # the same row with every kernel launched as it follows the one before
-        before = os.environ.get("PEFT_CSGMV_PDL")
-        os.environ["PEFT_CSGMV_PDL"] = "0"
+    # The widest row again under developer switches (read when a model is enabled), to see what each gives.
+    variants = []
+    if args.fused:
+        variants.append(("fused", "fused decode", {"PEFT_CSGMV_FUSED_DECODE": "1"}))
+    if args.pdl_off:
+        variants.append(("no_pdl", "no PDL", {"PEFT_CSGMV_PDL": "0"}))
+    if args.beside_off:
+        variants.append(("not_beside", "LoRA after the base product", {"PEFT_CSGMV_BESIDE": "0"}))
+    same_variant = {}
+    for key, label, env in variants:
+        before = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
         reset_pdl()
         try:
             enable_csgmv(pm)
-            no_pdl = measure(f"peft_csgmv, {max(distinct)} distinct, no PDL", pm, adapter_ids=ids)
-            same_no_pdl = (outs[max(distinct)] == no_pdl).float().mean().item()
-            print(f"no PDL vs PDL compiled csgmv: {same_no_pdl * 100:.1f}% of tokens identical")
+            got = measure(f"peft_csgmv, {max(distinct)} distinct, {label}", pm, adapter_ids=ids)
+            same_variant[key] = (outs[max(distinct)] == got).float().mean().item()
+            print(f"{label} vs default compiled csgmv: {same_variant[key] * 100:.1f}% of tokens identical")
             disable_csgmv(pm)
         finally:
-            if before is None:
-                del os.environ["PEFT_CSGMV_PDL"]
-            else:
-                os.environ["PEFT_CSGMV_PDL"] = before
+            for name, value in before.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
             reset_pdl()
 
     ref = {r["row"]: r for r in results}
@@ -165,8 +167,7 @@ def main(argv=None) -> int:
             device,
             args=vars(args),
             compiled_vs_eager_identical=same,
-            fused_vs_two_launch=same_fused,
-            no_pdl_vs_pdl=same_no_pdl,
+            variants_vs_default_identical=same_variant,
             pdl=pdl(device),
         )
         write_results(args.out, meta, results=results)

@@ -185,6 +185,9 @@ class Executor:
         # Compiled decode in one launch per layer (the expand computes the A product itself, kernels.fused_fits);
         # a developer switch until it is measured on the GPU: PEFT_CSGMV_FUSED_DECODE=1 when the model is enabled.
         self.fused_decode = os.environ.get("PEFT_CSGMV_FUSED_DECODE", "0") == "1"
+        # Compiled code runs a plain Linear layer's decode-sized LoRA beside its base product (ops.lora_linear, a side
+        # stream on CUDA); PEFT_CSGMV_BESIDE=0 when the model is enabled keeps the two one after the other.
+        self.beside = os.environ.get("PEFT_CSGMV_BESIDE", "1") != "0"
         self.plans: collections.OrderedDict = collections.OrderedDict()  # LRU: (slots, repeat, tpr, device) -> PlanRun
         self.statics: list[StaticPlan] = []
         self._triton: dict = {}

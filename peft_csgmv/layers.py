@@ -145,7 +145,10 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         result = state["_csgmv_orig_forward"](x, *args, adapter_names=names, **call.variant_kwargs(), **kwargs)
     else:
         base = self._modules["base_layer"]
-        if base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or _global_hooks():
+        hooked = base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or _global_hooks()
+        if not hooked and not args and not kwargs and torch.compiler.is_compiling() and _beside(ex, stack, base, x):
+            return _compiled_beside(ex, stack, base, x, rows, device)
+        if hooked:
             result = base(x, *args, **kwargs)
         else:  # nothing for Module.__call__ to run around forward: skip its few microseconds per layer
             result = base.forward(x, *args, **kwargs)
@@ -163,20 +166,58 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     return result
 
 
-def _compiled_lora(ex: Executor, stack: "LoraStack", x2, result, rows: int, device, embed_scale) -> torch.Tensor:
-    """The LoRA of a layer inside compiled code: the ``peft_csgmv::lora`` op over the shape's static plan (no Python
-    runs here when the graph runs; the plan's buffers hold the call's ids). The stack goes by handle, and its version
-    becomes a guard of the graph (see :mod:`peft_csgmv.ops`)."""
+# Compiled code runs a plain Linear layer's LoRA beside its base product (ops.lora_linear) for inputs of at most this
+# many tokens (decode, short prefills): where both are short, latency-bound launches that leave the GPU room.
+BESIDE_MAX_TOKENS = 512
+
+
+def _beside(ex: Executor, stack: "LoraStack", base: nn.Module, x: torch.Tensor) -> bool:
+    """Whether compiled code runs this layer's base product and LoRA in one ``peft_csgmv::lora_linear`` (the LoRA on a
+    side stream beside the base product, on CUDA): a plain ``nn.Linear`` base (its forward is ``F.linear``; the caller
+    checked that nothing is hooked on it), no DoRA, a decode-sized input, and the executor's switch on."""
+    return (
+        ex.beside
+        and type(base) is nn.Linear
+        and stack.mag is None
+        and not stack.embedding
+        and x.dim() >= 2
+        and x.numel() <= BESIDE_MAX_TOKENS * x.shape[-1]
+    )
+
+
+def _compiled_plan(ex: Executor, stack: "LoraStack", x2, rows: int, device):
+    """``(static plan, triton, fused)`` of a layer inside compiled code: the shape's :class:`StaticPlan` (no Python
+    runs here when the graph runs; its buffers hold the call's ids), whether the Triton kernels run (on CUDA always:
+    the torch reference reads the plan on the host; on CPU the backend's choice), and whether in one fused launch."""
     static = ex.static_plan(rows, x2.shape[0] // rows, device)
-    y = result.reshape(-1, result.shape[-1])
-    # On CUDA always the Triton kernels (the torch reference reads the plan on the host); on CPU the backend's choice.
     triton = device.type == "cuda" or use_triton(ex.backend, device)
     fused = triton and ex.fused_decode and not stack.embedding and kernels.fused_fits(x2.shape[0], stack.in_features)
+    return static, triton, fused
+
+
+def _compiled_lora(ex: Executor, stack: "LoraStack", x2, result, rows: int, device, embed_scale) -> torch.Tensor:
+    """The LoRA of a layer inside compiled code: the ``peft_csgmv::lora`` op over the shape's static plan. The stack
+    goes by handle, and its version becomes a guard of the graph (see :mod:`peft_csgmv.ops`)."""
+    static, triton, fused = _compiled_plan(ex, stack, x2, rows, device)
+    y = result.reshape(-1, result.shape[-1])
     out = ops.lora(
         x2, y, static.permutation, static.seg_indptr, static.seg_slot, embed_scale, stack.handle, stack.version,
         static.chunk, triton, fused,
     )  # fmt: skip
     return out.view(result.shape)
+
+
+def _compiled_beside(ex: Executor, stack: "LoraStack", base: nn.Linear, x, rows: int, device) -> torch.Tensor:
+    """A plain Linear layer inside compiled code: its base product and LoRA in one ``peft_csgmv::lora_linear`` (the
+    LoRA beside the base product on CUDA), then ``y + delta`` rounded once to ``y``'s dtype, which the compiler fuses
+    into whatever reads the output: the numbers of :func:`_compiled_lora`'s out-of-place sum."""
+    x2 = x.reshape(-1, x.shape[-1])
+    static, triton, fused = _compiled_plan(ex, stack, x2, rows, device)
+    y, delta = ops.lora_linear(
+        x2, base.weight, base.bias, static.permutation, static.seg_indptr, static.seg_slot, stack.handle,
+        stack.version, static.chunk, triton, fused,
+    )  # fmt: skip
+    return (y + delta).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
 
 
 def _follow_weights(layer: nn.Module, stack: "LoraStack", ex: Executor, device: torch.device) -> bool:

@@ -9,6 +9,13 @@ on the stack's version (see :mod:`peft_csgmv.slots`), so a compiled model passes
 LoRA layer. The plan's segments cover the base rows too (slot ``-1``), so the expand writes every row of the output out
 of place: no clone of ``y`` first.
 
+``peft_csgmv::lora_linear`` is a plain ``nn.Linear`` layer's base product and LoRA in one op, for decode-sized inputs:
+``y = x @ Wᵀ + bias`` and ``delta`` = the LoRA alone in fp32 (zeros on base rows), which the caller adds to ``y``
+(``(y + delta)`` rounded once to ``y``'s dtype: the same numbers as ``lora``'s out-of-place sum), so compiled code
+fuses that add into whatever reads the layer's output. On CUDA the LoRA's launches go on a side stream that forks
+from the caller's stream before the base product and joins it after: in a captured CUDA graph the two branches run
+side by side, and the base product's kernel hides the LoRA's latency (or the other way round).
+
 Semantics (as :mod:`peft_csgmv.kernels`)::
 
     for each segment s with slot = seg_slot[s], rows = permutation[seg_indptr[s]:seg_indptr[s+1]]:
@@ -100,3 +107,77 @@ def lora(
 @lora.register_fake
 def _lora_fake(x, y, *args, **kwargs) -> torch.Tensor:
     return torch.empty_like(y)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stream :func:`lora_linear` runs the LoRA on beside the base product, one per CUDA device."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+@torch.library.custom_op("peft_csgmv::lora_linear", mutates_args=())
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    permutation: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slot: torch.Tensor,
+    stack: int,
+    version: int,
+    chunk: int,
+    triton: bool,
+    fused: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x``: (T, in) activations; ``weight`` (out, in), ``bias`` (out,) or ``None``: the base ``nn.Linear``'s; the
+    plan, ``stack``, ``version``, ``chunk``, ``triton`` and ``fused`` as :func:`lora` takes them (no DoRA, no
+    embedding). Returns ``(y, delta)``: ``y = F.linear(x, weight, bias)`` (T, out) in ``x``'s dtype, ``delta`` (T, out)
+    fp32, the LoRA of every token (0 on base rows and rank-0 slots); the layer's output is ``(y + delta)`` in ``y``'s
+    dtype. On CUDA the LoRA runs on :func:`side_stream`, beside the base product (see the module docstring)."""
+    s = stack_by_handle(stack)
+    if s.version != version:
+        raise RuntimeError(f"peft_csgmv: stack {stack} is at version {s.version} under a graph of version {version}")
+    a, b = s.a, s.b
+    plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
+    num_tokens, n = x.shape[0], weight.shape[0]
+    if not triton:
+        y = torch.nn.functional.linear(x, weight, bias)
+        t = kernels.shrink_reference(x, a, s.ranks_host, plan)
+        delta = torch.zeros((num_tokens, n), dtype=torch.float32, device=x.device)
+        kernels.expand_reference(t, b, s.ranks_host, s.scalings_host, plan, delta, None, None, s.lora_bias)
+        return y, delta
+    cuda = x.device.type == "cuda"
+    with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
+        # Everything the side stream writes is allocated here, on the caller's stream, before the fork (nothing is
+        # allocated on the side stream, inside a CUDA graph's capture or out of it), and outlives the join below.
+        delta = torch.empty((num_tokens, n), dtype=torch.float32, device=x.device)
+        t = None if fused else torch.empty(
+            (kernels.shrink_splits(plan, x.shape[1]), num_tokens, b.shape[2]), dtype=torch.float32, device=x.device
+        )  # fmt: skip
+        main = torch.cuda.current_stream() if cuda else None
+        side = side_stream(x.device) if cuda else None
+        if cuda:
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            if fused:
+                kernels.expand(None, b, s.ranks, s.scalings, plan, None, lora_bias=s.lora_bias, out=delta, x=x, a=a,
+                               act_dtype=x.dtype)  # fmt: skip
+            else:
+                t = kernels.shrink(x, a, s.ranks, plan, t)
+                kernels.expand(t, b, s.ranks, s.scalings, plan, None, lora_bias=s.lora_bias, out=delta,
+                               act_dtype=x.dtype)  # fmt: skip
+        y = torch.nn.functional.linear(x, weight, bias)
+        if cuda:
+            main.wait_stream(side)
+    return y, delta
+
+
+@lora_linear.register_fake
+def _lora_linear_fake(x, weight, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (x.shape[0], weight.shape[0])
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.float32)

@@ -35,6 +35,8 @@ def compile_variant(kernel, pointer_types: dict, constexprs: dict) -> None:
     names = kernel.arg_names
     if "USE_GDC" in names:  # launched with programmatic dependent launch or not (a variant says which)
         constexprs = {"USE_GDC": False, **constexprs}
+    if "ADD_Y" in names:  # the expand's output holds y plus the LoRA, or the LoRA alone (a variant says which)
+        constexprs = {"ADD_Y": True, **constexprs}
     unknown = set(pointer_types) - set(names)
     if unknown:
         raise ValueError(f"{kernel.fn.__name__} has no argument(s) {sorted(unknown)}")
@@ -84,6 +86,13 @@ def variants():
         cx.update(POOLED=True, ALIGN=16, RANK_ALIGN=rank_align, OUT_OF_PLACE=out_of_place)
         label = f"expand fp32 B, bf16 y pooled rank_align={rank_align} out_of_place={out_of_place}"
         yield label, expand._expand_kernel, types, dict(cx)
+    # the LoRA alone into an fp32 output (compiled decode beside the base product): bf16 and fp32 adapters
+    for w in ("bf16", "fp32"):
+        types = expand_types(PTR[w], PTR["bf16"], PTR[w])
+        types["out_ptr"] = "*fp32"
+        cx = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32", HAS_DORA=False, HAS_LORA_BIAS=True)
+        cx.update(FUSED=False, BLOCK_K=16, POOLED=True, ALIGN=16, RANK_ALIGN=16, OUT_OF_PLACE=True, ADD_Y=False)
+        yield f"expand {w} weights, the LoRA alone into fp32", expand._expand_kernel, types, cx
     # fused (the shrink's product inside the expand): bf16 adapters, fp32 adapters on bf16 activations, DoRA in fp32
     for w, act, dora, out_of_place in (("bf16", "bf16", False, True), ("fp32", "bf16", False, True),
                                        ("fp32", "fp32", True, False)):  # fmt: skip
@@ -104,12 +113,16 @@ def pdl_variants():
     types = {"x_ptr": PTR["bf16"], "a_ptr": PTR["bf16"], "t_ptr": "*fp32", **INTS, "a_off_ptr": "*i64"}
     cx = dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=64, DOT_PRECISION="tf32", POOLED=True, ALIGN=16, USE_GDC=True)
     yield "shrink bf16 pdl", shrink._shrink_kernel, types, cx
-    for out_of_place, fused in ((False, False), (True, False), (True, True)):
+    for out_of_place, fused, add_y in ((False, False, True), (True, False, True), (True, True, True),
+                                       (True, False, False)):  # fmt: skip
         cx = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32", HAS_DORA=False)
         cx.update(HAS_LORA_BIAS=False, POOLED=True, ALIGN=16, RANK_ALIGN=16, USE_GDC=True)
-        cx.update(OUT_OF_PLACE=out_of_place, FUSED=fused)
-        label = f"expand bf16 pdl out_of_place={out_of_place} fused={fused}"
-        yield label, expand._expand_kernel, expand_types(PTR["bf16"], PTR["bf16"], PTR["bf16"]), cx
+        cx.update(OUT_OF_PLACE=out_of_place, FUSED=fused, ADD_Y=add_y)
+        types = expand_types(PTR["bf16"], PTR["bf16"], PTR["bf16"])
+        if not add_y:
+            types["out_ptr"] = "*fp32"
+        label = f"expand bf16 pdl out_of_place={out_of_place} fused={fused} add_y={add_y}"
+        yield label, expand._expand_kernel, types, cx
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ from helpers import BASE, DEVICE, add_adapters, close, make_batch, per_adapter, 
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
-from peft_csgmv import disable_csgmv, enable_csgmv
+from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv
 from peft_csgmv.executor import active_calls
 from peft_csgmv.model import adapter_ids_scope
 
@@ -226,6 +226,64 @@ def test_compiled_fused_decode_one_launch_per_layer(monkeypatch):
         got = compiled(input_ids, attention_mask=mask, adapter_ids=["a0", None, "a1"]).logits
     close(got, stitch(outs, names), "fused, compiled")
     assert launches == {"fused": csgmv_stats(model)["kernel_layers"]}, launches
+
+
+def _compiled_ops(model, ids, input_ids, mask):
+    """The logits of ``torch.compile(model)`` with ``ids``, and how many of each csgmv op its graph holds."""
+    import collections
+
+    seen = collections.Counter()
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            name = str(node.target)
+            if node.op == "call_function" and "peft_csgmv" in name:
+                seen["lora_linear" if "lora_linear" in name else "lora"] += 1
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, dynamic=False, fullgraph=False)
+    with torch.no_grad():
+        logits = compiled(input_ids, attention_mask=mask, adapter_ids=ids).logits
+    torch._dynamo.reset()
+    return logits, seen
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_linear_layers_run_beside_their_base_product(backend, monkeypatch):
+    """In compiled code a plain Linear layer's base product and LoRA are one ``peft_csgmv::lora_linear`` (on CUDA the
+    LoRA beside the base product) and its output ``y + delta``: stock PEFT's per-adapter logits, bit for bit the
+    numbers of the base product followed by the ``lora`` op (``PEFT_CSGMV_BESIDE=0``). The embedding, and a layer
+    whose base has a forward hook (which must run), keep the ``lora`` op."""
+    model = _model()
+    input_ids, mask = make_batch(3, 5)
+    names = ["a0", BASE, "a1"]
+    outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend=backend)
+    linear = csgmv_stats(model)["kernel_layers"] - 1  # all but embed_tokens
+    beside, ops = _compiled_ops(model, ["a0", None, "a1"], input_ids, mask)
+    close(beside, stitch(outs, names), "compiled, beside")
+    assert ops == {"lora_linear": linear, "lora": 1}, ops
+
+    disable_csgmv(model)
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "0")
+    enable_csgmv(model, backend=backend)
+    after, ops = _compiled_ops(model, ["a0", None, "a1"], input_ids, mask)
+    assert ops == {"lora": linear + 1}, ops
+    assert torch.equal(beside, after), "the LoRA beside the base product gave other numbers"
+
+    disable_csgmv(model)
+    monkeypatch.delenv("PEFT_CSGMV_BESIDE")
+    enable_csgmv(model, backend=backend)
+    calls = []
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    handle = q.base_layer.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    try:
+        hooked, ops = _compiled_ops(model, ["a0", None, "a1"], input_ids, mask)
+    finally:
+        handle.remove()
+    assert ops == {"lora_linear": linear - 1, "lora": 2}, ops
+    assert calls, "the base layer's forward hook did not run"
+    assert torch.equal(hooked, beside)
 
 
 def test_disable_after_compile_restores_stock_peft():

@@ -350,3 +350,65 @@ def test_pdl_launches_give_the_serial_launches_results(out_of_place, monkeypatch
     assert torch.isfinite(serial).all() and serial.abs().sum() > 0
     for got in with_pdl[0] + with_pdl[1]:
         assert torch.equal(got, serial)
+
+
+@pytest.mark.parametrize("adapters", ["fp32", "bf16"])
+def test_lora_beside_base_product_gives_the_serial_results(adapters):
+    """``peft_csgmv::lora_linear`` (the LoRA on a side stream beside the base product, joined before it returns) over
+    a chain of layers, each reading what the last wrote: bit for bit the base product followed by the ``lora`` op,
+    eagerly and replayed from a CUDA graph with a new input before each of 20 replays (a missing join would read
+    ``delta`` before it is written, or let the next layer overwrite a buffer the side stream still reads)."""
+    import transformers as tf
+
+    from peft_csgmv import ops
+    from peft_csgmv.executor import StaticPlan
+
+    cfg = tf.LlamaConfig(
+        vocab_size=128, hidden_size=2048, intermediate_size=256, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)  # PEFT keeps its adapters in fp32 on it
+    pm = add_adapters(model, {f"a{i}": dict(r=16, lora_alpha=32, target_modules=["q_proj"]) for i in range(32)})
+    if adapters == "bf16":
+        pm.to(torch.bfloat16)
+    pm.to(DEV)
+    enable_csgmv(pm)
+    layers = [layer.self_attn.q_proj for layer in pm.base_model.model.model.layers]
+    assert layers[0]._csgmv_stack.a.dtype == (torch.float32 if adapters == "fp32" else torch.bfloat16)
+    device = torch.device(DEV, torch.cuda.current_device())
+    static = StaticPlan(32, 32, 1, device)
+    static.fill(tuple(-1 if i % 5 == 0 else (7 * i) % 32 for i in range(32)))  # base rows too
+    plan = (static.permutation, static.seg_indptr, static.seg_slot)
+
+    def chain(x, beside: bool):
+        for layer in layers:
+            stack, base = layer._csgmv_stack, layer.base_layer
+            if beside:
+                y, delta = ops.lora_linear(
+                    x, base.weight, base.bias, *plan, stack.handle, stack.version, static.chunk, True
+                )
+                x = (y + delta).to(y.dtype)
+            else:
+                y = torch.nn.functional.linear(x, base.weight, base.bias)
+                x = ops.lora(x, y, *plan, None, stack.handle, stack.version, static.chunk, True)
+        return x
+
+    with torch.no_grad():
+        inputs = [torch.randn(32, 2048, device=DEV, dtype=torch.bfloat16) for _ in range(20)]
+        serial = [chain(x, beside=False) for x in inputs]
+        assert all(torch.isfinite(s).all() for s in serial)
+        for x, want in zip(inputs, serial):
+            assert torch.equal(chain(x, beside=True), want), "eager: beside differs from one after the other"
+        assert device in ops._SIDE_STREAMS, "the LoRA did not run on a side stream"
+        static_x = inputs[0].clone()
+        chain(static_x, beside=True)  # warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(static_x, beside=True)
+        for x, want in zip(inputs, serial):
+            static_x.copy_(x)
+            graph.replay()
+            assert torch.equal(out, want), "replayed: beside differs from one after the other"
+    disable_csgmv(pm)

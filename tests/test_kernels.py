@@ -447,6 +447,14 @@ def static_plan(row_slots, tokens_per_row):
     return _plan(static.permutation, static.seg_indptr, static.seg_slot, static.chunk, runs=True)
 
 
+def static_case():
+    """A static plan of rows of slots ``[2, -1, 0, -1, 3, 1, -1, 2, 1]``, 2 tokens each, with ranks ``r8-0-3-16`` (slot
+    1 has rank 0): ``(plan, slot of each token, ranks, max rank)``."""
+    row_slots = [2, -1, 0, -1, 3, 1, -1, 2, 1]
+    plan = static_plan(row_slots, 2)
+    return plan, [row_slots[i // 2] for i in range(plan.num_tokens)], *RANKS["r8-0-3-16"]
+
+
 @pytest.mark.parametrize("dtype", dtype_params())
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 @pytest.mark.parametrize("layout", ["dense", "row-stride-2", "transposed"])
@@ -454,11 +462,8 @@ def test_expand_out_of_place_over_base_segments(layout, dora, dtype):
     """``expand(..., out=)`` over a static plan: every token of ``out`` is written in one launch (adapter rows:
     ``y`` + LoRA; base rows and a rank-0 slot's rows: ``y`` bit for bit, -0.0 / NaN / inf included, DoRA or not),
     ``y`` is not touched, and nothing of ``out``'s parent outside the view is written."""
-    row_slots = [2, -1, 0, -1, 3, 1, -1, 2, 1]  # slot 1 has rank 0 here
-    plan = static_plan(row_slots, 2)
-    token_slot = [row_slots[i // 2] for i in range(plan.num_tokens)]
+    plan, token_slot, ranks, r_max = static_case()
     assert -1 in plan.seg_slot.tolist()
-    ranks, r_max = RANKS["r8-0-3-16"]
     k, n = DIMS["in33-out47"]
     _, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=75)
     t = randn(plan.num_tokens, r_max, dtype=torch.float32, seed=76)
@@ -484,6 +489,56 @@ def test_expand_out_of_place_over_base_segments(layout, dora, dtype):
     check_close(out[~copied], expected[~copied.cpu()], dtype, what=f"out-of-place expand ({layout}, dora={dora})")
     if parent is not None:
         assert torch.equal(bits(parent[outside]), bits(parent0[outside])), "expand wrote outside the out view"
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "fused"])
+@pytest.mark.parametrize("layout", ["dense", "row-stride-2", "transposed"])
+def test_expand_lora_alone_over_base_segments(layout, fused, dtype):
+    """``expand(..., y=None, out=fp32)`` (what compiled decode runs beside the base product): ``out`` gets the LoRA
+    alone over a static plan, ``lora_bias`` included, zeros (+0.0) on base and rank-0 rows, through ``out``'s strides,
+    nothing outside the view; ``(y + out)`` rounded to ``y``'s dtype is the out-of-place sum bit for bit."""
+    plan, token_slot, ranks, r_max = static_case()
+    k, n = DIMS["in33-out47"]
+    a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=90)
+    x = randn(plan.num_tokens, k, dtype=dtype, seed=91)
+    y = randn(plan.num_tokens, n, dtype=dtype, seed=92)
+    lora_bias = randn(NUM_SLOTS, n, dtype=torch.float32, seed=93)
+    t = shrink(x, a, ranks_t, plan)
+    if layout == "dense":
+        out, parent, outside = full((plan.num_tokens, n), float("nan"), torch.float32), None, None
+    else:
+        out, parent, outside = y_view(full((plan.num_tokens, n), float("nan"), torch.float32), layout)
+    parent0 = parent.clone() if parent is not None else None
+    lora = dict(x=x, a=a) if fused else {}
+
+    got = expand(None if fused else t, b, ranks_t, scalings, plan, None, lora_bias=lora_bias, out=out,
+                 act_dtype=dtype, **lora)  # fmt: skip
+
+    assert got is out
+    copied = device_mask([s < 0 or ranks[s] == 0 for s in token_slot])
+    assert torch.equal(bits(out[copied]), bits(torch.zeros_like(out[copied]))), "base / rank-0 rows are not +0.0"
+    expected = oracle_expand(t.float(), b, ranks, scalings, token_slot, torch.zeros(plan.num_tokens, n))
+    slot_of = torch.tensor([max(s, 0) for s in token_slot])
+    expected += lora_bias.cpu().double()[slot_of] * scalings.cpu().double()[slot_of, None]
+    check_close(out[~copied], expected[~copied.cpu()], dtype, what=f"the LoRA alone ({layout}, fused={fused})")
+    if parent is not None:
+        assert torch.equal(bits(parent[outside]), bits(parent0[outside])), "expand wrote outside the out view"
+    summed = expand(None if fused else t, b, ranks_t, scalings, plan, y, lora_bias=lora_bias,
+                    out=torch.empty_like(y), **lora)  # fmt: skip
+    assert torch.equal(bits((y + out).to(dtype)), bits(summed)), "y + the LoRA alone is not the out-of-place sum"
+
+
+def test_expand_lora_alone_needs_out_and_no_dora():
+    plan = static_plan([0, -1], 1)
+    ranks, r_max = RANKS["r8-0-3-16"]
+    k, n = DIMS["in33-out47"]
+    _, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, torch.float32, seed=94)
+    t = randn(plan.num_tokens, r_max, dtype=torch.float32, seed=95)
+    with pytest.raises(ValueError, match="needs out"):
+        expand(t, b, ranks_t, scalings, plan, None)
+    with pytest.raises(ValueError, match="not for DoRA"):
+        expand(t, b, ranks_t, scalings, plan, None, out=torch.empty(plan.num_tokens, n), **dora_tables(n, seed=96))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -532,10 +587,7 @@ def test_fused_out_of_place_over_base_segments(layout, dora, dtype):
     """Fused over a static plan (base rows in segments of slot -1), out of place, ``x`` and ``out`` strided: adapter
     rows as the oracle (DoRA's scale applied as the expand applies it), base and rank-0 rows a bit-exact copy of
     ``y``, ``y`` untouched; the same as the two launches (shrink, then expand) to fp32 accumulation order."""
-    row_slots = [2, -1, 0, -1, 3, 1, -1, 2, 1]  # slot 1 has rank 0 here
-    plan = static_plan(row_slots, 2)
-    token_slot = [row_slots[i // 2] for i in range(plan.num_tokens)]
-    ranks, r_max = RANKS["r8-0-3-16"]
+    plan, token_slot, ranks, r_max = static_case()
     k, n = DIMS["in123-out431"]
     a, b, ranks_t, scalings = make_weights(ranks, r_max, k, n, dtype, seed=24)
     x_dense = randn(plan.num_tokens, k, dtype=dtype, seed=25)

@@ -91,6 +91,7 @@ def _expand_kernel(
     OUT_OF_PLACE: tl.constexpr,
     FUSED: tl.constexpr,  # t = x[rows] @ A[slot]ᵀ computed here over all of K (no shrink launch, no t in memory)
     BLOCK_K: tl.constexpr,
+    ADD_Y: tl.constexpr,  # out = y + LoRA; else (out of place, no DoRA) out = the LoRA alone, y never read
     USE_GDC: tl.constexpr,  # launched with programmatic dependent launch (launch.pdl)
 ):
     if USE_GDC:
@@ -141,7 +142,10 @@ def _expand_kernel(
 
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]
-    y_in = tl.load(y_ptrs, mask=mask, other=0.0)
+    if ADD_Y:
+        y_in = tl.load(y_ptrs, mask=mask, other=0.0)
+    else:  # the LoRA alone: base and rank-0 rows get zeros
+        y_in = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
     y = y_in.to(tl.float32)
     if HAS_DORA:
         mag = tl.load(mag_ptr + slot.to(tl.int64) * stride_ms + offs_n, mask=n_mask, other=1.0)
@@ -177,11 +181,16 @@ def expand_tiles(block_m: int, num_segments: int, r: int) -> tuple[int, tuple]:
 
 def expand_launch_args(
     t, b, ranks, scalings, plan, y, mag, bias, lora_bias, has_dora, has_lora_bias, block_n, options, out=None,
-    fused=None,
+    fused=None, act_dtype=None,
 ) -> tuple:  # fmt: skip
     """``(grid, args, constexprs, options)`` of one expand launch (checked arguments; unused ``mag``/``bias``/
     ``lora_bias`` are any fp32 tensor; ``out``: the out-of-place output, else ``y`` is updated in place; ``fused``:
-    ``(x, A stack, BLOCK_K)`` where the kernel computes ``t`` itself, ``t`` then unused)."""
+    ``(x, A stack, BLOCK_K)`` where the kernel computes ``t`` itself, ``t`` then unused; ``y`` ``None``: ``out`` gets
+    the LoRA alone, and ``act_dtype`` is the activations' dtype, which decides the products' precision as ``y``'s
+    does)."""
+    add_y = y is not None
+    if not add_y:
+        y = out  # never read: its strides stand in
     if t.dim() == 2:  # one plane: plane stride 0, no view needed
         splits, stride_tp, (stride_tm, stride_tr) = 1, 0, t.stride()
     else:
@@ -210,7 +219,7 @@ def expand_launch_args(
         BLOCK_M=_block(plan.chunk_size),
         BLOCK_N=block_n,
         BLOCK_R=_block(b.shape[2]),
-        DOT_PRECISION="ieee" if b.dtype == y.dtype == torch.float32 else "tf32",  # as in the shrink
+        DOT_PRECISION="ieee" if b.dtype == (act_dtype or y.dtype) == torch.float32 else "tf32",  # as in the shrink
         HAS_DORA=has_dora,
         HAS_LORA_BIAS=has_lora_bias,
         POOLED=pooled,
@@ -219,6 +228,7 @@ def expand_launch_args(
         OUT_OF_PLACE=out_of_place,
         FUSED=fused is not None,
         BLOCK_K=block_k,
+        ADD_Y=add_y,
         USE_GDC=use_gdc,
     )
     return (plan.num_segments, -(-n // block_n), 1), args, constexprs, options
@@ -230,7 +240,7 @@ def expand(
     ranks: torch.Tensor,
     scalings: torch.Tensor,
     plan: BatchPlan,
-    y: torch.Tensor,
+    y: torch.Tensor | None,
     mag: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     lora_bias: torch.Tensor | None = None,
@@ -238,12 +248,14 @@ def expand(
     out: torch.Tensor | None = None,
     x: torch.Tensor | None = None,
     a: torch.Tensor | None = None,
+    act_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Launch the expand kernel; ``y`` is updated in place and returned (or, with ``out``, ``out`` is written and
-    returned, ``y`` only read). With ``x`` and ``a``, *fused*: the kernel computes ``t = x @ A[slot]ᵀ`` itself over
-    all of ``K`` (the shrink's product, in the same fp32 accumulation), so one launch does the whole LoRA of a layer
-    and ``t`` never goes through memory; each program of a segment repeats that product for its ``BLOCK_N`` columns,
-    which pays where ``K`` is short and the segments few rows (decode: see :func:`fused_fits`).
+    returned, ``y`` only read; with ``y=None``, ``out`` gets the LoRA alone). With ``x`` and ``a``, *fused*: the
+    kernel computes ``t = x @ A[slot]ᵀ`` itself over all of ``K`` (the shrink's product, in the same fp32
+    accumulation), so one launch does the whole LoRA of a layer and ``t`` never goes through memory; each program of a
+    segment repeats that product for its ``BLOCK_N`` columns, which pays where ``K`` is short and the segments few rows
+    (decode: see :func:`fused_fits`).
 
     Args:
         t: ``(T, R)`` or ``(P, T, R)`` fp32, the shrink output (``R`` = the layer's max rank; ``P`` split-K planes,
@@ -254,7 +266,10 @@ def expand(
         scalings: ``(S,)`` fp32 scaling of each slot (this and the per-slot tensors below: a strided view is copied
             first).
         plan: the batch plan on ``y``'s device.
-        y: ``(T, N)`` base output, fp16/bf16/fp32, any strides (updated in place through them).
+        y: ``(T, N)`` base output, fp16/bf16/fp32, any strides (updated in place through them); or ``None`` with
+            ``out`` (not DoRA): ``out`` gets the LoRA alone, ``(t @ Bᵀ + lora_bias) · scaling`` rounded once to
+            ``out``'s dtype (fp32 for a caller that adds it to the base output itself, as the out-of-place sum would),
+            zeros for the rows of slot ``-1`` or of a rank-0 slot.
         mag: optional ``(S, N)`` fp32 DoRA scale per slot and output feature (1 for plain LoRA slots).
         bias: with ``mag``, the ``(N,)`` fp32 base-layer bias that ``y`` includes (zeros for none).
         lora_bias: optional ``(S, N)`` fp32 bias of each slot's ``lora_B`` (PEFT's ``lora_bias=True``; zeros for the
@@ -267,22 +282,30 @@ def expand(
         x: fused only, ``(T, K)`` activations, any strides, as :func:`~peft_csgmv.kernels.shrink` takes them (``t``
             is then not read and may be ``None``).
         a: fused only, the A stack, as :func:`~peft_csgmv.kernels.shrink` takes it, stacked as ``b`` is.
+        act_dtype: with ``y=None``, the activations' dtype (fp32 activations and fp32 weights: full fp32 products,
+            else TF32 for fp32 weights, as with ``y`` of that dtype).
     """
-    num_tokens, n = y.shape
-    if out is not None and (out.shape != y.shape or out.dtype != y.dtype):
-        raise ValueError(f"expand: out {tuple(out.shape)} {out.dtype} is not like y {tuple(y.shape)} {y.dtype}")
+    alone = y is None
+    if alone:
+        if out is None or mag is not None:
+            raise ValueError("expand: y=None (the LoRA alone) needs out, and is not for DoRA")
+        num_tokens, n = out.shape
+    else:
+        num_tokens, n = y.shape
+        if out is not None and (out.shape != y.shape or out.dtype != y.dtype):
+            raise ValueError(f"expand: out {tuple(out.shape)} {out.dtype} is not like y {tuple(y.shape)} {y.dtype}")
     num_slots, n_b, r = b.shape
     fusing = x is not None
     if fusing:
         if a is None or a.shape[:2] != (num_slots, r) or x.shape != (num_tokens, a.shape[2]):
             raise ValueError(
                 f"expand: fused x {tuple(x.shape)} and A {None if a is None else tuple(a.shape)} do not fit B "
-                f"{tuple(b.shape)} and y {tuple(y.shape)}"
+                f"{tuple(b.shape)} and y {(num_tokens, n)}"
             )
         t = scalings.view(-1, 1)  # never read
     if n_b != n or (not fusing and t.shape[-2:] != (num_tokens, r)) or num_tokens != plan.num_tokens:
         raise ValueError(
-            f"expand: t {tuple(t.shape)}, B {tuple(b.shape)} and y {tuple(y.shape)} do not fit a plan of "
+            f"expand: t {tuple(t.shape)}, B {tuple(b.shape)} and y {(num_tokens, n)} do not fit a plan of "
             f"{plan.num_tokens} tokens"
         )
     if plan.num_segments == 0:
@@ -312,7 +335,7 @@ def expand(
         block_n, options = _tiles(config, "block_n")
     _launch_expand(
         *expand_launch_args(t, b, ranks, scalings, plan, y, mag, bias, lora_bias, has_dora, has_lora_bias, block_n,
-                            options, out, fused)
+                            options, out, fused, act_dtype)
     )  # fmt: skip
     return y if out is None else out
 
