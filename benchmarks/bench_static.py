@@ -61,6 +61,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="also the widest row with each layer's LoRA after its base product, not beside it (PEFT_CSGMV_BESIDE=0)",
     )
+    p.add_argument(
+        "--beside-all",
+        action="store_true",
+        help="also the widest row with the LoRA beside every layer's base product (PEFT_CSGMV_BESIDE=all)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
@@ -132,6 +137,8 @@ def main(argv=None) -> int:
         variants.append(("no_pdl", "no PDL", {"PEFT_CSGMV_PDL": "0"}))
     if args.beside_off:
         variants.append(("not_beside", "LoRA after the base product", {"PEFT_CSGMV_BESIDE": "0"}))
+    if args.beside_all:
+        variants.append(("beside_all", "LoRA beside every base product", {"PEFT_CSGMV_BESIDE": "all"}))
     same_variant = {}
     for key, label, env in variants:
         before = {name: os.environ.get(name) for name in env}
