@@ -1,7 +1,6 @@
 """GPU time of compiled LoRA layers, host time out of the picture: each layer's LoRA beside its base product
-(``peft_csgmv::lora_linear``, a side stream in the CUDA graph) in every layer (``PEFT_CSGMV_BESIDE=all``) or beside
-the large base weights only (the default), against after it (the ``lora`` op, ``PEFT_CSGMV_BESIDE=0``), with the base
-model and PEFT one adapter in the same run.
+(``peft_csgmv::lora_linear``, a side stream in the CUDA graph, ``PEFT_CSGMV_BESIDE=1``) against after it (the ``lora``
+op, the default), with the base model and PEFT one adapter in the same run.
 
     python benchmarks/bench_beside.py --out results/beside.json
 
@@ -145,11 +144,7 @@ def main(argv=None) -> int:
         inner = pm.base_model.model
         row("PEFT one adapter", torch.compile(inner, mode="reduce-overhead", dynamic=False))
         ids = [f"a{i % args.adapters}" for i in range(args.rows)]
-        for label, beside in (
-            ("csgmv 32 distinct, LoRA after the base", "0"),
-            ("csgmv 32 distinct, beside every layer", "all"),
-            ("csgmv 32 distinct, beside (default)", ""),
-        ):
+        for label, beside in (("csgmv 32 distinct, LoRA after the base", "0"), ("csgmv 32 distinct, beside", "1")):
             os.environ["PEFT_CSGMV_BESIDE"] = beside
             enable_csgmv(pm)
             compiled = torch.compile(inner, mode="reduce-overhead", dynamic=False)

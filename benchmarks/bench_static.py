@@ -57,14 +57,9 @@ def main(argv=None) -> int:
         help="also the widest row without programmatic dependent launch (PEFT_CSGMV_PDL=0), to see what it gives",
     )
     p.add_argument(
-        "--beside-off",
+        "--beside",
         action="store_true",
-        help="also the widest row with each layer's LoRA after its base product, not beside it (PEFT_CSGMV_BESIDE=0)",
-    )
-    p.add_argument(
-        "--beside-all",
-        action="store_true",
-        help="also the widest row with the LoRA beside every layer's base product (PEFT_CSGMV_BESIDE=all)",
+        help="also the widest row with each layer's LoRA beside its base product (PEFT_CSGMV_BESIDE=1)",
     )
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
@@ -135,10 +130,8 @@ def main(argv=None) -> int:
         variants.append(("fused", "fused decode", {"PEFT_CSGMV_FUSED_DECODE": "1"}))
     if args.pdl_off:
         variants.append(("no_pdl", "no PDL", {"PEFT_CSGMV_PDL": "0"}))
-    if args.beside_off:
-        variants.append(("not_beside", "LoRA after the base product", {"PEFT_CSGMV_BESIDE": "0"}))
-    if args.beside_all:
-        variants.append(("beside_all", "LoRA beside every base product", {"PEFT_CSGMV_BESIDE": "all"}))
+    if args.beside:
+        variants.append(("beside", "LoRA beside the base product", {"PEFT_CSGMV_BESIDE": "1"}))
     same_variant = {}
     for key, label, env in variants:
         before = {name: os.environ.get(name) for name in env}

@@ -110,19 +110,6 @@ class PlanRun:
         return buf
 
 
-# The base weights whose product the LoRA runs beside by default: on the H200 a fork and join in the CUDA graph cost
-# more than they hide beside a shorter product (bench_beside.py: 2048x2048 bf16 layers lost, 4096x14336 gained).
-BESIDE_MIN_BYTES = 32 * 2**20
-
-
-def beside_min_bytes(setting: str) -> float:
-    """The smallest base weight (bytes) whose product the LoRA runs beside, from ``PEFT_CSGMV_BESIDE``: ``0`` never
-    (infinity), ``all`` every plain Linear layer, anything else :data:`BESIDE_MIN_BYTES`."""
-    if setting == "0":
-        return float("inf")
-    return 0 if setting == "all" else BESIDE_MIN_BYTES
-
-
 def max_segments(rows: int, num_tokens: int, chunk: int) -> int:
     """The most segments a plan of ``rows`` rows and ``num_tokens`` tokens can have with row tile ``chunk``: each run
     of one slot (at most one per row) is cut into ``⌈len / chunk⌉`` segments, so at most ``rows + num_tokens // chunk``,
@@ -199,9 +186,9 @@ class Executor:
         # a developer switch until it is measured on the GPU: PEFT_CSGMV_FUSED_DECODE=1 when the model is enabled.
         self.fused_decode = os.environ.get("PEFT_CSGMV_FUSED_DECODE", "0") == "1"
         # Compiled code runs a plain Linear layer's decode-sized LoRA beside its base product (ops.lora_linear, a side
-        # stream on CUDA) where the base weight has at least this many bytes (layers.beside_min_bytes); read when the
-        # model is enabled: PEFT_CSGMV_BESIDE=0 never, =all for every such layer.
-        self.beside_min_bytes = beside_min_bytes(os.environ.get("PEFT_CSGMV_BESIDE", ""))
+        # stream on CUDA); a developer switch, off since the H200 showed it slower (the fork and join in the CUDA graph
+        # cost more than they hide): PEFT_CSGMV_BESIDE=1 when the model is enabled.
+        self.beside = os.environ.get("PEFT_CSGMV_BESIDE", "0") == "1"
         self.plans: collections.OrderedDict = collections.OrderedDict()  # LRU: (slots, repeat, tpr, device) -> PlanRun
         self.statics: list[StaticPlan] = []
         self._triton: dict = {}

@@ -173,12 +173,12 @@ BESIDE_MAX_TOKENS = 512
 
 def _beside(ex: Executor, stack: "LoraStack", base: nn.Module, x: torch.Tensor) -> bool:
     """Whether compiled code runs this layer's base product and LoRA in one ``peft_csgmv::lora_linear`` (the LoRA on a
-    side stream beside the base product, on CUDA): a plain ``nn.Linear`` base (its forward is ``F.linear``; the caller
-    checked that nothing is hooked on it) whose weight is at least the executor's ``beside_min_bytes``, no DoRA, a
+    side stream beside the base product, on CUDA): the executor's switch on (``PEFT_CSGMV_BESIDE=1``), a plain
+    ``nn.Linear`` base (its forward is ``F.linear``; the caller checked that nothing is hooked on it), no DoRA, a
     decode-sized input."""
     return (
-        type(base) is nn.Linear
-        and base.weight.numel() * base.weight.element_size() >= ex.beside_min_bytes
+        ex.beside
+        and type(base) is nn.Linear
         and stack.mag is None
         and not stack.embedding
         and x.dim() >= 2

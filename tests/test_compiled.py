@@ -252,10 +252,9 @@ def _compiled_ops(model, ids, input_ids, mask):
 def test_compiled_linear_layers_run_beside_their_base_product(backend, monkeypatch):
     """In compiled code a plain Linear layer's base product and LoRA are one ``peft_csgmv::lora_linear`` (on CUDA the
     LoRA beside the base product) and its output ``y + delta``: stock PEFT's per-adapter logits, bit for bit the
-    numbers of the base product followed by the ``lora`` op (``PEFT_CSGMV_BESIDE=0``). The embedding, and a layer
-    whose base has a forward hook (which must run), keep the ``lora`` op. ``PEFT_CSGMV_BESIDE=all``: every plain Linear
-    layer (by default only those whose base weight has at least ``BESIDE_MIN_BYTES``: none of this tiny model's)."""
-    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "all")
+    numbers of the base product followed by the ``lora`` op (the default; ``PEFT_CSGMV_BESIDE=1`` turns the first on).
+    The embedding, and a layer whose base has a forward hook (which must run), keep the ``lora`` op."""
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
     model = _model()
     input_ids, mask = make_batch(3, 5)
     names = ["a0", BASE, "a1"]
@@ -267,21 +266,14 @@ def test_compiled_linear_layers_run_beside_their_base_product(backend, monkeypat
     assert ops == {"lora_linear": linear, "lora": 1}, ops
 
     disable_csgmv(model)
-    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "0")
+    monkeypatch.delenv("PEFT_CSGMV_BESIDE")
     enable_csgmv(model, backend=backend)
     after, ops = _compiled_ops(model, ["a0", None, "a1"], input_ids, mask)
     assert ops == {"lora": linear + 1}, ops
     assert torch.equal(beside, after), "the LoRA beside the base product gave other numbers"
 
     disable_csgmv(model)
-    monkeypatch.delenv("PEFT_CSGMV_BESIDE")
-    enable_csgmv(model, backend=backend)
-    default, ops = _compiled_ops(model, ["a0", None, "a1"], input_ids, mask)
-    assert ops == {"lora": linear + 1}, ops
-    assert torch.equal(default, beside)
-
-    disable_csgmv(model)
-    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "all")
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
     enable_csgmv(model, backend=backend)
     calls = []
     q = model.base_model.model.model.layers[0].self_attn.q_proj
