@@ -16,6 +16,7 @@
 #            (~6 min) -> memory_1b.json, tier_host.log
 #   multi    two GPUs (the nvidia-h200-x2 kind): 8B with device_map over both vs one; data-parallel generate -> multi_gpu.json
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
+#   beside   GPU time of compiled 1B/8B blocks, the LoRA after vs beside the base product (~2 min) -> beside.json
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
@@ -76,6 +77,9 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
           --rounds 2 --out "$OUT/e2e_${m}_fp32.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/e2e_${m}_fp32.log"
         grep "^| $m" "$OUT/e2e_${m}_fp32.log" || tail -25 "$OUT/e2e_${m}_fp32.log"
       done ;;
+    beside)
+      python3 benchmarks/bench_beside.py --out "$OUT/beside.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/beside.log"
+      grep "^|" "$OUT/beside.log" || tail -25 "$OUT/beside.log" ;;
     multi)
       python3 benchmarks/bench_multi_gpu.py --out "$OUT/multi_gpu.json" 2>&1 | grep --line-buffered -v -i warn \
         > "$OUT/multi_gpu.log"
