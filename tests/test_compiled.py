@@ -287,6 +287,39 @@ def test_compiled_linear_layers_run_beside_their_base_product(backend, monkeypat
     assert torch.equal(hooked, beside)
 
 
+@pytest.mark.parametrize("layout", ["rows-step2", "last-columns", "offset", "transposed-sliced"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_linear_takes_strided_inputs(backend, layout):
+    """``peft_csgmv::lora_linear`` on a view of ``x`` (every 2nd row, the last columns of a wider tensor, at a storage
+    offset, transposed and sliced): the base product and the LoRA alone of the same values given contiguously, ``x``'s
+    parent untouched; ``y + delta`` is the base product followed by the ``lora`` op, bit for bit."""
+    from test_strides import view_2d
+
+    from peft_csgmv import ops
+    from peft_csgmv.executor import StaticPlan
+
+    model = _model(embedding=False)
+    enable_csgmv(model, backend=backend)
+    layer = model.base_model.model.model.layers[1].mlp.down_proj
+    stack, base = layer._csgmv_stack, layer.base_layer
+    static = StaticPlan(4, 4, 2, DEVICE)
+    static.fill((1, -1, 0, 1))
+    x, parent = view_2d(lambda shape: torch.randn(shape, device=DEVICE), 8, layer.in_features, layout)
+    x_dense, parent0 = x.contiguous(), parent.clone()
+    args = (static.permutation, static.seg_indptr, static.seg_slot, stack.handle, stack.version, static.chunk)
+    triton = backend == "triton"
+    with torch.no_grad():
+        y, delta = ops.lora_linear(x, base.weight, base.bias, *args, triton)
+        y_dense, delta_dense = ops.lora_linear(x_dense, base.weight, base.bias, *args, triton)
+        want = ops.lora(x_dense, torch.nn.functional.linear(x_dense, base.weight, base.bias), *args[:3], None,
+                        *args[3:], triton)  # fmt: skip
+    assert torch.equal(parent, parent0), "lora_linear wrote x"
+    close(y, y_dense, f"base product of a {layout} view")
+    close(delta, delta_dense, f"the LoRA of a {layout} view")
+    assert delta.abs().sum() > 0 and not delta[2:4].any(), "the LoRA is zero on the base row's tokens only"
+    assert torch.equal((y_dense + delta_dense).to(y.dtype), want)
+
+
 def test_disable_after_compile_restores_stock_peft():
     model = _model()
     enable_csgmv(model, backend="torch")
