@@ -14,7 +14,8 @@ of place: no clone of ``y`` first.
 (``(y + delta)`` rounded once to ``y``'s dtype: the same numbers as ``lora``'s out-of-place sum), so compiled code
 fuses that add into whatever reads the layer's output. On CUDA the LoRA's launches go on a side stream that forks
 from the caller's stream before the base product and joins it after: in a captured CUDA graph the two branches run
-side by side, and the base product's kernel hides the LoRA's latency (or the other way round).
+side by side. Compiled layers use it only under a developer switch (``PEFT_CSGMV_BESIDE=1``): on the H200 the graph's
+fork and join cost more idle time than the overlap saves (docs/benchmarks.md).
 
 Semantics (as :mod:`peft_csgmv.kernels`)::
 
@@ -56,6 +57,15 @@ def _plan(permutation: torch.Tensor, seg_indptr: torch.Tensor, seg_slot: torch.T
     )
 
 
+def _stack_at(handle: int, version: int):
+    """The stack of ``handle``, at the ``version`` the compiled caller's graph was traced with (it guards on it: a
+    mismatch is a bug, not a user error)."""
+    s = stack_by_handle(handle)
+    if s.version != version:
+        raise RuntimeError(f"peft_csgmv: stack {handle} is at version {s.version} under a graph of version {version}")
+    return s
+
+
 @torch.library.custom_op("peft_csgmv::lora", mutates_args=())
 def lora(
     x: torch.Tensor,
@@ -77,9 +87,7 @@ def lora(
     ``version``: the stack's version the caller's graph was traced with; ``chunk``: the plan's row tile; ``triton``:
     the Triton kernels (else the torch reference, CPU); ``fused``: one launch for both products (the expand kernel
     computes the A product itself; not for embeddings). Returns ``y`` plus the LoRA (``y`` untouched)."""
-    s = stack_by_handle(stack)
-    if s.version != version:  # the compiled caller guards on it: a mismatch is a bug, not a user error
-        raise RuntimeError(f"peft_csgmv: stack {stack} is at version {s.version} under a graph of version {version}")
+    s = _stack_at(stack, version)
     a, b = s.a, s.b
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
     if triton:
@@ -139,9 +147,7 @@ def lora_linear(
     embedding). Returns ``(y, delta)``: ``y = F.linear(x, weight, bias)`` (T, out) in ``x``'s dtype, ``delta`` (T, out)
     fp32, the LoRA of every token (0 on base rows and rank-0 slots); the layer's output is ``(y + delta)`` in ``y``'s
     dtype. On CUDA the LoRA runs on :func:`side_stream`, beside the base product (see the module docstring)."""
-    s = stack_by_handle(stack)
-    if s.version != version:
-        raise RuntimeError(f"peft_csgmv: stack {stack} is at version {s.version} under a graph of version {version}")
+    s = _stack_at(stack, version)
     a, b = s.a, s.b
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
     num_tokens, n = x.shape[0], weight.shape[0]
