@@ -319,6 +319,12 @@ def batches_by_length(rows: list[Row], lengths: list[int], batch_size: int) -> l
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+def prompt_bucket(length: int) -> int:
+    """The padded prompt length of a batch whose longest prompt has ``length`` tokens, on the static cache: the next
+    power of two (16 at least), so that a run's batches share a few shapes, each compiled once."""
+    return max(16, 1 << (max(length, 1) - 1).bit_length())
+
+
 def _input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
@@ -334,30 +340,41 @@ def generate_rows(
 ) -> dict:
     """Generate a completion for every row (mixed adapters per batch) and append each batch's records to
     ``out_path`` as soon as it finishes (one write of complete lines, flushed). ``model`` must be csgmv-enabled.
-    Returns counts and timing."""
+    Returns counts and timing.
+
+    With ``cache_implementation="static"`` (transformers' static cache, whose decode step it compiles for each batch
+    shape) every call has the same shape where it can: prompts are left-padded to :func:`prompt_bucket` of the batch's
+    longest, and a short last batch is filled up to ``batch_size`` with copies of its last row (their output is
+    dropped), so a run compiles one decode step per prompt bucket it meets."""
     from tqdm.auto import tqdm
 
     lengths = [len(ids) for ids in tokenizer([r.prompt for r in rows])["input_ids"]] if rows else []
     device = _input_device(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    static = generate_kwargs.get("cache_implementation") == "static"
     new_tokens_total, written, started = 0, 0, time.perf_counter()
     bar = tqdm(total=len(rows), unit="row", disable=not progress, dynamic_ncols=True)
     try:
         with open(out_path, "a", encoding="utf-8") as out:
             for batch in batches_by_length(rows, lengths, batch_size):
                 brows = [rows[i] for i in batch]
-                enc = tokenizer([r.prompt for r in brows], return_tensors="pt", padding=True, padding_side="left")
+                called = brows + [brows[-1]] * (batch_size - len(brows)) if static else brows
+                padding = {"padding": True}
+                if static:
+                    longest = max(lengths[i] for i in batch)
+                    padding = {"padding": "max_length", "max_length": prompt_bucket(longest)}
+                enc = tokenizer([r.prompt for r in called], return_tensors="pt", padding_side="left", **padding)
                 # Only what every causal LM's generate takes (a tokenizer may add token_type_ids, which older
                 # transformers refuse for models that do not use them).
                 input_ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
                 seqs = model.generate(
                     input_ids=input_ids,
                     attention_mask=mask,
-                    adapter_ids=[r.adapter for r in brows],
+                    adapter_ids=[r.adapter for r in called],
                     pad_token_id=pad_id,
                     **generate_kwargs,
                 )
-                new = seqs[:, input_ids.shape[1] :].cpu()
+                new = seqs[: len(brows), input_ids.shape[1] :].cpu()
                 lines = []
                 for r, ids in zip(brows, new):
                     ids = ids[ids != pad_id] if pad_id is not None else ids

@@ -113,6 +113,8 @@ resume: run the same command again. A line is done when the output holds a compl
 checks: paths, adapters and options are checked before the model loads: each problem is one line, exit 2. Bad
         input lines are all listed before anything runs. An input with no lines exits 0 without an output.
         Ctrl-C stops after writing the finished batches (exit 130): rerun the same command to resume.
+speed:  --cache-implementation static runs transformers' compiled decode (CUDA), one compile per batch shape:
+        prompts are padded to a power of two and the last batch filled, so a run compiles a few shapes.
 gpus:   accelerate launch --num_processes N -m peft_csgmv generate ... (or torchrun) runs N processes, one per GPU,
         each on every N-th line still to do, writing OUTPUT.part-R-of-N; the first merges the parts when all are
         done. A later run, with any number of processes, resumes from the output and any parts left."""
@@ -324,6 +326,8 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
         model, tokenizer = batch.load_model(args.base, adapters, args.dtype, args.device_map, device, args.backend)
         torch.manual_seed(args.seed)
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
+        if args.cache_implementation == "static":
+            gen["cache_implementation"] = "static"
         if args.do_sample:
             gen.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         out = batch.part_path(args.output, shard.rank, shard.world) if shard.world > 1 else args.output
@@ -400,6 +404,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help="sample among this many likeliest tokens, 0 for all (with --do-sample)",
     )
     p_gen.add_argument("--seed", type=int, default=0, help="random seed (torch.manual_seed) for sampling")
+    p_gen.add_argument(
+        "--cache-implementation",
+        choices=["dynamic", "static"],
+        default="dynamic",
+        help="KV cache: dynamic (eager decode), or static: transformers' static cache, whose decode step it compiles "
+        "(on CUDA; one compile per shape: prompts are left-padded to the next power of two and a short last batch "
+        "is filled, so a run compiles a few)",
+    )
     p_gen.add_argument(
         "--dtype",
         choices=["auto", "bf16", "fp16", "fp32"],

@@ -98,6 +98,53 @@ def test_generate_matches_stock_peft(checkout, tmp_path):
         assert ("id" in rec) == ("id" in row) and rec.get("id") == row.get("id")
 
 
+def test_generate_static_cache_matches_stock_peft(checkout, tmp_path):
+    """``--cache-implementation static``: the same completions as stock PEFT's per-prompt runs, prompts padded to a
+    power of two and the short last batch filled (what the static cache's shapes need; their outputs dropped)."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, PROMPTS)
+    assert main(_args(checkout, inp, out, "--cache-implementation", "static")) == 0
+    records = {r["line"]: r for r in _records(out)}
+    assert sorted(records) == list(range(1, len(PROMPTS) + 1))
+    for line, want in enumerate(_stock_completions(checkout), start=1):
+        assert records[line]["completion"] == want, f"line {line}: {records[line]['completion']!r} != {want!r}"
+
+
+def test_static_cache_calls_share_shapes(checkout, tmp_path):
+    """On the static cache every ``generate`` call has ``batch_size`` rows (a short last batch filled with copies of
+    its last row, adapter included) and a power-of-two prompt length, and only the real rows are written."""
+    from transformers import AutoTokenizer
+
+    import peft_csgmv.batch as batch
+
+    assert [batch.prompt_bucket(n) for n in (1, 16, 17, 64, 65, 300)] == [16, 16, 32, 64, 128, 512]
+    tok = AutoTokenizer.from_pretrained(checkout[0])
+    calls = []
+
+    class Model:
+        def get_input_embeddings(self):
+            return torch.nn.Embedding(2, 2)
+
+        def generate(self, input_ids, attention_mask, adapter_ids, pad_token_id, **kw):
+            calls.append((tuple(input_ids.shape), list(adapter_ids), kw))
+            return torch.cat([input_ids, torch.full((len(input_ids), 2), 7)], dim=1)
+
+    prompts = ["a b c", "word " * 20, "x", "y y", "z " * 40]
+    rows = [batch.Row(line=i + 1, prompt=p, adapter=f"a{i}") for i, p in enumerate(prompts)]
+    out = tmp_path / "out.jsonl"
+    stats = batch.generate_rows(Model(), tok, rows, str(out), batch_size=3, progress=False,
+                                cache_implementation="static", max_new_tokens=2)  # fmt: skip
+    assert stats["rows"] == 5 and sorted(r["line"] for r in _records(out)) == [1, 2, 3, 4, 5]
+    assert [c[2] for c in calls] == [dict(cache_implementation="static", max_new_tokens=2)] * 2
+    (shape1, ids1, _), (shape2, ids2, _) = calls
+    assert shape1[0] == shape2[0] == 3, "a short batch is filled up to the batch size"
+    assert {shape1[1], shape2[1]} <= {16, 32, 64, 128} and shape1[1] & (shape1[1] - 1) == 0
+    assert ids2[1] == ids2[2], "the filler row repeats the last row (its adapter too)"
+    calls.clear()
+    batch.generate_rows(Model(), tok, rows[:2], str(tmp_path / "dynamic.jsonl"), batch_size=3, progress=False)
+    assert calls[0][0][0] == 2, "the dynamic cache takes the batch as it is"
+
+
 def test_bad_lines_stop_before_generating(checkout, tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, [PROMPTS[0], "not json", {"prompt": "x", "adapter": "nope"}, {"adapter": "chat"}, ["a list"]])
