@@ -94,7 +94,7 @@ def device_map_rows(args, timer) -> list[dict]:
     return rows
 
 
-def _save_checkout(folder: str, model_name: str) -> tuple[str, dict[str, str]]:
+def save_checkout(folder: str, model_name: str) -> tuple[str, dict[str, str]]:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -125,10 +125,20 @@ def _save_checkout(folder: str, model_name: str) -> tuple[str, dict[str, str]]:
     return base_dir, paths
 
 
+def write_prompts(path: str, rows: int, words: tuple[int, int]) -> None:
+    """A JSONL of ``rows`` prompts of ``words[0]``..``words[1]`` random words, over the 32 adapters in turn."""
+    rng = random.Random(0)
+    vocab = ["the", "contract", "says", "hello", "model", "adapter", "prompt", "batch", "token", "tenant"]
+    with open(path, "w") as f:
+        for i in range(rows):
+            text = " ".join(rng.choice(vocab) for _ in range(rng.randint(*words)))
+            f.write(json.dumps({"prompt": text, "adapter": f"a{i % 32}", "id": i}) + "\n")
+
+
 _WROTE = re.compile(r"wrote (\d+) rows, (\d+) new tokens in ([\d.]+) s")
 
 
-def _generate(cmd: list[str], env: dict) -> dict:
+def run_generate(cmd: list[str], env: dict) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -143,27 +153,22 @@ def _generate(cmd: list[str], env: dict) -> dict:
 def data_parallel_rows(args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        base, adapters = _save_checkout(folder, args.dp_model)
-        rng = random.Random(0)
-        words = ["the", "contract", "says", "hello", "model", "adapter", "prompt", "batch", "token", "tenant"]
+        base, adapters = save_checkout(folder, args.dp_model)
         inp = os.path.join(folder, "in.jsonl")
-        with open(inp, "w") as f:
-            for i in range(args.rows):
-                text = " ".join(rng.choice(words) for _ in range(rng.randint(20, 60)))
-                f.write(json.dumps({"prompt": text, "adapter": f"a{i % 32}", "id": i}) + "\n")
+        write_prompts(inp, args.rows, (20, 60))
         common = ["generate", "--base", base, "--input", inp, "--batch-size", str(args.dp_batch),
                   "--max-new-tokens", str(args.new_tokens), "--no-progress"]  # fmt: skip
         for name, path in adapters.items():
             common += ["--adapter", f"{name}={path}"]
         env = dict(os.environ)
-        one = _generate([sys.executable, "-m", "peft_csgmv", *common, "--output", os.path.join(folder, "one.jsonl")],
+        one = run_generate([sys.executable, "-m", "peft_csgmv", *common, "--output", os.path.join(folder, "one.jsonl")],
                         dict(env, CUDA_VISIBLE_DEVICES="0"))  # fmt: skip
         rows.append(dict(row="one process, one GPU", **one))
         print(f"one GPU: {one}", flush=True)
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(args.gpus),
                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                   "-m", "peft_csgmv"]  # fmt: skip
-        many = _generate([*launch, *common, "--output", os.path.join(folder, "many.jsonl")], env)
+        many = run_generate([*launch, *common, "--output", os.path.join(folder, "many.jsonl")], env)
         rows.append(dict(row=f"accelerate launch, {args.gpus} processes", **many))
         print(f"{args.gpus} GPUs: {many}", flush=True)
         with open(os.path.join(folder, "one.jsonl")) as a, open(os.path.join(folder, "many.jsonl")) as b:

@@ -17,6 +17,8 @@
 #   multi    two GPUs (the nvidia-h200-x2 kind): 8B with device_map over both vs one; data-parallel generate -> multi_gpu.json
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
 #   beside   GPU time of compiled 1B/8B blocks, the LoRA after vs beside the base product (~2 min) -> beside.json
+#   cli      the batch command, 1B, 2048 rows: dynamic vs static cache (--cache-implementation static) -> cli_1b.json
+#   pstatic8b  as pstatic, for the 8B layout                                     -> profile_static_8b.*
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
@@ -77,6 +79,13 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
           --rounds 2 --out "$OUT/e2e_${m}_fp32.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/e2e_${m}_fp32.log"
         grep "^| $m" "$OUT/e2e_${m}_fp32.log" || tail -25 "$OUT/e2e_${m}_fp32.log"
       done ;;
+    cli)
+      python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
+      grep -E "^\||identical" "$OUT/cli_1b.log" || tail -25 "$OUT/cli_1b.log" ;;
+    pstatic8b)
+      python3 benchmarks/profile_static.py --model 8b --out "$OUT/profile_static_8b.json" 2>&1 \
+        | grep --line-buffered -v -i -E "warn|USDT|profiler" > "$OUT/profile_static_8b.log"
+      tail -70 "$OUT/profile_static_8b.log" ;;
     beside)
       python3 benchmarks/bench_beside.py --out "$OUT/beside.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/beside.log"
       grep "^|" "$OUT/beside.log" || tail -25 "$OUT/beside.log" ;;

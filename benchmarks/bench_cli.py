@@ -1,0 +1,81 @@
+"""The batch command on one GPU: ``peft-csgmv generate`` with the dynamic cache (eager decode) against the static cache
+(transformers' compiled decode, ``--cache-implementation static``), on the same JSONL, in one run.
+
+    python benchmarks/bench_cli.py --out results/cli_1b.json
+
+A checkout saved to a temporary folder (the built-in Llama layout's random weights in bf16, a character tokenizer, 32
+LoRA adapters r=16 on all 7 projections) and a JSONL of ``--rows`` prompts over the 32 adapters, ``--words`` random
+words each (with the character tokenizer the default range gives prompts of 140–236 tokens: one power-of-two prompt
+bucket, so the static run compiles one decode step). Per row: new tokens over the command's own generation time
+(model loading excluded; the static run's compile included, as a user pays it), the wall time, and how many
+completions agree with the dynamic run's (bf16: greedy decoding parts after near ties). The table is printed last;
+the JSON holds GPU name, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_multi_gpu import run_generate, save_checkout, write_prompts  # noqa: E402
+
+from peft_csgmv.bench import run_meta, write_results  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1b", help="a built-in Llama layout of peft_csgmv.bench")
+    p.add_argument("--rows", type=int, default=2048)
+    p.add_argument("--words", default="25,34", help="words per prompt: LOW,HIGH")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_cli times the static cache's compiled decode: it needs a GPU", file=sys.stderr)
+        return 2
+    low, high = (int(w) for w in args.words.split(","))
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        base, adapters = save_checkout(folder, args.model)
+        inp = os.path.join(folder, "in.jsonl")
+        write_prompts(inp, args.rows, (low, high))
+        common = ["generate", "--base", base, "--input", inp, "--batch-size", str(args.batch_size),
+                  "--max-new-tokens", str(args.new_tokens), "--no-progress"]  # fmt: skip
+        for name, path in adapters.items():
+            common += ["--adapter", f"{name}={path}"]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
+        outputs = {}
+        for cache in ("dynamic", "static"):
+            out = os.path.join(folder, f"{cache}.jsonl")
+            cmd = [sys.executable, "-m", "peft_csgmv", *common, "--cache-implementation", cache, "--output", out]
+            row = dict(row=f"--cache-implementation {cache}", **run_generate(cmd, env))
+            with open(out) as f:
+                outputs[cache] = [json.loads(line)["completion"] for line in f]
+            rows.append(row)
+            print(row, flush=True)
+        same = sum(a == b for a, b in zip(outputs["dynamic"], outputs["static"])) / max(len(outputs["dynamic"]), 1)
+        rows[-1]["same_as_dynamic"] = same
+
+    print()
+    print(f"| {args.model}, {args.rows} rows, batch {args.batch_size} | new tokens | generate s | tok/s | "
+          "vs dynamic | wall s |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['row']} | {r['new_tokens']} | {r['generate_s']:.1f} | {r['tok_s']:.0f} | "
+              f"{r['tok_s'] / rows[0]['tok_s']:.2f} | {r['wall_s']:.0f} |")  # fmt: skip
+    print(f"static completions identical to dynamic: {same * 100:.1f}%")
+    if args.out:
+        write_results(args.out, run_meta(torch.device("cuda:0"), args=vars(args)), results=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
