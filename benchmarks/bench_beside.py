@@ -27,6 +27,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from peft_csgmv import disable_csgmv, enable_csgmv  # noqa: E402
 from peft_csgmv.bench import MODELS, TARGETS, device_and_dtype, run_meta, write_results  # noqa: E402
+from peft_csgmv.kernels.launch import reset_pdl  # noqa: E402
 from peft_csgmv.model import adapter_ids_scope  # noqa: E402
 
 
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--pdl-off", action="store_true", help="also both csgmv rows without PDL (PEFT_CSGMV_PDL=0)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device, dtype = device_and_dtype(None)
@@ -144,8 +146,13 @@ def main(argv=None) -> int:
         inner = pm.base_model.model
         row("PEFT one adapter", torch.compile(inner, mode="reduce-overhead", dynamic=False))
         ids = [f"a{i % args.adapters}" for i in range(args.rows)]
-        for label, beside in (("csgmv 32 distinct, LoRA after the base", "0"), ("csgmv 32 distinct, beside", "1")):
-            os.environ["PEFT_CSGMV_BESIDE"] = beside
+        variants = [("LoRA after the base", "0", "1"), ("beside", "1", "1")]
+        if args.pdl_off:  # does programmatic dependent launch across the graph's fork cost or hide idle time?
+            variants += [("LoRA after the base, no PDL", "0", "0"), ("beside, no PDL", "1", "0")]
+        before = {n: os.environ.get(n) for n in ("PEFT_CSGMV_BESIDE", "PEFT_CSGMV_PDL")}
+        for label, beside, use_pdl in variants:
+            os.environ.update(PEFT_CSGMV_BESIDE=beside, PEFT_CSGMV_PDL=use_pdl)
+            reset_pdl()
             enable_csgmv(pm)
             compiled = torch.compile(inner, mode="reduce-overhead", dynamic=False)
 
@@ -153,9 +160,14 @@ def main(argv=None) -> int:
                 with adapter_ids_scope(pm, ids):
                     return compiled(x)
 
-            row(label, call)
+            row(f"csgmv 32 distinct, {label}", call)
             disable_csgmv(pm)
-        del os.environ["PEFT_CSGMV_BESIDE"]
+        for key, value in before.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+        reset_pdl()
         for r in results:
             if r["model"] == name:
                 base = next(b["ms"] for b in results if b["model"] == name and b["row"].startswith("base"))

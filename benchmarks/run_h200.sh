@@ -87,7 +87,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         | grep --line-buffered -v -i -E "warn|USDT|profiler" > "$OUT/profile_static_8b.log"
       tail -70 "$OUT/profile_static_8b.log" ;;
     beside)
-      python3 benchmarks/bench_beside.py --out "$OUT/beside.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/beside.log"
+      python3 benchmarks/bench_beside.py --pdl-off --out "$OUT/beside.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/beside.log"
       grep "^|" "$OUT/beside.log" || tail -25 "$OUT/beside.log" ;;
     multi)
       python3 benchmarks/bench_multi_gpu.py --out "$OUT/multi_gpu.json" 2>&1 | grep --line-buffered -v -i warn \
