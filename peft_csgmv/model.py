@@ -217,6 +217,8 @@ class CsgmvState:
                 self.stack_layer(layer, force)
             if hosted:
                 _host_copies_done(found.values())
+            if self.max_resident is not None:
+                _reserve_host(found.values(), names, self.host)
         for old, new in ((self.layers, found), (self.peft_path, peft_path)):
             for mod_name, module in old.items():
                 if new.get(mod_name) is not module:
@@ -532,6 +534,20 @@ def _move_to_host(layers, names, host: HostArena, copy: bool = False) -> None:
                     view.copy_(p.data, non_blocking=True)
             for view, p in zip(views, params):
                 p.data = view
+
+
+def _reserve_host(layers, names, host: HostArena) -> None:
+    """Give adapters ``names`` their host regions now (those waiting in host memory have theirs already), the memory
+    :func:`_move_to_host` copies each into when it is evicted: pinning host memory takes a slow allocation per slab
+    (~0.3 s a GiB), which would otherwise fall on the first calls that evict the residents. Every adapter then holds
+    host memory of its size from the start."""
+    for name in names:
+        totals: dict[torch.dtype, int] = {}
+        for layer in layers:
+            for p in _adapter_params(layer, name):
+                totals[p.dtype] = totals.get(p.dtype, 0) + p.numel()
+        for dtype, total in totals.items():
+            host.region(name, dtype, total)
 
 
 def _stage_in(layers, names, host: HostArena) -> set[int]:

@@ -150,6 +150,24 @@ def test_host_arena_packs_adapters_into_slabs_and_reuses_regions():
     assert big.numel() == 5000 and len(arena.slabs) == 3
 
 
+def test_every_adapter_holds_its_host_region_from_the_start(tiered):
+    """Residents get their host regions when the model is enabled (pinning host memory is slow: no call pays for it):
+    evictions copy into those regions, and calls that move adapters both ways allocate no host memory."""
+    model, input_ids, mask, outs = tiered
+    host = model._csgmv.host
+    assert {name for name, _ in host.regions} == set(ADAPTERS)
+    reserved = {key: region.data_ptr() for key, region in host.regions.items()}
+    slabs = host.nbytes
+    _call(model, input_ids, mask, outs, ["a3", "a4", BASE, "a3"])  # a0 and a1 leave for the regions they hold
+    _call(model, input_ids, mask, outs, ["a0", "a2", BASE, "a0"])  # a0 comes back, a2 in; a3 and a4 leave
+    assert host.nbytes == slabs, "a call allocated host memory"
+    assert {key: region.data_ptr() for key, region in host.regions.items()} == reserved
+    region = {(name, r.dtype): r for (name, _), r in host.regions.items()}
+    for p in _weights(model, "a3"):
+        r = region["a3", p.dtype]
+        assert r.data_ptr() <= p.data_ptr() < r.data_ptr() + r.numel() * r.element_size(), "a3 left for its region"
+
+
 def test_deleted_adapter_frees_its_host_region(tiered):
     model, input_ids, mask, outs = tiered
     host = model._csgmv.host
