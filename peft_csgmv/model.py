@@ -540,8 +540,12 @@ def _reserve_host(layers, names, host: HostArena) -> None:
     """Give adapters ``names`` their host regions now (those waiting in host memory have theirs already), the memory
     :func:`_move_to_host` copies each into when it is evicted: pinning host memory takes a slow allocation per slab
     (~0.3 s a GiB), which would otherwise fall on the first calls that evict the residents. Every adapter then holds
-    host memory of its size from the start."""
+    host memory of its size from the start (an adapter replaced by one of another size gets a new region when it is
+    next evicted)."""
+    held = {name for name, _ in host.regions}
     for name in names:
+        if name in held:
+            continue
         totals: dict[torch.dtype, int] = {}
         for layer in layers:
             for p in _adapter_params(layer, name):
