@@ -104,9 +104,10 @@ class PlanRun:
         if buf is None:
             n = self.plan.num_tokens
             shape = (n, width) if planes == 1 else (planes, n, width)
-            buf = self.workspaces[(width, planes)] = torch.empty(
-                shape, dtype=torch.float32, device=self.plan.permutation.device
-            )
+            with torch.inference_mode(False):  # written in place by later calls, inside inference mode or not
+                buf = self.workspaces[(width, planes)] = torch.empty(
+                    shape, dtype=torch.float32, device=self.plan.permutation.device
+                )
         return buf
 
 
@@ -246,7 +247,8 @@ class Executor:
         run = self.plans.get(key)
         if run is None:
             slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
-            run = self.plans[key] = PlanRun(BatchPlan.build(slots, tokens_per_row, device))
+            with torch.inference_mode(False):  # kept for later calls, inside inference mode or not
+                run = self.plans[key] = PlanRun(BatchPlan.build(slots, tokens_per_row, device))
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)
         else:
@@ -278,7 +280,8 @@ class Executor:
         for i, static in enumerate(self.statics):
             if (static.n, static.rows, static.tokens_per_row, static.device) == (n, rows, tokens_per_row, device):
                 return f"_static_{i}"
-        static = StaticPlan(n, rows, tokens_per_row, device)
+        with torch.inference_mode(False):  # every later call rewrites its buffer in place
+            static = StaticPlan(n, rows, tokens_per_row, device)
         if self.call is not None:
             self.call.repeat(rows)  # the rows must be a whole multiple of the ids
             static.fill(self.call.row_slots)

@@ -129,6 +129,12 @@ def _dora_scale(layer: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor
         return dora.weight.float() / norm, getattr(base, "bias", None)
 
 
+# Entry points that make or move the state PEFT's weights view (stacks, host regions) and the buffers later calls write
+# into (plans, workspaces) run outside torch.inference_mode, also when called inside it: an inference tensor cannot
+# be updated in place, nor be a parameter that requires grad, outside inference mode (PEFT's set_adapter sets that).
+_normal_tensors = torch.inference_mode(False)
+
+
 class CsgmvState:
     """Everything ``enable_csgmv`` attached to one model: the slot registry, the patched layers and their stacks."""
 
@@ -141,7 +147,7 @@ class CsgmvState:
         self.lru: collections.OrderedDict = collections.OrderedDict()  # resident names, least recently used first
         self.host = HostArena(pin=torch.cuda.is_available())  # where the others' weights wait
         # Runs the layers' LoRA for each call; it restacks a layer through this state when PEFT rescales it.
-        self.executor = Executor(backend, lambda layer: self.stack_layer(layer, force=True))
+        self.executor = Executor(backend, self._restack)
         self.registry = SlotRegistry()
         self.layers: dict[str, nn.Module] = {}  # module name -> lora.Linear / lora.Embedding on the kernels
         self.peft_path: dict[str, nn.Module] = {}  # module name -> module on PEFT's mixed-batch path
@@ -246,6 +252,11 @@ class CsgmvState:
                 f"PEFT's speed: {shown}",
                 stacklevel=3,
             )
+
+    @_normal_tensors
+    def _restack(self, layer: nn.Module) -> None:
+        """Copy one layer's adapters again (PEFT rescaled it)."""
+        self.stack_layer(layer, force=True)
 
     def stack_layer(
         self,
@@ -761,6 +772,7 @@ def _alora_offsets(model, names: tuple[str, ...], args: tuple, kwargs: dict, gen
 
 
 @torch.compiler.disable
+@_normal_tensors
 def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | None:
     """Validate the ids of one call (popped from ``kwargs``) and open it on the model's executor, which the caller
     closes with :func:`_close_call` whatever happens; ``None`` when the call has no ids for the kernels (no ids, under
@@ -834,6 +846,7 @@ def _generate(self, *args: Any, **kwargs: Any):
     return _run(self, type(self).generate, args, kwargs, generate=True)
 
 
+@_normal_tensors
 def enable_csgmv(
     model, backend: str = "auto", dtype: torch.dtype | None = None, max_resident_adapters: int | None = None
 ):
@@ -888,6 +901,7 @@ def enable_csgmv(
     return model
 
 
+@_normal_tensors
 def disable_csgmv(model):
     """Undo :func:`enable_csgmv`: every layer and the model get PEFT's own forward back. Returns ``model``."""
     state = model.__dict__.pop("_csgmv", None)

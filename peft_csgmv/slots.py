@@ -492,6 +492,7 @@ class LoraStack:
         self.scalings_host[slot] = 0.0
         self.sources.pop(slot, None)
 
+    @torch.inference_mode(False)  # PEFT's weights view the new tensors (see model._normal_tensors)
     def to(self, device: torch.device) -> "LoraStack":
         """Move the stack (after the model was moved). Every tensor is copied before any is replaced, so a copy
         that fails leaves the stack as it was."""

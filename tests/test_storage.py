@@ -175,3 +175,37 @@ def test_adapters_loaded_and_deleted_after_enabling_reuse_and_grow_the_storage()
     total = _storage_bytes([*_lora_params(model).values(), *_stack_tensors(model)])
     assert total <= 1.02 * peft_bytes
     _check_outputs(model, "restacked", names=names)
+
+
+@pytest.mark.parametrize("tier", [None, 3], ids=["all-resident", "host-tier"])
+def test_state_made_under_inference_mode_is_usable_outside_it(tier):
+    """``enable_csgmv``, calls with ids (their plans and workspaces), an adapter added later and the host tier's moves,
+    all first done inside ``torch.inference_mode()``: the stacks PEFT's weights view, the host regions and the plans'
+    buffers are normal tensors, not inference tensors. So afterwards, outside it, PEFT's ``set_adapter`` (which sets
+    ``requires_grad``) works, and calls with ids (reusing the plans) give stock PEFT's results; ``disable_csgmv``
+    inside inference mode leaves PEFT's weights normal too."""
+    from peft import LoraConfig
+
+    model = _model()
+    input_ids, mask = make_batch(len(NAMES), 5)
+    late = LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR, init_lora_weights=False)
+    with torch.inference_mode():
+        enable_csgmv(model, backend="triton", max_resident_adapters=tier)
+        model(input_ids, attention_mask=mask, adapter_ids=NAMES)  # plans and workspaces of this shape
+        model.add_adapter("a3", late)
+        model(input_ids, attention_mask=mask, adapter_ids=["a3", BASE, "a3", "a0", "a3"])  # synced, tier moves
+    params = _lora_params(model)
+    assert not any(p.is_inference() for p in params.values()), "PEFT's weights point into inference tensors"
+    for name in ("a0", "a1", "a2", "a3"):
+        model.set_adapter(name)
+        assert all(p.requires_grad for n, p in params.items() if f".{name}." in n)
+    model.eval()
+    names = [BASE if n is None else n for n in NAMES]
+    outs = per_adapter(model, sorted(set(names)), lambda: model(input_ids, attention_mask=mask).logits)
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=mask, adapter_ids=NAMES).logits
+    close(got, stitch(outs, names), "outside inference mode, on plans made inside it")
+    with torch.inference_mode():
+        disable_csgmv(model)
+    assert not any(p.is_inference() for p in _lora_params(model).values())
+    model.set_adapter("a1")
