@@ -157,6 +157,9 @@ class CsgmvState:
         self.reported: set[str] = set()  # modules already named in the PEFT-path warning
         self.fingerprint: tuple = ()
         self.configs: list = []  # keeps the fingerprinted config objects alive, so their ids stay unique
+        # One adapter weight and its dtype when last synced: a cast of the model (model.to(dtype), .half()) gives every
+        # weight a new dtype, and the next call restacks (a probe of one weight: read on every call).
+        self.probe: tuple[torch.Tensor, torch.dtype] | None = None
 
     # -- adapters -------------------------------------------------------------------------------------------------
 
@@ -172,6 +175,9 @@ class CsgmvState:
         Every other PEFT tuner layer and auxiliary wrapper gets PEFT's mixed-batch path (the modules PEFT's own
         ``adapter_names`` hooks reach), so a module csgmv has no kernel for gives PEFT's result, or PEFT's error."""
         fingerprint = self._fingerprint(model)
+        probe = self.probe
+        if probe is not None and probe[0].dtype != probe[1]:
+            force = True  # the model was cast: every stack follows its adapters' new dtype, and is shared again
         if fingerprint == self.fingerprint and not force:
             return
         self.peft_only = _not_lora(model)
@@ -231,6 +237,8 @@ class CsgmvState:
                     unpatch_layer(module)
         self.layers, self.peft_path, self.known = found, peft_path, frozenset(known)
         self.fingerprint = fingerprint
+        weights = next((w for layer in found.values() for w in layer_adapters(layer).values()), None)
+        self.probe = None if weights is None else (weights[0], weights[0].dtype)
         self.configs = list(model.peft_config.values())
         self.executor.clear_plans()
         self._report(model)

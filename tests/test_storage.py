@@ -117,6 +117,34 @@ def test_disable_gives_peft_its_memory_back():
         assert torch.equal(p, before[name])
 
 
+@pytest.mark.parametrize("tier", [None, 2], ids=["all-resident", "host-tier"])
+def test_a_cast_model_is_restacked_in_its_new_dtype(tier):
+    """``model.to(torch.float64)`` after enabling gives PEFT's weights new tensors of a new dtype: the next call stacks
+    them again in that dtype (stock PEFT's float64 results, not the float32 stack's), shared again, so an in-place
+    edit after the cast is seen too."""
+    model = _model()
+    enable_csgmv(model, backend="torch", max_resident_adapters=tier)
+    input_ids, mask = make_batch(len(NAMES), 5)
+    model(input_ids, attention_mask=mask, adapter_ids=["a0", BASE, "a1", "a1", "a0"])
+    model.to(torch.float64)
+    names = ["a0", BASE, "a1", "a1", "a0"]
+
+    def check(what):
+        outs = per_adapter(model, sorted(set(names)), lambda: model(input_ids, attention_mask=mask).logits)
+        with torch.no_grad():
+            got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+        assert got.dtype == torch.float64
+        close(got, stitch(outs, names), what)
+
+    check("after model.to(float64)")
+    stacks = {t.untyped_storage().data_ptr() for t in _stack_tensors(model)}
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert q.lora_B["a0"].weight.untyped_storage().data_ptr() in stacks, "not shared again after the cast"
+    with torch.no_grad():
+        q.lora_B["a0"].weight.mul_(3.0)
+    check("an in-place edit after the cast")
+
+
 def test_other_stack_dtype_keeps_a_separate_copy():
     """``dtype=`` other than the adapters': the stack is a converted copy; PEFT's weights stay its own."""
     model = _model()
