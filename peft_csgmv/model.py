@@ -272,6 +272,7 @@ class CsgmvState:
         force: bool = False,
         adopt: frozenset = frozenset(),
         defer: bool = False,
+        unsettled: list | None = None,
     ) -> None:
         """Bring one kernel-path layer's stack in line with its adapters: copy new or replaced ones (all with
         ``force``), clear the rest. Adapters the kernels do not serve here get rank 0 in the stack and are named in
@@ -280,7 +281,9 @@ class CsgmvState:
         ``peft.helpers.rescale_adapter_scale`` sets). ``adopt``: adapters the host tier brings in from host memory:
         their weights are copied straight into their slots and become views of them there, and only their slots are
         looked at (a layer may hold thousands of adapters, a call brings in a few). ``defer``: the weights' copies
-        into their slots wait for the caller's :func:`~peft_csgmv.slots.run_pending`."""
+        into their slots wait for the caller's :func:`~peft_csgmv.slots.run_pending`. ``unsettled``: gets
+        ``(layer, name)`` for each adopted adapter with parameters its slot does not take over (DoRA magnitudes,
+        ``lora_B`` biases, weights of another dtype, PEFT-path adapters), which :func:`_settle` then moves."""
         stack: LoraStack = layer._csgmv_stack
         if force:
             stack.sources.clear()
@@ -300,8 +303,11 @@ class CsgmvState:
                 if layer.use_dora.get(name, False):
                     self.dora_refused.add(name)
                 stack.clear_slot(slot)
+                if unsettled is not None and name in adopt:
+                    unsettled.append((layer, name))
                 continue
             a, b = weights
+            taken = False  # the slot took over every parameter of the adapter here (nothing left to settle)
             if stack.sources.get(slot) is not a:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
                 lora_bias = None if stack.embedding else module_param(layer._modules["lora_B"][name], "bias")
@@ -315,6 +321,9 @@ class CsgmvState:
                     slot, a, b, layer.scaling[name], source=a, dora=dora, lora_bias=lora_bias, share=share,
                     defer=defer,
                 )  # fmt: skip
+                taken = share and dora is None and lora_bias is None
+            if unsettled is not None and not taken and name in adopt:
+                unsettled.append((layer, name))
         stack.ensure_capacity(self.registry.capacity)
         for slot in range(len(names), stack.capacity):
             stack.clear_slot(slot)
@@ -410,10 +419,11 @@ class CsgmvState:
         # weights become views of the slots); what the stacks do not hold (DoRA magnitudes, lora_B biases,
         # PEFT-path adapters) moves on its own.
         staged_at = _stage_in(layers, missing, self.host)
+        unsettled: list = []
         for layer in layers:
-            self.stack_layer(layer, adopt=adopt, defer=True)
+            self.stack_layer(layer, adopt=adopt, defer=True, unsettled=unsettled)
         run_pending([layer._csgmv_stack for layer in layers])
-        _settle(layers, missing, staged_at)
+        _settle(unsettled, staged_at)
 
     def _abandon(self, missing: list[str]) -> None:
         """Undo a bring-in that failed part way (out of memory, an interrupt): the adapters it was bringing in leave
@@ -628,19 +638,18 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _settle(layers, names, staged_at: set[int]) -> None:
-    """After adapters ``names`` came into their slots: their parameters the stacks do not hold (DoRA magnitudes,
-    ``lora_B`` biases, weights of another dtype than their stack's, PEFT-path adapters) get memory of their own on the
-    layer's device, where they still point into a staging buffer of :func:`_stage_in` or are elsewhere. One pass over
-    every layer's parameters of ``names``."""
-    for layer in layers:
+def _settle(unsettled, staged_at: set[int]) -> None:
+    """After adapters came into their slots: the parameters their slots did not take over (DoRA magnitudes, ``lora_B``
+    biases, weights of another dtype than their stack's, PEFT-path adapters), in the ``(layer, name)`` pairs
+    :meth:`CsgmvState.stack_layer` listed, get memory of their own on the layer's device, where they still point into a
+    staging buffer of :func:`_stage_in` or are elsewhere."""
+    for layer, name in unsettled:
         device = layer._csgmv_stack.device
-        for name in names:
-            for p in _adapter_params(layer, name):
-                if p.device != device:  # from pinned host memory: asynchronously
-                    p.data = p.data.to(device, copy=True, non_blocking=True)
-                elif staged_at and p.untyped_storage().data_ptr() in staged_at:
-                    p.data = p.data.clone()
+        for p in _adapter_params(layer, name):
+            if p.device != device:  # from pinned host memory: asynchronously
+                p.data = p.data.to(device, copy=True, non_blocking=True)
+            elif staged_at and p.untyped_storage().data_ptr() in staged_at:
+                p.data = p.data.clone()
 
 
 def _module_params(module: nn.Module) -> list[torch.Tensor]:
