@@ -26,8 +26,14 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from peft_csgmv import disable_csgmv, enable_csgmv  # noqa: E402
-from peft_csgmv.bench import MODELS, TARGETS, device_and_dtype, run_meta, write_results  # noqa: E402
-from peft_csgmv.kernels.launch import reset_pdl  # noqa: E402
+from peft_csgmv.bench import (  # noqa: E402
+    MODELS,
+    TARGETS,
+    developer_switches,
+    device_and_dtype,
+    run_meta,
+    write_results,
+)
 from peft_csgmv.model import adapter_ids_scope  # noqa: E402
 
 
@@ -149,25 +155,17 @@ def main(argv=None) -> int:
         variants = [("LoRA after the base", "0", "1"), ("beside", "1", "1")]
         if args.pdl_off:  # does programmatic dependent launch across the graph's fork cost or hide idle time?
             variants += [("LoRA after the base, no PDL", "0", "0"), ("beside, no PDL", "1", "0")]
-        before = {n: os.environ.get(n) for n in ("PEFT_CSGMV_BESIDE", "PEFT_CSGMV_PDL")}
         for label, beside, use_pdl in variants:
-            os.environ.update(PEFT_CSGMV_BESIDE=beside, PEFT_CSGMV_PDL=use_pdl)
-            reset_pdl()
-            enable_csgmv(pm)
-            compiled = torch.compile(inner, mode="reduce-overhead", dynamic=False)
+            with developer_switches({"PEFT_CSGMV_BESIDE": beside, "PEFT_CSGMV_PDL": use_pdl}):
+                enable_csgmv(pm)
+                compiled = torch.compile(inner, mode="reduce-overhead", dynamic=False)
 
-            def call(x, compiled=compiled, pm=pm):
-                with adapter_ids_scope(pm, ids):
-                    return compiled(x)
+                def call(x, compiled=compiled, pm=pm):
+                    with adapter_ids_scope(pm, ids):
+                        return compiled(x)
 
-            row(f"csgmv 32 distinct, {label}", call)
-            disable_csgmv(pm)
-        for key, value in before.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value
-        reset_pdl()
+                row(f"csgmv 32 distinct, {label}", call)
+                disable_csgmv(pm)
         for r in results:
             if r["model"] == name:
                 base = next(b["ms"] for b in results if b["model"] == name and b["row"].startswith("base"))

@@ -29,11 +29,12 @@ from peft_csgmv.bench import (  # noqa: E402
     _clock_up,
     add_adapters,
     build_model,
+    developer_switches,
     device_and_dtype,
     run_meta,
     write_results,
 )
-from peft_csgmv.kernels.launch import pdl, reset_pdl  # noqa: E402
+from peft_csgmv.kernels.launch import pdl  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -134,22 +135,12 @@ def main(argv=None) -> int:
         variants.append(("beside", "LoRA beside the base product", {"PEFT_CSGMV_BESIDE": "1"}))
     same_variant = {}
     for key, label, env in variants:
-        before = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
-        reset_pdl()
-        try:
+        with developer_switches(env):
             enable_csgmv(pm)
             got = measure(f"peft_csgmv, {max(distinct)} distinct, {label}", pm, adapter_ids=ids)
             same_variant[key] = (outs[max(distinct)] == got).float().mean().item()
             print(f"{label} vs default compiled csgmv: {same_variant[key] * 100:.1f}% of tokens identical")
             disable_csgmv(pm)
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    del os.environ[name]
-                else:
-                    os.environ[name] = value
-            reset_pdl()
 
     ref = {r["row"]: r for r in results}
     base, one = ref["base model, no LoRA"], ref["PEFT one adapter"]

@@ -13,6 +13,7 @@ warm-up. The table is printed last; the JSON holds GPU name, versions and date.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -61,6 +62,26 @@ class Timer:
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
+
+
+@contextlib.contextmanager
+def developer_switches(env: dict[str, str]):
+    """csgmv's developer switches set for the block (environment variables read when a model is enabled, and
+    ``PEFT_CSGMV_PDL`` when a device's kernels next launch), then put back as the caller had them."""
+    from .kernels.launch import reset_pdl
+
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    reset_pdl()
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        reset_pdl()
 
 
 def _clock_up(device: torch.device, seconds: float = 0.5) -> None:
