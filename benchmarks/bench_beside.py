@@ -1,6 +1,7 @@
 """GPU time of compiled LoRA layers, host time out of the picture: each layer's LoRA beside its base product
-(``peft_csgmv::lora_linear``, a side stream in the CUDA graph, ``PEFT_CSGMV_BESIDE=1``) against after it (the ``lora``
-op, the default), with the base model and PEFT one adapter in the same run.
+(``peft_csgmv::lora_linear``, a side stream in the CUDA graph, the default on CUDA; its launches there go without
+programmatic dependent launch) against after it (the ``lora`` op, ``PEFT_CSGMV_BESIDE=0``), with the base model and
+PEFT one adapter in the same run.
 
     python benchmarks/bench_beside.py --out results/beside.json
 

@@ -19,6 +19,8 @@
 #   beside   GPU time of compiled 1B/8B blocks, the LoRA after vs beside the base product (~2 min) -> beside.json
 #   cli      the batch command, 1B, 2048 rows: dynamic vs static cache (--cache-implementation static) -> cli_1b.json
 #   pstatic8b  as pstatic, for the 8B layout                                     -> profile_static_8b.*
+#   sbeside  static cache, 8B and 1B: base model, csgmv 32 distinct (the LoRA beside the base product), and the LoRA
+#            after the base product (~6 min) -> static_{8b,1b}_beside.json
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
@@ -89,6 +91,12 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     beside)
       python3 benchmarks/bench_beside.py --pdl-off --out "$OUT/beside.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/beside.log"
       grep "^|" "$OUT/beside.log" || tail -25 "$OUT/beside.log" ;;
+    sbeside)
+      for m in 8b 1b; do
+        python3 benchmarks/bench_static.py --model $m --lean --after --repeats 3 --out "$OUT/static_${m}_beside.json" \
+          2>&1 | grep --line-buffered -v -i warn > "$OUT/static_${m}_beside.log"
+        grep "^| $m" "$OUT/static_${m}_beside.log" || tail -25 "$OUT/static_${m}_beside.log"
+      done ;;
     multi)
       python3 benchmarks/bench_multi_gpu.py --out "$OUT/multi_gpu.json" 2>&1 | grep --line-buffered -v -i warn \
         > "$OUT/multi_gpu.log"

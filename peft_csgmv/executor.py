@@ -187,15 +187,19 @@ class Executor:
         # a developer switch until it is measured on the GPU: PEFT_CSGMV_FUSED_DECODE=1 when the model is enabled.
         self.fused_decode = os.environ.get("PEFT_CSGMV_FUSED_DECODE", "0") == "1"
         # Compiled code runs a plain Linear layer's decode-sized LoRA beside its base product (ops.lora_linear, a side
-        # stream on CUDA); a developer switch, off since the H200 showed it slower (the fork and join in the CUDA graph
-        # cost more than they hide): PEFT_CSGMV_BESIDE=1 when the model is enabled.
-        self.beside = os.environ.get("PEFT_CSGMV_BESIDE", "0") == "1"
+        # stream on CUDA; faster on the H200's 8B layout, even on the 1B one: docs/benchmarks.md): on CUDA by default;
+        # PEFT_CSGMV_BESIDE=0 when the model is enabled turns it off, =1 turns it on for every device (CPU tests).
+        self.beside = {"0": "never", "1": "always"}.get(os.environ.get("PEFT_CSGMV_BESIDE", ""), "cuda")
         self.plans: collections.OrderedDict = collections.OrderedDict()  # LRU: (slots, repeat, tpr, device) -> PlanRun
         self.statics: list[StaticPlan] = []
         self._triton: dict = {}
         self._outer: list = []  # the calls a nested call interrupted (a model called again inside a call)
         self.id = next(_ids)
         _EXECUTORS[self.id] = self
+
+    def beside_on(self, device: torch.device) -> bool:
+        """Whether compiled code on ``device`` runs a layer's LoRA beside its base product (see :attr:`beside`)."""
+        return self.beside == "always" or (self.beside == "cuda" and device.type == "cuda")
 
     # -- a call -----------------------------------------------------------------------------------------------------
 

@@ -146,7 +146,12 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     else:
         base = self._modules["base_layer"]
         hooked = base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or _global_hooks()
-        if ex.beside and not (hooked or args or kwargs) and torch.compiler.is_compiling() and _beside(stack, base, x):
+        if (
+            not (hooked or args or kwargs)
+            and torch.compiler.is_compiling()
+            and ex.beside_on(device)
+            and _beside(stack, base, x)
+        ):
             return _compiled_beside(ex, stack, base, x, rows, device)
         if hooked:
             result = base(x, *args, **kwargs)
@@ -172,7 +177,7 @@ BESIDE_MAX_TOKENS = 512
 
 
 def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor) -> bool:
-    """Whether compiled code, with the executor's ``beside`` switch on (``PEFT_CSGMV_BESIDE=1``, the caller checked),
+    """Whether compiled code, with the executor's ``beside`` switch on (:meth:`Executor.beside_on`, the caller checked),
     runs this layer's base product and LoRA in one ``peft_csgmv::lora_linear`` (the LoRA on a side stream beside the
     base product, on CUDA): a plain ``nn.Linear`` base (its forward is ``F.linear``; the caller checked that nothing is
     hooked on it), no DoRA, a decode-sized input."""

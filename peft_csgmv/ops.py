@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from . import kernels
+from .kernels.launch import without_pdl
 from .plan import BatchPlan
 from .slots import stack_by_handle
 
@@ -169,7 +170,9 @@ def lora_linear(
         side = side_stream(x.device) if cuda else None
         if cuda:
             side.wait_stream(main)
-        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+        # Without PDL on the side stream: its early start across the graph's fork and join idled the H200 longer than
+        # it hid (bench_beside.py, docs/benchmarks.md).
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext(), without_pdl():
             if fused:
                 kernels.expand(None, b, s.ranks, s.scalings, plan, None, lora_bias=s.lora_bias, out=delta, x=x, a=a,
                                act_dtype=x.dtype)  # fmt: skip

@@ -252,7 +252,8 @@ def _compiled_ops(model, ids, input_ids, mask):
 def test_compiled_linear_layers_run_beside_their_base_product(backend, monkeypatch):
     """In compiled code a plain Linear layer's base product and LoRA are one ``peft_csgmv::lora_linear`` (on CUDA the
     LoRA beside the base product) and its output ``y + delta``: stock PEFT's per-adapter logits, bit for bit the
-    numbers of the base product followed by the ``lora`` op (the default; ``PEFT_CSGMV_BESIDE=1`` turns the first on).
+    numbers of the base product followed by the ``lora`` op (``PEFT_CSGMV_BESIDE=0``; the first is the default on CUDA,
+    ``PEFT_CSGMV_BESIDE=1`` turns it on for every device).
     The embedding, and a layer whose base has a forward hook (which must run), keep the ``lora`` op."""
     monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
     model = _model()
@@ -266,7 +267,7 @@ def test_compiled_linear_layers_run_beside_their_base_product(backend, monkeypat
     assert ops == {"lora_linear": linear, "lora": 1}, ops
 
     disable_csgmv(model)
-    monkeypatch.delenv("PEFT_CSGMV_BESIDE")
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "0")
     enable_csgmv(model, backend=backend)
     after, ops = _compiled_ops(model, ["a0", None, "a1"], input_ids, mask)
     assert ops == {"lora": linear + 1}, ops
@@ -318,6 +319,52 @@ def test_lora_linear_takes_strided_inputs(backend, layout):
     close(delta, delta_dense, f"the LoRA of a {layout} view")
     assert delta.abs().sum() > 0 and not delta[2:4].any(), "the LoRA is zero on the base row's tokens only"
     assert torch.equal((y_dense + delta_dense).to(y.dtype), want)
+
+
+def test_lora_linear_launches_without_pdl_beside_the_base(monkeypatch):
+    """The LoRA's launches beside the base product go without programmatic dependent launch (across the CUDA graph's
+    fork and join it idled the GPU), where every other launch on the device takes it; and the default on CUDA is the
+    LoRA beside the base product (``PEFT_CSGMV_BESIDE`` unset), on other devices after it."""
+    from peft_csgmv import ops
+    from peft_csgmv.executor import Executor, StaticPlan
+    from peft_csgmv.kernels import launch
+
+    model = _model(embedding=False)
+    enable_csgmv(model, backend="triton")
+    layer = model.base_model.model.model.layers[0].mlp.up_proj
+    stack, base = layer._csgmv_stack, layer.base_layer
+    static = StaticPlan(2, 2, 1, DEVICE)
+    static.fill((0, 1))
+    seen = []
+
+    def shrink(x, a, ranks, plan, t=None):  # records the launch's choice; launches nothing
+        seen.append(("shrink", launch.with_pdl(x.device, ())[0]))
+        return torch.zeros(1, x.shape[0], 16) if t is None else t
+
+    def expand(t, *args, out, **kwargs):
+        seen.append(("expand", launch.with_pdl(out.device, ())[0]))
+        return out
+
+    monkeypatch.setattr(launch, "pdl", lambda device: True)
+    monkeypatch.setattr(ops.kernels, "shrink", shrink)
+    monkeypatch.setattr(ops.kernels, "expand", expand)
+    x = torch.randn(2, layer.in_features, device=DEVICE)
+    with torch.no_grad():
+        ops.lora_linear(x, base.weight, base.bias, static.permutation, static.seg_indptr, static.seg_slot,
+                        stack.handle, stack.version, static.chunk, True)  # fmt: skip
+        assert seen == [("shrink", False), ("expand", False)], seen
+        ops.lora(x, base(x), static.permutation, static.seg_indptr, static.seg_slot, None, stack.handle,
+                 stack.version, static.chunk, True)  # fmt: skip
+    assert seen[2:] == [("shrink", True), ("expand", True)], seen
+    monkeypatch.undo()
+
+    monkeypatch.delenv("PEFT_CSGMV_BESIDE", raising=False)
+    ex = Executor("triton", lambda layer: None)
+    assert ex.beside_on(torch.device("cuda", 0)) and not ex.beside_on(torch.device("cpu"))
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "0")
+    assert not Executor("triton", lambda layer: None).beside_on(torch.device("cuda", 0))
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
+    assert Executor("triton", lambda layer: None).beside_on(torch.device("cpu"))
 
 
 def test_disable_after_compile_restores_stock_peft():

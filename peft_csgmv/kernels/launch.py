@@ -14,6 +14,8 @@ to ``kernel[grid]`` for good). ``PEFT_CSGMV_TRITON_LAUNCH=1`` forces Triton's ow
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 try:
@@ -86,10 +88,26 @@ def _capability(device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
+# Set while launches go on a side stream that forks from and joins another inside a CUDA graph (ops.lora_linear): there
+# PDL's early start across the graph's fork and join edges left the H200 idle longer than it hides (bench_beside.py).
+_NO_PDL: contextvars.ContextVar[bool] = contextvars.ContextVar("peft_csgmv_no_pdl", default=False)
+
+
+@contextlib.contextmanager
+def without_pdl():
+    """Launches inside this block wait for their predecessors in full (no PDL), whatever :func:`pdl` says."""
+    token = _NO_PDL.set(True)
+    try:
+        yield
+    finally:
+        _NO_PDL.reset(token)
+
+
 def with_pdl(device, options: tuple) -> tuple[bool, tuple]:
     """``(USE_GDC, launch options)`` of a kernel launch on ``device``: the launch options with Triton's
-    ``launch_pdl`` added where :func:`pdl` holds, and whether the kernel is compiled to wait for its predecessor."""
-    if pdl(device):
+    ``launch_pdl`` added where :func:`pdl` holds (and no :func:`without_pdl` block is open), and whether the kernel is
+    compiled to wait for its predecessor."""
+    if pdl(device) and not _NO_PDL.get():
         return True, (*options, ("launch_pdl", True))
     return False, options
 
