@@ -14,8 +14,9 @@ of place: no clone of ``y`` first.
 (``(y + delta)`` rounded once to ``y``'s dtype: the same numbers as ``lora``'s out-of-place sum), so compiled code
 fuses that add into whatever reads the layer's output. On CUDA the LoRA's launches go on a side stream that forks
 from the caller's stream before the base product and joins it after: in a captured CUDA graph the two branches run
-side by side. Compiled layers use it only under a developer switch (``PEFT_CSGMV_BESIDE=1``): on the H200 the graph's
-fork and join cost more idle time than the overlap saves (docs/benchmarks.md).
+side by side; they launch without programmatic dependent launch, which across the graph's fork and join idled the
+GPU more than it hid. Compiled layers on CUDA use it by default (``PEFT_CSGMV_BESIDE=0`` turns it off; on the H200 it
+is faster on the 8B layout and even on the 1B one: docs/benchmarks.md).
 
 Semantics (as :mod:`peft_csgmv.kernels`)::
 
