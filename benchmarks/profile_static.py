@@ -10,8 +10,9 @@ both, under the torch profiler: a decode step's kernels are the difference of th
 (kernels replayed from CUDA graphs are listed one by one). The GPU's idle time of a step is split by the gaps between
 consecutive kernels: gaps under ``--gap-us`` (kernels queued back to back, inside one CUDA graph) against longer ones
 (the GPU waiting on the host). ``--cprofile N`` also prints the N functions with the most host time (cProfile,
-``tottime``) over one full generate. Printed: a table of prefill / step / GPU-busy / gap / host-wait time per step
-for each row, and each row's kernels by time per step.
+``tottime``) over one full generate. Also measured: the host time of dynamo's guard check of the row's compiled
+decode step (every step runs it before the CUDA graph). Printed: a table of prefill / step / GPU-busy / gap /
+host-wait time per step for each row, and each row's kernels by time per step.
 """
 
 from __future__ import annotations
@@ -28,6 +29,41 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from peft_csgmv import enable_csgmv  # noqa: E402
 from peft_csgmv.bench import _clock_up, add_adapters, build_model, device_and_dtype, run_meta, write_results  # noqa: E402
+
+
+class GuardTimer:
+    """Host time of dynamo's guard check of each graph compiled while it is installed (every call of a compiled
+    step runs it before the graph): the best of 30 batches of 50 checks against the locals the graph was traced with,
+    in µs. Reads a private dynamo hook (``torch._dynamo.guards.guard_manager_testing_hook_fn``): absent, nothing is
+    measured."""
+
+    def __init__(self) -> None:
+        self.us: list[float] = []
+
+    def __enter__(self) -> "GuardTimer":
+        import torch._dynamo.guards as guards
+
+        self._guards = guards if hasattr(guards, "guard_manager_testing_hook_fn") else None
+        if self._guards is not None:
+            self._saved = guards.guard_manager_testing_hook_fn
+            guards.guard_manager_testing_hook_fn = self._hook
+        return self
+
+    def _hook(self, manager, scope, builder) -> None:
+        root = getattr(manager, "root", manager)
+        if not root.check(scope):
+            return
+        best = float("inf")
+        for _ in range(30):
+            t0 = time.perf_counter()
+            for _ in range(50):
+                root.check(scope)
+            best = min(best, (time.perf_counter() - t0) / 50 * 1e6)
+        self.us.append(best)
+
+    def __exit__(self, *exc) -> None:
+        if self._guards is not None:
+            self._guards.guard_manager_testing_hook_fn = self._saved
 
 
 def kernel_times(fn, gap_us: float) -> tuple[dict, float, float]:
@@ -125,7 +161,8 @@ def main(argv=None) -> int:
 
     def measure(label, target, **extra):
         with torch.no_grad():
-            run(target, args.new_tokens, extra)  # compile
+            with GuardTimer() as guard_timer:
+                run(target, args.new_tokens, extra)  # compile
             run(target, 1, extra)
             _clock_up(device)
             prefill = timed(target, 1, extra)
@@ -145,12 +182,14 @@ def main(argv=None) -> int:
             row=label, prefill_ms=prefill, generate_ms=full, step_ms=step, step_gpu_ms=busy, prefill_gpu_ms=prefill_gpu,
             tok_s=args.batch * args.new_tokens / full * 1e3, kernels_per_step=sum(n for _, n in per_step.values()),
             gap_ms=(shortn - short1) / steps / 1e3, host_wait_ms=(longn - long1) / steps / 1e3,
+            guard_us=guard_timer.us[-1] if guard_timer.us else None,
             top=sorted(((k, us, n) for k, (us, n) in per_step.items()), key=lambda r: -r[1])[: args.top],
         )  # fmt: skip
         rows.append(row)
         print(f"\n{label}: prefill {prefill:.1f} ms (GPU {prefill_gpu:.1f}), step {step:.3f} ms (GPU busy {busy:.3f}, "
               f"gaps {row['gap_ms']:.3f}, host wait {row['host_wait_ms']:.3f}), {row['kernels_per_step']:.0f} "
-              f"kernels/step, {row['tok_s']:.0f} tok/s", flush=True)  # fmt: skip
+              f"kernels/step, {row['tok_s']:.0f} tok/s, guard check {row['guard_us'] or float('nan'):.0f} µs",
+              flush=True)  # fmt: skip
         for name, us, n in row["top"]:
             print(f"  {us:8.1f} µs/step  {n:6.1f}×  {name[:110]}")
         if host:
@@ -169,12 +208,13 @@ def main(argv=None) -> int:
         measure(f"peft_csgmv, {args.distinct} distinct", pm, adapter_ids=ids)
 
     print(f"\n| {args.model} | row | tok/s | prefill ms | decode step ms | GPU busy per step ms | in-graph gaps ms | "
-          "host wait ms | kernels per step |")  # fmt: skip
-    print("|" + "---|" * 9)
+          "host wait ms | kernels per step | guard check µs |")  # fmt: skip
+    print("|" + "---|" * 10)
     for r in rows:
+        guard = "—" if r["guard_us"] is None else f"{r['guard_us']:.0f}"
         print(f"| {args.model} | {r['row']} | {r['tok_s']:.0f} | {r['prefill_ms']:.1f} | {r['step_ms']:.3f} | "
               f"{r['step_gpu_ms']:.3f} | {r['gap_ms']:.3f} | {r['host_wait_ms']:.3f} | "
-              f"{r['kernels_per_step']:.0f} |")  # fmt: skip
+              f"{r['kernels_per_step']:.0f} | {guard} |")  # fmt: skip
     if args.out:
         write_results(args.out, run_meta(device, args=vars(args)), results=rows)
     return 0

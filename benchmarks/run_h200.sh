@@ -85,7 +85,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
       grep -E "^\||identical" "$OUT/cli_1b.log" || tail -25 "$OUT/cli_1b.log" ;;
     pstatic8b)
-      python3 benchmarks/profile_static.py --model 8b --out "$OUT/profile_static_8b.json" 2>&1 \
+      python3 benchmarks/profile_static.py --model 8b --cprofile 25 --out "$OUT/profile_static_8b.json" 2>&1 \
         | grep --line-buffered -v -i -E "warn|USDT|profiler" > "$OUT/profile_static_8b.log"
       tail -70 "$OUT/profile_static_8b.log" ;;
     beside)
