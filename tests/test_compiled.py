@@ -288,6 +288,41 @@ def test_compiled_linear_layers_run_beside_their_base_product(backend, monkeypat
     assert torch.equal(hooked, beside)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2", "opt"])
+def test_static_cache_beside_across_architectures(arch, monkeypatch):
+    """The LoRA beside the base product (the default on CUDA, forced here) through transformers' static-cache decode on
+    other layouts: Qwen2's biased projections with a ``lora_bias`` adapter, GPT-2's ``Conv1D`` (no ``nn.Linear``: the
+    ``lora`` op), OPT's flattened MLP tokens. fp32: eager csgmv's tokens, one graph for two id lists, and stock PEFT's
+    per-adapter logits from the compiled forward."""
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
+    base, targets = tiny_model(arch)
+    specs = {
+        "a0": dict(r=4, lora_alpha=8, target_modules=targets),
+        "a1": dict(r=8, lora_alpha=4, target_modules=targets),
+    }
+    if arch == "qwen2":
+        specs["a1"]["lora_bias"] = True
+    model = add_adapters(base, specs).to(DEVICE)
+    input_ids, mask = make_batch(3, 5)
+    names = ["a1", BASE, "a0"]
+    outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="torch")
+    logits, ops = _compiled_ops(model, ["a1", None, "a0"], input_ids, mask)
+    close(logits, stitch(outs, names), f"{arch}, compiled forward")
+    beside = sum(1 for layer in model.modules() if type(getattr(layer, "base_layer", None)) is torch.nn.Linear)
+    assert ops.get("lora_linear", 0) == beside and ops.get("lora", 0) == csgmv_stats(model)["kernel_layers"] - beside
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    graphs = _graphs()
+    for ids in (["a1", None, "a0"], ["a0", "a1", "a1"]):
+        static = model.generate(
+            input_ids=input_ids, attention_mask=mask, adapter_ids=ids, cache_implementation="static",
+            compile_config=_compile_config(), **kw,
+        )  # fmt: skip
+        eager = model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=ids, **kw)
+        assert torch.equal(static, eager), f"{arch}, ids {ids}: the compiled decode generated other tokens"
+    assert _graphs() - graphs == 1, f"{_graphs() - graphs} graphs compiled"
+
+
 @pytest.mark.parametrize("layout", ["rows-step2", "last-columns", "offset", "transposed-sliced"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lora_linear_takes_strided_inputs(backend, layout):
