@@ -12,11 +12,12 @@ of place: no clone of ``y`` first.
 ``peft_csgmv::lora_linear`` is a plain ``nn.Linear`` layer's base product and LoRA in one op, for decode-sized inputs:
 ``y = x @ Wᵀ + bias`` and ``delta`` = the LoRA alone in fp32 (zeros on base rows), which the caller adds to ``y``
 (``(y + delta)`` rounded once to ``y``'s dtype: the same numbers as ``lora``'s out-of-place sum), so compiled code
-fuses that add into whatever reads the layer's output. On CUDA the LoRA's launches go on a side stream that forks
-from the caller's stream before the base product and joins it after: in a captured CUDA graph the two branches run
-side by side; they launch without programmatic dependent launch, which across the graph's fork and join idled the
-GPU more than it hid. Compiled layers on CUDA use it by default (``PEFT_CSGMV_BESIDE=0`` turns it off; on the H200 it
-is faster on the 8B layout and even on the 1B one: docs/benchmarks.md).
+fuses that add into whatever reads the layer's output. While a CUDA graph is captured, the LoRA's launches go on a side
+stream that forks from the caller's stream before the base product and joins it after: at each replay the two branches
+run side by side (run eagerly, all on the caller's stream). They launch without programmatic dependent launch, which
+across the graph's fork and join idled the GPU more than it hid. Compiled layers on CUDA use it by default
+(``PEFT_CSGMV_BESIDE=0`` turns it off; on the H200 it is faster on the 8B layout, a tie on the 1B one:
+docs/benchmarks.md).
 
 Semantics (as :mod:`peft_csgmv.kernels`)::
 
@@ -148,7 +149,8 @@ def lora_linear(
     plan, ``stack``, ``version``, ``chunk``, ``triton`` and ``fused`` as :func:`lora` takes them (no DoRA, no
     embedding). Returns ``(y, delta)``: ``y = F.linear(x, weight, bias)`` (T, out) in ``x``'s dtype, ``delta`` (T, out)
     fp32, the LoRA of every token (0 on base rows and rank-0 slots); the layer's output is ``(y + delta)`` in ``y``'s
-    dtype. On CUDA the LoRA runs on :func:`side_stream`, beside the base product (see the module docstring)."""
+    dtype. While a CUDA graph is captured the LoRA runs on :func:`side_stream`, beside the base product (see the module
+    docstring)."""
     s = _stack_at(stack, version)
     a, b = s.a, s.b
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
@@ -167,13 +169,17 @@ def lora_linear(
         t = None if fused else torch.empty(
             (kernels.shrink_splits(plan, x.shape[1]), num_tokens, b.shape[2]), dtype=torch.float32, device=x.device
         )  # fmt: skip
-        main = torch.cuda.current_stream() if cuda else None
-        side = side_stream(x.device) if cuda else None
-        if cuda:
+        # The side stream only while a CUDA graph is captured, where the two branches then run side by side at every
+        # replay; run eagerly (compiled code without CUDA graphs, a graph's warm-up), the fork and join would cost the
+        # host two event waits per layer for an overlap the host-bound launches do not reach: one stream then.
+        fork = cuda and torch.cuda.is_current_stream_capturing()
+        main = torch.cuda.current_stream() if fork else None
+        side = side_stream(x.device) if fork else None
+        if fork:
             side.wait_stream(main)
-        # Without PDL on the side stream: its early start across the graph's fork and join idled the H200 longer than
-        # it hid (bench_beside.py, docs/benchmarks.md).
-        with torch.cuda.stream(side) if cuda else contextlib.nullcontext(), without_pdl():
+        # Without PDL: on the side stream, its early start across the graph's fork and join idled the H200 longer
+        # than it hid (bench_beside.py, docs/benchmarks.md).
+        with torch.cuda.stream(side) if fork else contextlib.nullcontext(), without_pdl():
             if fused:
                 kernels.expand(None, b, s.ranks, s.scalings, plan, None, lora_bias=s.lora_bias, out=delta, x=x, a=a,
                                act_dtype=x.dtype)  # fmt: skip
@@ -182,7 +188,7 @@ def lora_linear(
                 kernels.expand(t, b, s.ranks, s.scalings, plan, None, lora_bias=s.lora_bias, out=delta,
                                act_dtype=x.dtype)  # fmt: skip
         y = torch.nn.functional.linear(x, weight, bias)
-        if cuda:
+        if fork:
             main.wait_stream(side)
     return y, delta
 
