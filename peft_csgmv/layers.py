@@ -179,10 +179,12 @@ BESIDE_MAX_TOKENS = 512
 def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor) -> bool:
     """Whether compiled code, with the executor's ``beside`` switch on (:meth:`Executor.beside_on`, the caller checked),
     runs this layer's base product and LoRA in one ``peft_csgmv::lora_linear`` (the LoRA on a side stream beside the
-    base product, on CUDA): a plain ``nn.Linear`` base (its forward is ``F.linear``; the caller checked that nothing is
-    hooked on it), no DoRA, a decode-sized input."""
+    base product, on CUDA): a plain ``nn.Linear`` base whose forward is the class's ``F.linear`` (no instance-level
+    forward, as accelerate's ``device_map`` hooks install; the caller checked that no module hook is registered on it),
+    no DoRA, a decode-sized input."""
     return (
         type(base) is nn.Linear
+        and "forward" not in base.__dict__  # an instance-level forward (accelerate's device hooks) must run
         and stack.mag is None
         and not stack.embedding
         and x.dim() >= 2

@@ -287,6 +287,27 @@ def test_compiled_linear_layers_run_beside_their_base_product(backend, monkeypat
     assert calls, "the base layer's forward hook did not run"
     assert torch.equal(hooked, beside)
 
+    # accelerate's device_map hooks replace the base layer's forward on the instance (moving inputs and weights to
+    # where they must be): it must run, so that layer keeps the lora op
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    seen = []
+
+    class Record(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            seen.append(args[0].shape)
+            return args, kwargs
+
+    v = model.base_model.model.model.layers[1].self_attn.v_proj
+    add_hook_to_module(v.base_layer, Record())
+    try:
+        hooked, ops = _compiled_ops(model, ["a0", None, "a1"], input_ids, mask)
+    finally:
+        remove_hook_from_module(v.base_layer)
+    assert ops == {"lora_linear": linear - 1, "lora": 2}, ops
+    assert seen, "accelerate's hook on the base layer did not run"
+    assert torch.equal(hooked, beside)
+
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2", "opt"])
 def test_static_cache_beside_across_architectures(arch, monkeypatch):
