@@ -187,7 +187,7 @@ class Executor:
         # a developer switch until it is measured on the GPU: PEFT_CSGMV_FUSED_DECODE=1 when the model is enabled.
         self.fused_decode = os.environ.get("PEFT_CSGMV_FUSED_DECODE", "0") == "1"
         # Compiled code runs a plain Linear layer's decode-sized LoRA beside its base product (ops.lora_linear, a side
-        # stream on CUDA; faster on the H200's 8B layout, even on the 1B one: docs/benchmarks.md): on CUDA by default;
+        # stream on CUDA; faster on the H200's 8B layout, a tie on the 1B one: docs/benchmarks.md): on CUDA by default;
         # PEFT_CSGMV_BESIDE=0 when the model is enabled turns it off, =1 turns it on for every device (CPU tests).
         self.beside = {"0": "never", "1": "always"}.get(os.environ.get("PEFT_CSGMV_BESIDE", ""), "cuda")
         self.plans: collections.OrderedDict = collections.OrderedDict()  # LRU: (slots, repeat, tpr, device) -> PlanRun
