@@ -49,6 +49,15 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def _static_and_eager(model, input_ids, mask, ids, new_tokens: int = 4):
+    """Greedy tokens of ``generate`` with ``ids`` on transformers' static cache (its compiled decode, forced on any
+    device) and on the default dynamic cache (eager), ``new_tokens`` each."""
+    kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=ids, max_new_tokens=new_tokens,
+              min_new_tokens=new_tokens, do_sample=False)  # fmt: skip
+    static = model.generate(cache_implementation="static", compile_config=_compile_config(), **kw)
+    return static, model.generate(**kw)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_static_cache_generate_matches_eager_without_recompiles(backend):
     """``generate(..., cache_implementation="static")`` with ids: the decode step compiles once into one graph
@@ -56,14 +65,9 @@ def test_static_cache_generate_matches_eager_without_recompiles(backend):
     model = _model()
     enable_csgmv(model, backend=backend)
     input_ids, mask = make_batch(3, 5)
-    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
     outs = []
     for ids in ID_LISTS:
-        static = model.generate(
-            input_ids=input_ids, attention_mask=mask, adapter_ids=ids, cache_implementation="static",
-            compile_config=_compile_config(), **kw,
-        )  # fmt: skip
-        eager = model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=ids, **kw)
+        static, eager = _static_and_eager(model, input_ids, mask, ids)
         assert torch.equal(static, eager), f"ids {ids}: the compiled decode generated other tokens"
         assert active_calls() == 0
         outs.append(static)
@@ -332,14 +336,9 @@ def test_static_cache_beside_across_architectures(arch, monkeypatch):
     close(logits, stitch(outs, names), f"{arch}, compiled forward")
     beside = sum(1 for layer in model.modules() if type(getattr(layer, "base_layer", None)) is torch.nn.Linear)
     assert ops.get("lora_linear", 0) == beside and ops.get("lora", 0) == csgmv_stats(model)["kernel_layers"] - beside
-    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
     graphs = _graphs()
     for ids in (["a1", None, "a0"], ["a0", "a1", "a1"]):
-        static = model.generate(
-            input_ids=input_ids, attention_mask=mask, adapter_ids=ids, cache_implementation="static",
-            compile_config=_compile_config(), **kw,
-        )  # fmt: skip
-        eager = model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=ids, **kw)
+        static, eager = _static_and_eager(model, input_ids, mask, ids)
         assert torch.equal(static, eager), f"{arch}, ids {ids}: the compiled decode generated other tokens"
     assert _graphs() - graphs == 1, f"{_graphs() - graphs} graphs compiled"
 
