@@ -10,7 +10,8 @@ both, under the torch profiler: a decode step's kernels are the difference of th
 (kernels replayed from CUDA graphs are listed one by one). The GPU's idle time of a step is split by the gaps between
 consecutive kernels: gaps under ``--gap-us`` (kernels queued back to back, inside one CUDA graph) against longer ones
 (the GPU waiting on the host). ``--cprofile N`` also prints the N functions with the most host time (cProfile,
-``tottime``) over one full generate. Also measured: the host time of dynamo's guard check of the row's compiled
+``tottime``) over one full generate; ``--series N`` times N more full generates one by one (with the garbage
+collections and compiles among them). Also measured: the host time of dynamo's guard check of the row's compiled
 decode step (every step runs it before the CUDA graph). Printed: a table of prefill / step / GPU-busy / gap /
 host-wait time per step for each row, and each row's kernels by time per step.
 """
@@ -116,6 +117,37 @@ def host_profile(fn, top: int) -> str:
     return buf.getvalue()
 
 
+def call_series(fn, n: int, sync) -> dict:
+    """``n`` more calls of ``fn`` one after another: each call's wall ms, and over all of them the garbage collections
+    (count, ms) and the graphs dynamo compiled (a drift of the timed median shows here call by call)."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def on_gc(phase, info) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
+    graphs0 = counters["stats"]["unique_graphs"]
+    gc.callbacks.append(on_gc)
+    ms = []
+    try:
+        for _ in range(n):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        gc.callbacks.remove(on_gc)
+    return dict(ms=ms, gc=len(pauses), gc_ms=sum(pauses) * 1e3, graphs=counters["stats"]["unique_graphs"] - graphs0)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1b")
@@ -130,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="base,peft,csgmv")
     p.add_argument("--gap-us", type=float, default=20.0, help="kernel gaps shorter than this count as in-graph gaps")
     p.add_argument("--cprofile", type=int, default=0, help="print the N functions with the most host time")
+    p.add_argument("--series", type=int, default=0, help="then N more generates per row, each one's time printed")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -173,6 +206,7 @@ def main(argv=None) -> int:
             k1, short1, long1 = kernel_times(lambda: run(target, 1, extra), args.gap_us)
             kn, shortn, longn = kernel_times(lambda: run(target, args.new_tokens, extra), args.gap_us)
             host = host_profile(lambda: run(target, args.new_tokens, extra), args.cprofile) if args.cprofile else ""
+            series = call_series(lambda: run(target, args.new_tokens, extra), args.series, sync)
         per_step = {}
         for name, (us, n) in kn.items():
             us0, n0 = k1.get(name, (0.0, 0))
@@ -186,7 +220,7 @@ def main(argv=None) -> int:
             tok_s=args.batch * args.new_tokens / full * 1e3, kernels_per_step=sum(n for _, n in per_step.values()),
             gap_ms=(shortn - short1) / steps / 1e3, host_wait_ms=(longn - long1) / steps / 1e3,
             guard_us=guard_timer.us[-1] if guard_timer.us else None,
-            top=sorted(((k, us, n) for k, (us, n) in per_step.items()), key=lambda r: -r[1])[: args.top],
+            top=sorted(((k, us, n) for k, (us, n) in per_step.items()), key=lambda r: -r[1])[: args.top], series=series,
         )  # fmt: skip
         rows.append(row)
         print(f"\n{label}: prefill {prefill:.1f} ms (GPU {prefill_gpu:.1f}), step {step:.3f} ms (GPU busy {busy:.3f}, "
@@ -197,6 +231,10 @@ def main(argv=None) -> int:
             print(f"  {us:8.1f} µs/step  {n:6.1f}×  {name[:110]}")
         if host:
             print(host, flush=True)
+        if series["ms"]:
+            each = " ".join(f"{t:.1f}" for t in series["ms"])
+            print(f"  {len(series['ms'])} more generates, ms each: {each}; garbage collections {series['gc']} "
+                  f"({series['gc_ms']:.1f} ms), graphs compiled {series['graphs']}", flush=True)  # fmt: skip
 
     wanted = args.rows.split(",")
     if "base" in wanted:

@@ -116,10 +116,13 @@ def _embed_scale(layer: nn.Module) -> torch.Tensor | None:
 def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The forward of a patched kernel layer (``x``: rows × ... × in) or ``lora.Embedding`` (``x``: rows × ...
     token ids)."""
-    # This runs once per LoRA layer per forward: attribute lookups are kept to what is needed.
+    # This runs once per LoRA layer per forward: attribute lookups are kept to what is needed. PEFT's
+    # ``disable_adapters`` property is read from the instance dict (where PEFT's layers keep it; False by default, as
+    # the class says): compiled code then guards one dict entry per layer, not the property's lookup through the
+    # class hierarchy (a quarter of a compiled step's guard check on a 16-layer model).
     state = self.__dict__
     ex: Executor = state["_csgmv_exec"]
-    if not ex.active or self.disable_adapters or "adapter_names" in kwargs:
+    if not ex.active or state.get("_disable_adapters", False) or "adapter_names" in kwargs:
         return state["_csgmv_orig_forward"](x, *args, **kwargs)
     if kwargs:
         # PEFT's hooks may pass per-call variant arguments (aLoRA offsets computed for the *active* adapter when no

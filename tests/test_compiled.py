@@ -166,6 +166,35 @@ def test_compiled_graph_takes_the_plan_not_the_stacks():
     assert csgmv == base + 3, f"base model graph: {base} inputs, csgmv: {csgmv}"
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_layer_switched_off_runs_its_base_layer(compiled):
+    """PEFT's per-layer switch (``layer.enable_adapters(False)``) holds in csgmv calls as in stock PEFT's runs: that
+    layer gives its base layer's output for every row, eagerly and in compiled code (where the switch is a guard:
+    turning it off recompiles instead of reusing the graph traced with the layer on)."""
+    model = _model(embedding=False)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    input_ids, mask = make_batch(3, 5)
+    ids = ["a0", None, "a1"]
+
+    def stock_off():
+        layer.enable_adapters(False)  # per_adapter's disable_adapter() turns every layer back on when it ends
+        return model(input_ids, attention_mask=mask).logits
+
+    with torch.no_grad():
+        off = stitch(per_adapter(model, ids, stock_off), ids)
+        layer.enable_adapters(True)
+        on = stitch(per_adapter(model, ids, lambda: model(input_ids, attention_mask=mask).logits), ids)
+    assert (off - on).abs().max() > 1e-3, "the layer's adapters do not change the output"
+    enable_csgmv(model, backend="torch")
+    run = torch.compile(model, backend="aot_eager", dynamic=False) if compiled else model
+    with torch.no_grad():
+        close(run(input_ids, attention_mask=mask, adapter_ids=ids).logits, on, "layer on")
+        layer.enable_adapters(False)
+        close(run(input_ids, attention_mask=mask, adapter_ids=ids).logits, off, "layer off")
+        layer.enable_adapters(True)
+        close(run(input_ids, attention_mask=mask, adapter_ids=ids).logits, on, "layer on again")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_model_follows_stack_changes(backend):
     """Under ``torch.compile``: an in-place edit of an adapter's weights is seen by the next call with no recompile

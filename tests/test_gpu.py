@@ -356,8 +356,9 @@ def test_pdl_launches_give_the_serial_launches_results(out_of_place, monkeypatch
 def test_lora_beside_base_product_gives_the_serial_results(adapters):
     """``peft_csgmv::lora_linear`` (the LoRA on a side stream beside the base product, joined before it returns) over
     a chain of layers, each reading what the last wrote: bit for bit the base product followed by the ``lora`` op,
-    eagerly and replayed from a CUDA graph with a new input before each of 20 replays (a missing join would read
-    ``delta`` before it is written, or let the next layer overwrite a buffer the side stream still reads)."""
+    eagerly (one stream) and replayed from a CUDA graph (the side stream, forked under capture) with a new input before
+    each of 20 replays (a missing join would read ``delta`` before it is written, or let the next layer overwrite a
+    buffer the side stream still reads)."""
     import transformers as tf
 
     from peft_csgmv import ops
@@ -400,13 +401,16 @@ def test_lora_beside_base_product_gives_the_serial_results(adapters):
         assert all(torch.isfinite(s).all() for s in serial)
         for x, want in zip(inputs, serial):
             assert torch.equal(chain(x, beside=True), want), "eager: beside differs from one after the other"
-        assert device in ops._SIDE_STREAMS, "the LoRA did not run on a side stream"
+        ops._SIDE_STREAMS.pop(device, None)
+        chain(inputs[0], beside=True)
+        assert device not in ops._SIDE_STREAMS, "run eagerly, the LoRA forked onto a side stream"
         static_x = inputs[0].clone()
         chain(static_x, beside=True)  # warm up outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = chain(static_x, beside=True)
+        assert device in ops._SIDE_STREAMS, "captured, the LoRA did not run on a side stream"
         for x, want in zip(inputs, serial):
             static_x.copy_(x)
             graph.replay()
