@@ -195,6 +195,12 @@ def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor) -> bool:
     )
 
 
+# The ops' overloads, called directly from compiled code: dynamo takes an overload as one graph call, where calling the
+# ``custom_op`` object would make it trace the object's Python ``__call__`` (~40 ms of compile time per LoRA layer).
+_LORA_OP = ops.lora_overload
+_LORA_LINEAR_OP = ops.lora_linear_overload
+
+
 def _compiled_plan(ex: Executor, stack: "LoraStack", x2, rows: int, device):
     """``(static plan, triton, fused)`` of a layer inside compiled code: the shape's :class:`StaticPlan` (no Python
     runs here when the graph runs; its buffers hold the call's ids), whether the Triton kernels run (on CUDA always:
@@ -210,7 +216,7 @@ def _compiled_lora(ex: Executor, stack: "LoraStack", x2, result, rows: int, devi
     goes by handle, and its version becomes a guard of the graph (see :mod:`peft_csgmv.ops`)."""
     static, triton, fused = _compiled_plan(ex, stack, x2, rows, device)
     y = result.reshape(-1, result.shape[-1])
-    out = ops.lora(
+    out = _LORA_OP(
         x2, y, static.permutation, static.seg_indptr, static.seg_slot, embed_scale, stack.handle, stack.version,
         static.chunk, triton, fused,
     )  # fmt: skip
@@ -223,7 +229,7 @@ def _compiled_beside(ex: Executor, stack: "LoraStack", base: nn.Linear, x, rows:
     into whatever reads the output: the numbers of :func:`_compiled_lora`'s out-of-place sum."""
     x2 = x.reshape(-1, x.shape[-1])
     static, triton, fused = _compiled_plan(ex, stack, x2, rows, device)
-    y, delta = ops.lora_linear(
+    y, delta = _LORA_LINEAR_OP(
         x2, base.weight, base.bias, static.permutation, static.seg_indptr, static.seg_slot, stack.handle,
         stack.version, static.chunk, triton, fused,
     )  # fmt: skip

@@ -197,3 +197,8 @@ def lora_linear(
 def _lora_linear_fake(x, weight, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (x.shape[0], weight.shape[0])
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.float32)
+
+
+# The registered overloads (what compiled code calls: see peft_csgmv.layers).
+lora_overload = torch.ops.peft_csgmv.lora.default
+lora_linear_overload = torch.ops.peft_csgmv.lora_linear.default
