@@ -63,6 +63,13 @@ def main(argv=None) -> int:
         help="also the widest row with each layer's LoRA after its base product, not beside it (PEFT_CSGMV_BESIDE=0)",
     )
     p.add_argument(
+        "--beside-min-mib",
+        type=float,
+        default=None,
+        help="also the widest row with only layers of base weights of at least this many MiB beside them "
+        "(PEFT_CSGMV_BESIDE_MIN_MIB; the others after)",
+    )
+    p.add_argument(
         "--lean",
         action="store_true",
         help="only the base model, the widest csgmv row and the switched rows (no PEFT, eager or narrower rows)",
@@ -143,6 +150,9 @@ def main(argv=None) -> int:
         variants.append(("no_pdl", "no PDL", {"PEFT_CSGMV_PDL": "0"}))
     if args.after:
         variants.append(("after", "LoRA after the base product", {"PEFT_CSGMV_BESIDE": "0"}))
+    if args.beside_min_mib is not None:
+        env = {"PEFT_CSGMV_BESIDE_MIN_MIB": str(args.beside_min_mib)}
+        variants.append(("beside_min", f"beside only base weights ≥ {args.beside_min_mib:g} MiB", env))
     same_variant = {}
     for key, label, env in variants:
         with developer_switches(env):

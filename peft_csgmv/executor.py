@@ -190,6 +190,10 @@ class Executor:
         # stream on CUDA; faster on the H200's 8B layout, a tie on the 1B one: docs/benchmarks.md): on CUDA by default;
         # PEFT_CSGMV_BESIDE=0 when the model is enabled turns it off, =1 turns it on for every device (CPU tests).
         self.beside = {"0": "never", "1": "always"}.get(os.environ.get("PEFT_CSGMV_BESIDE", ""), "cuda")
+        # Only layers whose base weight holds at least this many bytes run beside it (a developer switch, to measure
+        # whether short base products, which end before their LoRA does, are better served after: 0, all, by default;
+        # PEFT_CSGMV_BESIDE_MIN_MIB when the model is enabled).
+        self.beside_min_bytes = int(float(os.environ.get("PEFT_CSGMV_BESIDE_MIN_MIB", "0")) * 2**20)
         self.plans: collections.OrderedDict = collections.OrderedDict()  # LRU: (slots, repeat, tpr, device) -> PlanRun
         self.statics: list[StaticPlan] = []
         self._triton: dict = {}

@@ -153,7 +153,7 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
             not (hooked or args or kwargs)
             and torch.compiler.is_compiling()
             and ex.beside_on(device)
-            and _beside(stack, base, x)
+            and _beside(stack, base, x, ex.beside_min_bytes)
         ):
             return _compiled_beside(ex, stack, base, x, rows, device)
         if hooked:
@@ -179,12 +179,12 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
 BESIDE_MAX_TOKENS = 512
 
 
-def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor) -> bool:
+def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor, min_bytes: int = 0) -> bool:
     """Whether compiled code, with the executor's ``beside`` switch on (:meth:`Executor.beside_on`, the caller checked),
     runs this layer's base product and LoRA in one ``peft_csgmv::lora_linear`` (the LoRA on a side stream beside the
     base product, on CUDA): a plain ``nn.Linear`` base whose forward is the class's ``F.linear`` (no instance-level
     forward, as accelerate's ``device_map`` hooks install; the caller checked that no module hook is registered on it),
-    no DoRA, a decode-sized input."""
+    no DoRA, a decode-sized input; and a base weight of at least ``min_bytes`` (:attr:`Executor.beside_min_bytes`)."""
     return (
         type(base) is nn.Linear
         and "forward" not in base.__dict__  # an instance-level forward (accelerate's device hooks) must run
@@ -192,6 +192,7 @@ def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor) -> bool:
         and not stack.embedding
         and x.dim() >= 2
         and x.numel() <= BESIDE_MAX_TOKENS * x.shape[-1]
+        and (not min_bytes or base.weight.numel() * base.weight.element_size() >= min_bytes)
     )
 
 

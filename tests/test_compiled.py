@@ -286,8 +286,8 @@ def test_compiled_linear_layers_run_beside_their_base_product(backend, monkeypat
     """In compiled code a plain Linear layer's base product and LoRA are one ``peft_csgmv::lora_linear`` (on CUDA the
     LoRA beside the base product) and its output ``y + delta``: stock PEFT's per-adapter logits, bit for bit the
     numbers of the base product followed by the ``lora`` op (``PEFT_CSGMV_BESIDE=0``; the first is the default on CUDA,
-    ``PEFT_CSGMV_BESIDE=1`` turns it on for every device).
-    The embedding, and a layer whose base has a forward hook (which must run), keep the ``lora`` op."""
+    ``PEFT_CSGMV_BESIDE=1`` turns it on for every device; ``PEFT_CSGMV_BESIDE_MIN_MIB`` keeps smaller base weights
+    after). The embedding, and a layer whose base has a forward hook (which must run), keep the ``lora`` op."""
     monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
     model = _model()
     input_ids, mask = make_batch(3, 5)
@@ -305,6 +305,16 @@ def test_compiled_linear_layers_run_beside_their_base_product(backend, monkeypat
     after, ops = _compiled_ops(model, ["a0", None, "a1"], input_ids, mask)
     assert ops == {"lora": linear + 1}, ops
     assert torch.equal(beside, after), "the LoRA beside the base product gave other numbers"
+
+    # a floor on the base weight's bytes (a developer switch): only the MLP's 80×48 weights (15360 bytes) beside
+    disable_csgmv(model)
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE_MIN_MIB", str(12000 / 2**20))
+    enable_csgmv(model, backend=backend)
+    some, ops = _compiled_ops(model, ["a0", None, "a1"], input_ids, mask)
+    assert ops == {"lora_linear": 6, "lora": linear + 1 - 6}, ops
+    assert torch.equal(some, beside)
+    monkeypatch.delenv("PEFT_CSGMV_BESIDE_MIN_MIB")
 
     disable_csgmv(model)
     monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
