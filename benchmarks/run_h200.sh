@@ -21,6 +21,8 @@
 #   pstatic8b  as pstatic, for the 8B layout                                     -> profile_static_8b.*
 #   sbeside  static cache, 8B and 1B: base model, csgmv 32 distinct (the LoRA beside the base product), and the LoRA
 #            after the base product (~6 min) -> static_{8b,1b}_beside.json
+#   smin     static cache, 1B then 8B: base model, csgmv 32 distinct (all beside), after, and only base weights of
+#            >= 16 MiB beside (PEFT_CSGMV_BESIDE_MIN_MIB; ~7 min) -> static_{1b,8b}_min.json
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
@@ -96,6 +98,12 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         python3 benchmarks/bench_static.py --model $m --lean --after --repeats 3 --out "$OUT/static_${m}_beside.json" \
           2>&1 | grep --line-buffered -v -i warn > "$OUT/static_${m}_beside.log"
         grep "^| $m" "$OUT/static_${m}_beside.log" || tail -25 "$OUT/static_${m}_beside.log"
+      done ;;
+    smin)
+      for m in 1b 8b; do
+        python3 benchmarks/bench_static.py --model $m --lean --after --beside-min-mib 16 --repeats 3 \
+          --out "$OUT/static_${m}_min.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/static_${m}_min.log"
+        grep "^| $m" "$OUT/static_${m}_min.log" || tail -25 "$OUT/static_${m}_min.log"
       done ;;
     multi)
       python3 benchmarks/bench_multi_gpu.py --out "$OUT/multi_gpu.json" 2>&1 | grep --line-buffered -v -i warn \
