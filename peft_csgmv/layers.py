@@ -179,7 +179,7 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
 BESIDE_MAX_TOKENS = 512
 
 
-def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor, min_bytes: int = 0) -> bool:
+def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor, min_bytes: int) -> bool:
     """Whether compiled code, with the executor's ``beside`` switch on (:meth:`Executor.beside_on`, the caller checked),
     runs this layer's base product and LoRA in one ``peft_csgmv::lora_linear`` (the LoRA on a side stream beside the
     base product, on CUDA): a plain ``nn.Linear`` base whose forward is the class's ``F.linear`` (no instance-level
@@ -192,15 +192,8 @@ def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor, min_bytes: int
         and not stack.embedding
         and x.dim() >= 2
         and x.numel() <= BESIDE_MAX_TOKENS * x.shape[-1]
-        and (not min_bytes or base.weight.numel() * base.weight.element_size() >= min_bytes)
+        and base.weight.nbytes >= min_bytes
     )
-
-
-# The ops' overloads, called directly from compiled code: dynamo takes an overload as one graph call, where calling the
-# ``custom_op`` object would make it trace the object's Python ``__call__`` in every LoRA layer (~4 ms of tracing per
-# layer on the CPU).
-_LORA_OP = ops.lora_overload
-_LORA_LINEAR_OP = ops.lora_linear_overload
 
 
 def _compiled_plan(ex: Executor, stack: "LoraStack", x2, rows: int, device):
@@ -218,7 +211,7 @@ def _compiled_lora(ex: Executor, stack: "LoraStack", x2, result, rows: int, devi
     goes by handle, and its version becomes a guard of the graph (see :mod:`peft_csgmv.ops`)."""
     static, triton, fused = _compiled_plan(ex, stack, x2, rows, device)
     y = result.reshape(-1, result.shape[-1])
-    out = _LORA_OP(
+    out = ops.lora_overload(
         x2, y, static.permutation, static.seg_indptr, static.seg_slot, embed_scale, stack.handle, stack.version,
         static.chunk, triton, fused,
     )  # fmt: skip
@@ -231,7 +224,7 @@ def _compiled_beside(ex: Executor, stack: "LoraStack", base: nn.Linear, x, rows:
     into whatever reads the output: the numbers of :func:`_compiled_lora`'s out-of-place sum."""
     x2 = x.reshape(-1, x.shape[-1])
     static, triton, fused = _compiled_plan(ex, stack, x2, rows, device)
-    y, delta = _LORA_LINEAR_OP(
+    y, delta = ops.lora_linear_overload(
         x2, base.weight, base.bias, static.permutation, static.seg_indptr, static.seg_slot, stack.handle,
         stack.version, static.chunk, triton, fused,
     )  # fmt: skip

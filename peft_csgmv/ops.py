@@ -199,6 +199,8 @@ def _lora_linear_fake(x, weight, *args, **kwargs) -> tuple[torch.Tensor, torch.T
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.float32)
 
 
-# The registered overloads (what compiled code calls: see peft_csgmv.layers).
+# The registered overloads, which compiled layers call: dynamo takes an overload as one graph call, where calling the
+# ``custom_op`` object would make it trace the object's Python ``__call__`` in every LoRA layer (~4 ms of tracing per
+# layer on the CPU).
 lora_overload = torch.ops.peft_csgmv.lora.default
 lora_linear_overload = torch.ops.peft_csgmv.lora_linear.default
