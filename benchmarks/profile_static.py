@@ -186,14 +186,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize(device)
 
     def timed(target, new, extra):
-        times = []
-        for _ in range(args.repeats):
-            sync()
-            t0 = time.perf_counter()
-            run(target, new, extra)
-            sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+        return statistics.median(call_series(lambda: run(target, new, extra), args.repeats, sync)["ms"])
 
     def measure(label, target, **extra):
         with torch.no_grad():
