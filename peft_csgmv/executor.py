@@ -190,10 +190,12 @@ class Executor:
         # stream on CUDA; faster on the H200's 8B layout, a tie on the 1B one: docs/benchmarks.md): on CUDA by default;
         # PEFT_CSGMV_BESIDE=0 when the model is enabled turns it off, =1 turns it on for every device (CPU tests).
         self.beside = {"0": "never", "1": "always"}.get(os.environ.get("PEFT_CSGMV_BESIDE", ""), "cuda")
-        # Only layers whose base weight holds at least this many bytes run beside it (a developer switch, to measure
-        # whether short base products, which end before their LoRA does, are better served after: 0, all, by default;
-        # PEFT_CSGMV_BESIDE_MIN_MIB when the model is enabled).
-        self.beside_min_bytes = int(float(os.environ.get("PEFT_CSGMV_BESIDE_MIN_MIB", "0")) * 2**20)
+        # Only layers whose base weight holds at least this many bytes run beside it: a short base product ends before
+        # its LoRA does, and the fork and join then cost more than they hide (H200, static cache: 1B 0.59 -> 0.71x the
+        # base model with a 16 MiB floor, 8B 0.82 / 0.81, a tie: docs/benchmarks.md). 16 MiB on CUDA by default, none
+        # with PEFT_CSGMV_BESIDE=1; PEFT_CSGMV_BESIDE_MIN_MIB=N (read when the model is enabled) sets it.
+        floor = os.environ.get("PEFT_CSGMV_BESIDE_MIN_MIB") or ("16" if self.beside == "cuda" else "0")
+        self.beside_min_bytes = int(float(floor) * 2**20)
         self.plans: collections.OrderedDict = collections.OrderedDict()  # LRU: (slots, repeat, tpr, device) -> PlanRun
         self.statics: list[StaticPlan] = []
         self._triton: dict = {}

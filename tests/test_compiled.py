@@ -453,12 +453,17 @@ def test_lora_linear_launches_without_pdl_beside_the_base(monkeypatch):
     monkeypatch.undo()
 
     monkeypatch.delenv("PEFT_CSGMV_BESIDE", raising=False)
+    monkeypatch.delenv("PEFT_CSGMV_BESIDE_MIN_MIB", raising=False)
     ex = Executor("triton", lambda layer: None)
     assert ex.beside_on(torch.device("cuda", 0)) and not ex.beside_on(torch.device("cpu"))
+    assert ex.beside_min_bytes == 16 * 2**20, "by default only base weights of 16 MiB or more run beside"
     monkeypatch.setenv("PEFT_CSGMV_BESIDE", "0")
     assert not Executor("triton", lambda layer: None).beside_on(torch.device("cuda", 0))
     monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
-    assert Executor("triton", lambda layer: None).beside_on(torch.device("cpu"))
+    forced = Executor("triton", lambda layer: None)
+    assert forced.beside_on(torch.device("cpu")) and forced.beside_min_bytes == 0
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE_MIN_MIB", "2")
+    assert Executor("triton", lambda layer: None).beside_min_bytes == 2 * 2**20
 
 
 def test_disable_after_compile_restores_stock_peft():
