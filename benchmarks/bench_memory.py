@@ -12,7 +12,8 @@ Random weights from the 1B Llama layout (no hub), LoRA on all 7 projections. Thr
    the decode step (batch 32, prompt 256) with 32 distinct resident adapters, against the same step with only 32
    adapters loaded (no host tier) in the same run; GPU memory of both; and the host time a call with ids spends
    before its forward (validation, residency, opening the call: ``adapter_ids_scope``), which is all the tier adds
-   to a call whose adapters are resident (the kernels do the same work).
+   to a call whose adapters are resident (the kernels do the same work); and, on CUDA, a 32-token ``generate`` on
+   transformers' static cache (compiled decode: the host's drift does not enter) with both (``--no-static``: skip).
 3. **Host-tier load cost.** A forward whose 32 adapters all wait in host memory (each copied into a slot first)
    against the same forward once they are resident; per adapter, against its bytes over the measured pinned
    host→device bandwidth.
@@ -26,6 +27,7 @@ import argparse
 import copy
 import gc
 import os
+import statistics
 import sys
 import time
 
@@ -136,6 +138,12 @@ def main(argv=None) -> int:
         default="32:16:fp32,128:16:fp32,32:8/16/64:fp32,32:16:bf16,32:8/16/64:bf16",
         help="n:ranks:dtype, comma-separated",
     )
+    p.add_argument(
+        "--no-static",
+        dest="static",
+        action="store_false",
+        help="skip the static-cache generate of the scale rows (compiled decode: ~20 s of compile each)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
@@ -179,12 +187,30 @@ def main(argv=None) -> int:
             )  # fmt: skip
         return ms
 
+    def static_ms(pm) -> float | None:
+        """A 32-token ``generate`` on transformers' static cache (compiled decode, CUDA graphs) with ``names``: the
+        median of 3 after the first (which compiles), ms; None off CUDA or with --no-static."""
+        if device.type != "cuda" or not args.static:
+            return None
+        kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=names, do_sample=False, max_new_tokens=32,
+                  min_new_tokens=32, cache_implementation="static")  # fmt: skip
+        times = []
+        with torch.no_grad():
+            for _ in range(4):
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                pm.generate(**kw)
+                torch.cuda.synchronize(device)
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times[1:])
+
     scale = {}
     if args.scale:
         before = _allocated(device)
         pm = add_many(model, 32, [16], device, fp32=False)
         enable_csgmv(pm)
-        scale["loaded_32"] = dict(decode_ms=decode_ms(pm), gib=(_allocated(device) - before) / GIB, call_us=call_us(pm))
+        gib = (_allocated(device) - before) / GIB
+        scale["loaded_32"] = dict(decode_ms=decode_ms(pm), gib=gib, call_us=call_us(pm), static_ms=static_ms(pm))
         print(f"32 loaded: {scale['loaded_32']}", flush=True)
         disable_csgmv(pm)
         t0 = time.perf_counter()
@@ -230,7 +256,8 @@ def main(argv=None) -> int:
         per_adapter_ms = (cold_ms - warm_ms) / len(cold_names)
         scale["tier"] = dict(
             adapters=args.scale, resident=args.resident, load_s=load_s, enable_s=enable_s, peft_gib=peft_gib,
-            gib=tier_gib, decode_ms=decode_ms(pm), call_us=call_us(pm), cold_call_ms=cold_ms, cold_calls_ms=cold_times,
+            gib=tier_gib, decode_ms=decode_ms(pm), call_us=call_us(pm), static_ms=static_ms(pm), cold_call_ms=cold_ms,
+            cold_calls_ms=cold_times,
             warm_call_ms=warm_ms,
             per_adapter_load_ms=per_adapter_ms, adapter_mib=one_adapter_bytes / 2**20, h2d_gb_s=bw_gbs,
             pcie_ms_per_adapter=one_adapter_bytes / (bw_gbs * 1e9) * 1e3,
@@ -251,12 +278,17 @@ def main(argv=None) -> int:
     if scale:
         t, one = scale["tier"], scale["loaded_32"]
         print()
-        print("| adapters loaded | on the GPU | adapter GiB on the GPU | decode-step ms, 32 distinct | call host µs |")
-        print("|---|---|---|---|---|")
-        print(f"| 32 | all | {one['gib']:.2f} | {one['decode_ms']:.2f} | {one['call_us']:.0f} |")
+        print("| adapters loaded | on the GPU | adapter GiB on the GPU | decode-step ms, 32 distinct | call host µs "
+              "| static-cache generate ms (32 tokens) |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+
+        def static(row) -> str:
+            return "—" if row["static_ms"] is None else f"{row['static_ms']:.1f}"
+
+        print(f"| 32 | all | {one['gib']:.2f} | {one['decode_ms']:.2f} | {one['call_us']:.0f} | {static(one)} |")
         print(
             f"| {t['adapters']} | {t['resident']} (max_resident_adapters) | {t['gib']:.2f} | {t['decode_ms']:.2f} | "
-            f"{t['call_us']:.0f} |"
+            f"{t['call_us']:.0f} | {static(t)} |"
         )
         print()
         print("| adapter MiB | cold call ms (32 from host) | warm call ms | per adapter ms | its bytes over PCIe ms "

@@ -1,7 +1,8 @@
 """Host cost of the host tier's moves: calls whose adapters all wait in host memory, without the forward.
 
     python benchmarks/bench_tier_host.py                  # CPU or GPU: 100 adapters, 64 resident, calls of 32
-    python benchmarks/bench_tier_host.py --phases         # and where the time goes (timers around each step)
+    python benchmarks/bench_tier_host.py --phases         # and where the time goes (timers around each step;
+                                                          # evict includes park, bring_in includes place)
 
 A Llama of the 1B layout's depth (16 layers, LoRA on all 7 projections: 112 LoRA layers, 224 weights per adapter) at
 small widths, so that the copies are cheap and what is left is the bookkeeping per weight that the tier pays on every
@@ -80,11 +81,13 @@ def main(argv=None) -> int:
         nxt += args.per_call
     totals: collections.Counter = collections.Counter()
     if args.phases:
-        import peft_csgmv.model as m
+        from peft_csgmv.slots import LoraStack
+        from peft_csgmv.tier import HostTier
 
-        for name in ("_move_to_host", "_stage_in", "_settle", "run_pending"):
-            _timed(m, name, totals)
-        _timed(m.CsgmvState, "stack_layer", totals)
+        for name in ("evict", "bring_in", "park"):
+            _timed(HostTier, name, totals)
+        for name in ("place", "vacate", "refresh"):
+            _timed(LoraStack, name, totals)
     times = []
     for _ in range(args.calls):
         names = [order[(nxt + i) % args.adapters] for i in range(args.per_call)]

@@ -22,10 +22,7 @@ bookkeeping are untouched.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import functools
-import gc
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -34,16 +31,8 @@ from torch import nn
 
 from .executor import CallContext, Executor
 from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer
-from .slots import (
-    HostArena,
-    LoraStack,
-    SlotRegistry,
-    layer_adapter,
-    layer_adapters,
-    module_param,
-    run_pending,
-    weights_device,
-)
+from .slots import LoraStack, SlotRegistry, layer_adapter, layer_adapters, module_param, weights_device
+from .tier import HostTier, host_copies_done, move_adapter, no_gc_pauses
 
 BASE = "__base__"
 BASE_NAMES = (None, BASE)
@@ -144,8 +133,7 @@ class CsgmvState:
         # weights wait in (pinned) host memory and are brought into a slot when a call needs them, least recently
         # used out. None: every adapter has a slot.
         self.max_resident = max_resident
-        self.lru: collections.OrderedDict = collections.OrderedDict()  # resident names, least recently used first
-        self.host = HostArena(pin=torch.cuda.is_available())  # where the others' weights wait
+        self.tier = None if max_resident is None else HostTier(max_resident)
         # Runs the layers' LoRA for each call; it restacks a layer through this state when PEFT rescales it.
         self.executor = Executor(backend, self._restack)
         self.registry = SlotRegistry()
@@ -189,17 +177,21 @@ class CsgmvState:
             _, LoraLayer, _ = _peft_classes()
             Aux = _auxiliary_wrapper_class()
             names = list(model.peft_config)
+            tier = self.tier
             for gone in [n for n in self.registry.index if n not in names]:
                 self.registry.remove(gone)
-                self.lru.pop(gone, None)
-            for gone in {n for n, _ in self.host.regions} - set(names):
-                self.host.forget(gone)
+                if tier is not None:
+                    tier.lru.pop(gone, None)
+            if tier is not None:
+                for gone in {key[0] for key in tier.host.regions} - set(names):
+                    tier.host.forget(gone)
             for name in names:
                 if name not in self.registry.index and (
                     self.max_resident is None or len(self.registry.index) < self.max_resident
                 ):
                     self.registry.add(name)
-                    self.lru[name] = None
+                    if tier is not None:
+                        tier.lru[name] = None
             for mod_name, module in model.named_modules():
                 if isinstance(module, LoraLayer):
                     # The names PEFT's own check accepts: those some LoRA layer holds.
@@ -215,8 +207,7 @@ class CsgmvState:
                 if not is_patched(module):
                     patch_peft_path(module, self.executor)
                 module._csgmv_held = frozenset(_held_adapters(module))
-            hosted = [n for n in names if n not in self.registry.index]
-            _move_to_host(found.values(), hosted, self.host)  # no slot: their weights wait in host memory
+            restack = set()
             for layer in found.values():
                 if not is_patched(layer):
                     patch_layer(layer, self._new_stack(layer), self.executor)
@@ -224,13 +215,22 @@ class CsgmvState:
                     # An adapter of a wider dtype arrived: the stack takes that dtype, every slot copied again.
                     layer._csgmv_stack.release_shared()
                     layer._csgmv_stack = self._new_stack(layer)
-                    self.stack_layer(layer, force=True)
-                    continue
-                self.stack_layer(layer, force)
-            if hosted:
-                _host_copies_done(found.values())
-            if self.max_resident is not None:
-                _reserve_host(found.values(), names, self.host)
+                    restack.add(layer)
+            if tier is not None:
+                # Every adapter's place in its page; those without a slot wait in host memory, and residents whose
+                # weights wait there (admitted now) come in from it.
+                tier.lay_out(found.values(), names, self.registry, _kernel_reason)
+                hosted = [n for n in names if n not in self.registry.index]
+                for name in hosted:
+                    tier.park(name)
+                for slot, name in enumerate(self.registry.names):
+                    if name is not None and tier.hosted(name):
+                        tier.bring_in(name, slot, _dora_scale, self.dora_refused)
+                if hosted:
+                    host_copies_done(found.values())
+                tier.reserve(names)
+            for layer in found.values():
+                self.stack_layer(layer, force or layer in restack)
         for old, new in ((self.layers, found), (self.peft_path, peft_path)):
             for mod_name, module in old.items():
                 if new.get(mod_name) is not module:
@@ -266,34 +266,19 @@ class CsgmvState:
         """Copy one layer's adapters again (PEFT rescaled it)."""
         self.stack_layer(layer, force=True)
 
-    def stack_layer(
-        self,
-        layer: nn.Module,
-        force: bool = False,
-        adopt: frozenset = frozenset(),
-        defer: bool = False,
-        unsettled: list | None = None,
-    ) -> None:
+    def stack_layer(self, layer: nn.Module, force: bool = False) -> None:
         """Bring one kernel-path layer's stack in line with its adapters: copy new or replaced ones (all with
         ``force``), clear the rest. Adapters the kernels do not serve here get rank 0 in the stack and are named in
         the layer's ``_csgmv_peft``: their rows run through PEFT's forward of this layer. Also called when PEFT
         rescales the layer (``set_scale``, ``scale_layer``, ``unscale_layer``, or a new ``scaling`` dict as
-        ``peft.helpers.rescale_adapter_scale`` sets). ``adopt``: adapters the host tier brings in from host memory:
-        their weights are copied straight into their slots and become views of them there, and only their slots are
-        looked at (a layer may hold thousands of adapters, a call brings in a few). ``defer``: the weights' copies
-        into their slots wait for the caller's :func:`~peft_csgmv.slots.run_pending`. ``unsettled``: gets
-        ``(layer, name)`` for each adopted adapter with parameters its slot does not take over (DoRA magnitudes,
-        ``lora_B`` biases, weights of another dtype, PEFT-path adapters), which :func:`_settle` then moves."""
+        ``peft.helpers.rescale_adapter_scale`` sets). The host tier brings adapters into slots on its own
+        (:meth:`~peft_csgmv.tier.HostTier.bring_in`)."""
         stack: LoraStack = layer._csgmv_stack
         if force:
             stack.sources.clear()
         names = self.registry.names
-        if not adopt:
-            peft_rows, slots = set(), enumerate(names)
-        else:
-            index = self.registry.index
-            peft_rows, slots = set(layer._csgmv_peft - adopt), [(index[n], n) for n in adopt]
-        for slot, name in slots:
+        peft_rows = set()
+        for slot, name in enumerate(names):
             weights = None if name is None else layer_adapter(layer, name)  # a lookup: layers may hold thousands
             if weights is None:
                 stack.clear_slot(slot)
@@ -303,27 +288,16 @@ class CsgmvState:
                 if layer.use_dora.get(name, False):
                     self.dora_refused.add(name)
                 stack.clear_slot(slot)
-                if unsettled is not None and name in adopt:
-                    unsettled.append((layer, name))
                 continue
             a, b = weights
-            taken = False  # the slot took over every parameter of the adapter here (nothing left to settle)
             if stack.sources.get(slot) is not a:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
                 lora_bias = None if stack.embedding else module_param(layer._modules["lora_B"][name], "bias")
                 # PEFT's weights become views into the stack where dtype and device allow: one copy of each adapter.
-                share = (
-                    isinstance(a, nn.Parameter)
-                    and a.dtype == b.dtype == stack.dtype
-                    and (a.device == stack.device or name in adopt)
-                )
+                share = isinstance(a, nn.Parameter) and a.dtype == b.dtype == stack.dtype and a.device == stack.device
                 stack.set_slot(
-                    slot, a, b, layer.scaling[name], source=a, dora=dora, lora_bias=lora_bias, share=share,
-                    defer=defer,
+                    slot, a, b, layer.scaling[name], source=a, dora=dora, lora_bias=lora_bias, share=share
                 )  # fmt: skip
-                taken = share and dora is None and lora_bias is None
-            if unsettled is not None and not taken and name in adopt:
-                unsettled.append((layer, name))
         stack.ensure_capacity(self.registry.capacity)
         for slot in range(len(names), stack.capacity):
             stack.clear_slot(slot)
@@ -351,21 +325,27 @@ class CsgmvState:
             for n, (a, _) in layer_adapters(layer).items()
             if n in self.registry.index and _kernel_reason(layer, n) is None
         ]
+        device, dtype = weights_device(layer), self.stack_dtype(layer)
+        if self.tier is not None and device.type == "cpu":  # the layer's first adapter may wait in host memory
+            weight = getattr(layer.get_base_layer(), "weight", None)
+            if weight is not None and weight.device.type not in ("cpu", "meta"):
+                device = weight.device
         return LoraStack(
             in_features=layer.in_features,
             out_features=layer.out_features,
             capacity=max(self.registry.capacity, 1),
-            dtype=self.stack_dtype(layer),
-            device=weights_device(layer),
+            dtype=dtype,
+            device=device,
             embedding=_is_embedding(layer),
             reserve=sum(LoraStack.slot_elements(r, layer.in_features, layer.out_features) for r in slotted),
+            pages=None if self.tier is None else self.tier.pages_for(device, dtype),
         )
 
     def release(self) -> None:
         if self.max_resident is not None:  # PEFT holds every adapter on the device again
             for layer in self.layers.values():
                 for name in layer_adapters(layer):
-                    _move_adapter(layer, name, layer._csgmv_stack.device)
+                    move_adapter(layer, name, layer._csgmv_stack.device)
         for module in [*self.layers.values(), *self.peft_path.values()]:
             unpatch_layer(module)
         self.layers, self.peft_path = {}, {}
@@ -385,85 +365,77 @@ class CsgmvState:
 
     def make_resident(self, needed) -> None:
         """Give every adapter in ``needed`` a slot (host tier only): the least recently used residents that are not
-        needed go back to host memory, the needed ones come in (copied into their slots; PEFT's weights become views
-        of them again). ``needed`` fits: :meth:`_check_residency` ran first."""
-        if self.max_resident is None:
+        needed go back to host memory, the needed ones come in (one copy of each into its slot's page; PEFT's weights
+        become views of it again). ``needed`` fits: :meth:`_check_residency` ran first."""
+        tier = self.tier
+        if tier is None:
             return
         missing = [n for n in needed if n not in self.registry.index]
         if missing:
-            with _no_gc_pauses():
+            with no_gc_pauses():
                 try:
                     self._bring_in(missing, needed)
                 except BaseException:
                     self._abandon(missing)
                     raise
         for name in needed:
-            self.lru.move_to_end(name)
+            tier.lru.move_to_end(name)
 
     def _bring_in(self, missing: list[str], needed) -> None:
         """:meth:`make_resident`'s moves: evict the least recently used residents that are not needed, then bring
         ``missing`` into their slots."""
-        victims = [n for n in self.lru if n not in needed]
+        tier = self.tier
+        victims = [n for n in tier.lru if n not in needed]
         evicted = False
         for name in missing:
             if len(self.registry.index) >= self.max_resident:
                 self._evict(victims.pop(0))
                 evicted = True
             self.registry.add(name)
-            self.lru[name] = None
+            tier.lru[name] = None
         if evicted:
-            _host_copies_done(self.layers.values())
-        adopt = frozenset(missing)
-        layers = self.layers.values()
-        # One copy per adapter to the GPU, then every weight into its slot in a few batched launches (PEFT's
-        # weights become views of the slots); what the stacks do not hold (DoRA magnitudes, lora_B biases,
-        # PEFT-path adapters) moves on its own.
-        staged_at = _stage_in(layers, missing, self.host)
-        unsettled: list = []
-        for layer in layers:
-            self.stack_layer(layer, adopt=adopt, defer=True, unsettled=unsettled)
-        run_pending([layer._csgmv_stack for layer in layers])
-        _settle(unsettled, staged_at)
+            host_copies_done(self.layers.values())
+        stacks = {layer._csgmv_stack for layer in self.layers.values()}
+        for stack in stacks:
+            stack.ensure_capacity(self.registry.capacity)
+        for name in missing:
+            tier.bring_in(name, self.registry.index[name], _dora_scale, self.dora_refused)
+        for stack in stacks:
+            stack.refresh()
 
     def _abandon(self, missing: list[str]) -> None:
         """Undo a bring-in that failed part way (out of memory, an interrupt): the adapters it was bringing in leave
-        their slots and the registry again, and their weights go back to host memory, so no slot claims weights it was
-        not given and the next call brings them in afresh; the residents evicted for them stay in host memory."""
+        their slots and the registry again, and their weights go back to their host regions, so no slot claims
+        weights it was not given and the next call brings them in afresh; the residents evicted for them stay in
+        host memory."""
+        tier = self.tier
         layers = list(self.layers.values())
-        for layer in layers:
-            layer._csgmv_stack.pending = []  # not run: the parameters were not re-pointed at those slots
         for name in missing:
             slot = self.registry.index.get(name)
             if slot is None:
                 continue
+            tier.park(name)  # from wherever each weight got to: its page, its host region, the device
             for layer in layers:
-                stack = layer._csgmv_stack
-                pair = stack.shared.get(slot)
-                if pair is not None and not stack._aliases(*pair):
-                    del stack.shared[slot]  # registered, never re-pointed: they keep their own weights
-                stack.clear_slot(slot)  # (a pair already re-pointed at the slot gets a copy of its values)
-                stack.refresh()
+                layer._csgmv_stack.vacate(slot)
+                if name in layer._csgmv_peft:
+                    layer._csgmv_peft = layer._csgmv_peft - {name}
             self.registry.remove(name)
-            self.lru.pop(name, None)
-        _move_to_host(layers, missing, self.host)  # weights left on the device (staged, moved, released) go back
-        _host_copies_done(layers)
+            tier.lru.pop(name, None)
+        for layer in layers:
+            layer._csgmv_stack.refresh()
+        host_copies_done(layers)
 
     def _evict(self, name: str) -> None:
-        slot = self.registry.index[name]
         # Its weights leave the slot as they are (edits included), copied out first: a copy that fails leaves the
         # adapter resident and shared as it was.
-        _move_to_host(self.layers.values(), [name], self.host, copy=True)
-        for layer in self.layers.values():
-            layer._csgmv_stack.forget(slot)
-            if name in layer._csgmv_peft:  # served by PEFT's path here: decided again when it is brought back
-                layer._csgmv_peft = layer._csgmv_peft - {name}
+        self.tier.evict(name, self.registry.index[name])
         self.registry.remove(name)
-        self.lru.pop(name)
+        self.tier.lru.pop(name)
 
     @property
     def resident(self) -> list[str]:
         """The adapters with a slot, least recently used first."""
-        return list(self.lru) if self.max_resident is not None else list(self.registry.index)
+        return list(self.tier.lru) if self.tier is not None else list(self.registry.index)
 
     def restack_rescaled(self) -> None:
         """Restack the layers whose ``scaling`` dict PEFT replaced (``peft.helpers.rescale_adapter_scale`` assigns a new
@@ -503,184 +475,6 @@ class CsgmvState:
         self.make_resident(_adapters_in(ids))
         index = self.registry.index
         return tuple(-1 if i in BASE_NAMES else index[i] for i in ids)
-
-
-@contextlib.contextmanager
-def _no_gc_pauses() -> Iterator[None]:
-    """Python's cyclic collector off for a burst of short-lived objects (the views and copy lists of moving adapters),
-    then back as it was. Collections in the middle of it would promote thousands of them to older generations and set
-    off full collections, each of which walks every object of a model that holds thousands of adapters (~1 s for 300
-    adapters of a 112-layer model on the CPU); off, they die young, uncounted."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _host_copies_done(layers) -> None:
-    """Wait for the asynchronous copies of adapter weights to pinned host memory (:func:`_move_to_host`) before host
-    code may read them: once per call that moves adapters out, at its start, never inside a layer."""
-    for device in {layer._csgmv_stack.device for layer in layers}:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-
-
-def _one_cuda_device(tensors) -> torch.device | None:
-    """The CUDA device all of ``tensors`` are on, or ``None`` (another device, or several)."""
-    device = tensors[0].device
-    if device.type != "cuda" or any(t.device != device for t in tensors):
-        return None
-    return device
-
-
-def _move_to_host(layers, names, host: HostArena, copy: bool = False) -> None:
-    """Move adapters' weights in kernel layers to ``host`` memory (pinned where CUDA is: copies both ways are then
-    asynchronous), one region per adapter and dtype, the same one each time the adapter is moved out; weights on the
-    host already stay unless ``copy`` (views of a slot, on a CPU-only machine). Weights on one GPU are gathered there
-    first and leave in one copy: a model's hundreds of small weights per adapter, copied one by one, would each pay
-    the copy engine's setup (on the 1B layout that made a round trip 75× the adapter's bytes over PCIe). Callers wait
-    with :func:`_host_copies_done` before host code reads them."""
-    for name in names:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for layer in layers:
-            for p in _adapter_params(layer, name):
-                if copy or p.device.type != "cpu":
-                    by_dtype.setdefault(p.dtype, []).append(p)
-        for dtype, params in by_dtype.items():
-            total = sum(p.numel() for p in params)
-            buf = host.region(name, dtype, total)
-            views = _packed_views(buf, params)
-            device = _one_cuda_device(params)
-            if device is not None:
-                staged = torch.empty(total, dtype=dtype, device=device)
-                torch.cat([p.data.reshape(-1) for p in params], out=staged)
-                buf.copy_(staged, non_blocking=True)  # the staging buffer's next user comes later in stream order
-            else:
-                for view, p in zip(views, params):
-                    view.copy_(p.data, non_blocking=True)
-            for view, p in zip(views, params):
-                p.data = view
-
-
-def _reserve_host(layers, names, host: HostArena) -> None:
-    """Give adapters ``names`` their host regions now (those waiting in host memory have theirs already), the memory
-    :func:`_move_to_host` copies each into when it is evicted: pinning host memory takes a slow allocation per slab
-    (~0.3 s a GiB), which would otherwise fall on the first calls that evict the residents. Every adapter then holds
-    host memory of its size from the start (an adapter replaced by one of another size gets a new region when it is
-    next evicted)."""
-    held = {name for name, _ in host.regions}
-    for name in names:
-        if name in held:
-            continue
-        totals: dict[torch.dtype, int] = {}
-        for layer in layers:
-            for p in _adapter_params(layer, name):
-                totals[p.dtype] = totals.get(p.dtype, 0) + p.numel()
-        for dtype, total in totals.items():
-            host.region(name, dtype, total)
-
-
-def _stage_in(layers, names, host: HostArena) -> set[int]:
-    """Adapters ``names``, waiting in pinned host memory, to their layers' GPU in one copy per adapter and dtype (the
-    reverse of :func:`_move_to_host`'s gather): their parameters become views of that copy, from which the slots copy
-    device to device. Layers spread over several devices keep their host weights (each then copied on its own).
-    Returns the staging buffers' storage addresses: parameters still pointing into one afterwards get their own
-    memory (:func:`_settle`)."""
-    staged_at: set[int] = set()
-    layers = list(layers)
-    if not layers:
-        return staged_at
-    device = _one_cuda_device([layer._csgmv_stack.data for layer in layers])
-    if device is None:
-        return staged_at
-    for name in names:
-        params = [p for layer in layers for p in _adapter_params(layer, name) if p.device.type == "cpu"]
-        for dtype in {p.dtype for p in params}:
-            region = host.regions.get((name, dtype))
-            if region is None:
-                continue
-            start, end = region.data_ptr(), region.data_ptr() + region.numel() * region.element_size()
-            mine = [p for p in params if p.dtype == dtype and start <= p.data_ptr() < end]
-            if not mine:
-                continue
-            staged = region.to(device, non_blocking=True)
-            staged_at.add(staged.untyped_storage().data_ptr())
-            size = region.element_size()
-            offsets = [(p.data_ptr() - start) // size for p in mine]
-            for p, view in zip(mine, _packed_views(staged, mine, offsets)):
-                p.data = view
-    return staged_at
-
-
-def _packed_views(flat: torch.Tensor, params, offsets=None) -> list[torch.Tensor]:
-    """Contiguous views of the 1-D ``flat``, one of each parameter's shape: packed one after another, or at element
-    ``offsets`` of ``flat``. ``as_strided`` on ``flat``'s storage: slicing and then viewing costs ~5 µs more per view,
-    paid for each of an adapter's hundreds of weights every time it moves."""
-    base = flat.storage_offset()
-    views, pos = [], 0
-    for i, p in enumerate(params):
-        shape = p.shape
-        start = pos if offsets is None else offsets[i]
-        views.append(flat.as_strided(shape, _contiguous_strides(shape), base + start))
-        pos += p.numel()
-    return views
-
-
-@functools.lru_cache(maxsize=None)
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
-
-
-def _settle(unsettled, staged_at: set[int]) -> None:
-    """After adapters came into their slots: the parameters their slots did not take over (DoRA magnitudes, ``lora_B``
-    biases, weights of another dtype than their stack's, PEFT-path adapters), in the ``(layer, name)`` pairs
-    :meth:`CsgmvState.stack_layer` listed, get memory of their own on the layer's device, where they still point into a
-    staging buffer of :func:`_stage_in` or are elsewhere."""
-    for layer, name in unsettled:
-        device = layer._csgmv_stack.device
-        for p in _adapter_params(layer, name):
-            if p.device != device:  # from pinned host memory: asynchronously
-                p.data = p.data.to(device, copy=True, non_blocking=True)
-            elif staged_at and p.untyped_storage().data_ptr() in staged_at:
-                p.data = p.data.clone()
-
-
-def _module_params(module: nn.Module) -> list[torch.Tensor]:
-    """``list(module.parameters())``, read straight from the module's own dict where it has no submodules (an
-    ``nn.Linear``): the host tier reads every adapter's parameters in every layer, and the generator costs ~20 µs."""
-    if module._modules:
-        return list(module.parameters())
-    return [p for p in module._parameters.values() if p is not None]
-
-
-def _adapter_params(layer: nn.Module, name: str) -> list[torch.Tensor]:
-    """Adapter ``name``'s parameters in a kernel layer."""
-    params = []
-    held = layer._modules
-    for key in ("lora_A", "lora_B", "lora_magnitude_vector"):
-        holder = held.get(key)
-        module = holder._modules.get(name) if holder is not None else None
-        if module is not None:
-            params += _module_params(module)
-    for key in ("lora_embedding_A", "lora_embedding_B"):
-        holder = held.get(key)
-        if holder is not None and name in holder:
-            params.append(holder[name])
-    return params
-
-
-def _move_adapter(layer: nn.Module, name: str, device: torch.device) -> None:
-    """Move adapter ``name``'s weights in a kernel layer to ``device`` (from pinned host memory: asynchronously)."""
-    for p in _adapter_params(layer, name):
-        if p.device != device:
-            p.data = p.data.to(device, copy=True, non_blocking=True)
 
 
 def _adapters_in(ids) -> list[str]:
@@ -944,7 +738,8 @@ def csgmv_stats(model) -> dict:
     return dict(
         kernel_layers=len(state.layers),
         peft_path_modules=len(state.peft_path),
-        stack_bytes=sum(layer._csgmv_stack.nbytes for layer in state.layers.values()),
+        stack_bytes=sum(layer._csgmv_stack.nbytes for layer in state.layers.values())
+        + (0 if state.tier is None else sum(pages.nbytes for pages in state.tier.pages.values())),
         shared_bytes=sum(layer._csgmv_stack.shared_bytes for layer in state.layers.values()),
         plans_cached=state.executor.num_plans,
         static_plans=len(state.executor.statics),

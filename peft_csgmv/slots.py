@@ -32,6 +32,11 @@ once a layer holds a DoRA adapter. ``lora_bias``: ``(capacity, out_features)`` f
 
 Slots are set and cleared one at a time (``set_slot`` / ``clear_slot``), so loading or deleting one adapter never
 restacks the others.
+
+With the host tier (``max_resident_adapters``) the stacks of one device and dtype share one :class:`DevicePages`
+instead: a page per slot, holding that slot's adapter in every layer of the group, laid out as the adapter's host
+region, so that an adapter moves between host and device in one copy (:mod:`peft_csgmv.tier`). A stack's ``data`` is
+then the pages' memory, and its offsets point into its slots' pages.
 """
 
 from __future__ import annotations
@@ -132,28 +137,6 @@ def stack_by_handle(handle: int) -> "LoraStack":
     return _STACKS[handle]
 
 
-def run_pending(stacks) -> None:
-    """Run the stacks' deferred slot copies (:meth:`LoraStack.set_slot`'s ``defer``), batched per device and dtypes:
-    a few launches for the thousands of weights the host tier brings in for one call; then the shared parameters
-    among them become views of their slots (only once their copies are queued: a failure before leaves every
-    parameter with its own weights)."""
-    stacks = [stack for stack in stacks if stack.pending]
-    groups: dict = {}
-    for stack in stacks:
-        for dst, src, _ in stack.pending:
-            dsts, srcs = groups.setdefault((dst.device, src.device, dst.dtype, src.dtype), ([], []))
-            dsts.append(dst)
-            srcs.append(src)
-    with torch.no_grad():
-        for dsts, srcs in groups.values():
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-    for stack in stacks:
-        for dst, _, param in stack.pending:
-            if param is not None:
-                param.data = dst
-        stack.pending = []
-
-
 def _up(n: int) -> int:
     """``n`` rounded up to a multiple of :data:`ALIGN`."""
     return -(-n // ALIGN) * ALIGN
@@ -180,8 +163,11 @@ class LoraStack:
         device: torch.device,
         embedding: bool = False,
         reserve: int = 0,
+        pages: "DevicePages | None" = None,
     ) -> None:
-        """``reserve``: elements of storage to allocate up front (:meth:`slot_elements` of the adapters to come)."""
+        """``reserve``: elements of storage to allocate up front (:meth:`slot_elements` of the adapters to come).
+        ``pages``: the host tier's :class:`DevicePages` of this device and dtype, whose memory is the stack's storage
+        (slots then go where the tier reserves them, :attr:`reserved`, never packed or moved by the stack)."""
         self.handle = next(_handles)
         _STACKS[self.handle] = self
         self.launch_shape: tuple[int, int] | None = None  # (largest rank, rank alignment) the views were built with
@@ -190,7 +176,13 @@ class LoraStack:
         self.out_features = out_features
         self.dtype = dtype
         self.device = device
-        self.data = torch.empty(reserve, dtype=dtype, device=device)
+        self.pages = pages
+        self.reserved: dict[int, int] = {}  # with pages: slot -> where the tier put its weights in this layer
+        if pages is None:
+            self.data = torch.empty(reserve, dtype=dtype, device=device)
+        else:
+            self.data = pages.data
+            pages.stacks.add(self)
         self.extents: dict[int, tuple[int, int]] = {}  # slot -> (start, length) in data
         self.tail = 0  # end of the last extent allocated at the end of data
         self.a_off = torch.zeros(capacity, dtype=torch.int64, device=device)
@@ -211,8 +203,6 @@ class LoraStack:
         self.mag: torch.Tensor | None = None  # (capacity, out) fp32 DoRA scale, once a DoRA adapter is stacked
         self.bias: torch.Tensor | None = None  # (out,) fp32 base bias, with mag
         self._views: tuple[Pooled, Pooled] | None = None
-        # deferred (slot view, weight, the shared parameter to re-point or None) copies, for run_pending
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     @staticmethod
     def slot_elements(rank: int, in_features: int, out_features: int) -> int:
@@ -286,8 +276,10 @@ class LoraStack:
 
     @property
     def nbytes(self) -> int:
-        """Device memory held by this stack."""
-        tensors = (self.data, self.a_off, self.b_off, self.ranks, self.scalings, self.mag, self.bias, self.lora_bias)
+        """Device memory held by this stack (with :attr:`pages`, the per-slot tensors only: the pages are shared by
+        every stack of their group, :attr:`DevicePages.nbytes`)."""
+        data = None if self.pages is not None else self.data
+        tensors = (data, self.a_off, self.b_off, self.ranks, self.scalings, self.mag, self.bias, self.lora_bias)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
@@ -333,6 +325,8 @@ class LoraStack:
 
     def compact(self) -> None:
         """Storage of exactly the live slots, packed back to back, where holes and room to grow take more than 2%."""
+        if self.pages is not None:  # the tier's pages: fixed places, nothing to pack
+            return
         used = sum(length for _, length in self.extents.values())
         if self.data.numel() > used + used // 50:
             self._repack(0, room=False)
@@ -340,7 +334,6 @@ class LoraStack:
     def _repack(self, extra: int, room: bool = True) -> None:
         """New storage: the live slots back to back, then room for ``extra`` elements and (``room``) 1/16 of the whole
         more."""
-        run_pending([self])
         used = sum(length for _, length in self.extents.values())
         size = used + extra + ((used + extra) // 16 if room else 0)
         data = torch.empty(size, dtype=self.dtype, device=self.device)
@@ -352,6 +345,20 @@ class LoraStack:
             pos += length
         self.data, self.extents, self.tail = data, extents, pos
         self._views = None
+        self._point_shared()
+
+    def repage(self, old_page_numel: int) -> None:
+        """:attr:`pages` were rebuilt with pages of another size (``old_page_numel`` before): every slot is at the same
+        place in its new page; PEFT's views follow."""
+        new = self.pages.page_numel
+
+        def moved(slot: int, start: int) -> int:
+            return slot * new + start - slot * old_page_numel
+
+        for slot, (start, length) in list(self.extents.items()):
+            self.extents[slot] = (moved(slot, start), length)
+            self._set_offsets(slot, moved(slot, start), self.ranks_host[slot])
+        self.reserved = {slot: moved(slot, start) for slot, start in self.reserved.items()}
         self._point_shared()
 
     def _set_offsets(self, slot: int, start: int, rank: int) -> None:
@@ -375,7 +382,6 @@ class LoraStack:
         dora: tuple[torch.Tensor, torch.Tensor | None] | None = None,
         lora_bias: torch.Tensor | None = None,
         share: bool = False,
-        defer: bool = False,
     ) -> None:
         """Copy one adapter's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)`` weights into ``slot``; for DoRA,
         ``dora = (mag (out,), base bias (out,) or None)``; ``lora_bias``: ``lora_B``'s bias ``(out,)``, if any.
@@ -384,9 +390,7 @@ class LoraStack:
         the slot (``.data`` re-pointed; from another device, as the host tier brings an adapter in, that is their move
         to this one), so the adapter is stored once, and PEFT's forward, merges, saves and in-place edits all work on
         the stack's memory (:meth:`release_shared` gives them their own again). Weights from pinned host memory are
-        copied asynchronously, in stream order. ``defer``: the two copies, and the parameters' re-pointing, wait in
-        :attr:`pending` for :func:`run_pending` (which batches many slots' copies over many stacks); anything of the
-        stack's that reads or moves its storage runs them first."""
+        copied asynchronously, in stream order."""
         r = lora_a.shape[0]
         if lora_a.shape[1] != self.in_features or lora_b.shape != (self.out_features, r):
             raise ValueError(
@@ -404,23 +408,28 @@ class LoraStack:
             a_val, b_val = lora_a.detach(), lora_b.detach()
         length = self.slot_elements(r, self.in_features, self.out_features)
         extent = self.extents.get(slot)
-        if extent is None or extent[1] != length:
+        if self.pages is not None:  # where the host tier laid this adapter out in its page
+            self.extents[slot] = (self.reserved[slot], length)
+        elif extent is None or extent[1] != length:
             self._free(slot)
             self.extents[slot] = (self._alloc(length), length)
         self._set_offsets(slot, self.extents[slot][0], r)
         self.ranks_host[slot] = r
         dst_a, dst_b = self.slot_a(slot), self.slot_b(slot)
-        if defer:  # shared parameters become views of the slot once the copies run (run_pending)
-            self.pending += ((dst_a, a_val, lora_a if share else None), (dst_b, b_val, lora_b if share else None))
-        else:
-            dst_a.copy_(a_val, non_blocking=True)
-            dst_b.copy_(b_val, non_blocking=True)
-            if share:
-                lora_a.data, lora_b.data = dst_a, dst_b
+        dst_a.copy_(a_val, non_blocking=True)
+        dst_b.copy_(b_val, non_blocking=True)
+        if share:
+            lora_a.data, lora_b.data = dst_a, dst_b
         self.scalings_host[slot] = float(scaling)
         self.sources[slot] = source
         if share:
             self.shared[slot] = (lora_a, lora_b)
+        self.set_extras(slot, dora, lora_bias)
+
+    def set_extras(
+        self, slot: int, dora: tuple[torch.Tensor, torch.Tensor | None] | None, lora_bias: torch.Tensor | None
+    ) -> None:
+        """Slot ``slot``'s DoRA scale and ``lora_B`` bias (see :meth:`set_slot`), or their neutral values."""
         if dora is not None:
             mag, bias = dora
             if self.mag is None:
@@ -441,6 +450,60 @@ class LoraStack:
                 else:
                     self.lora_bias[slot] = lora_bias.detach().to(device=self.device, dtype=torch.float32)
 
+    def place(
+        self,
+        slot: int,
+        start: int,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scaling: float,
+        share: bool,
+        lora_bias: torch.Tensor | None = None,
+    ) -> None:
+        """The host tier's bring-in: slot ``slot`` at ``start`` of :attr:`pages`, where one copy of the adapter's page
+        put its weights already (``share``: ``lora_a`` / ``lora_b`` are PEFT's parameters, which become views of the
+        slot, as :meth:`set_slot`'s; else, weights of another dtype, they are copied in). Only this slot is touched.
+        Called for each of an adapter's layers on every bring-in: plain writes, no helper calls on the way."""
+        r, k = lora_a.shape
+        out = self.out_features
+        if slot >= len(self.ranks_host):
+            self.ensure_capacity(slot + 1)
+        b_start = start + _up(r * k)
+        self.reserved[slot] = start
+        self.extents[slot] = (start, b_start - start + _up(out * r))
+        self.a_off_host[slot] = start
+        self.b_off_host[slot] = b_start
+        self.ranks_host[slot] = r
+        self.scalings_host[slot] = float(scaling)
+        self.sources[slot] = lora_a
+        state = self.__dict__
+        state["_views"] = None  # (not a tensor: no version bump)
+        data = self.data
+        base = data.storage_offset()
+        dst_a = data.as_strided((r, k), (k, 1), base + start)
+        dst_b = data.as_strided((out, r), (r, 1), base + b_start)
+        if share:
+            lora_a.data, lora_b.data = dst_a, dst_b
+            self.shared[slot] = (lora_a, lora_b)
+        else:
+            dst_a.copy_(lora_a.detach(), non_blocking=True)
+            dst_b.copy_(lora_b.detach(), non_blocking=True)
+        if lora_bias is not None or self.mag is not None or self.lora_bias is not None:
+            self.set_extras(slot, None, lora_bias)
+
+    def vacate(self, slot: int) -> None:
+        """The host tier moved the slot's adapter out: the slot is empty (rank 0), and PEFT's parameters that viewed
+        it are left as they are (the tier has pointed them at host memory)."""
+        self.shared.pop(slot, None)
+        self.sources.pop(slot, None)
+        self.extents.pop(slot, None)
+        if self.ranks_host[slot]:
+            self.__dict__["_views"] = None
+        self.ranks_host[slot] = 0
+        self.scalings_host[slot] = 0.0
+        if self.mag is not None or self.lora_bias is not None:
+            self.set_extras(slot, None, None)
+
     def _aliases(self, *tensors: torch.Tensor) -> bool:
         """Whether any of ``tensors`` lives in this stack's storage."""
         mine = self.data.untyped_storage().data_ptr()
@@ -455,14 +518,12 @@ class LoraStack:
         """Give a shared slot's parameters their own memory again (a copy of their values)."""
         pair = self.shared.pop(slot, None)
         if pair is not None:
-            run_pending([self])
             for p in pair:
                 p.data = p.data.clone()
 
-    def forget(self, slot: int) -> None:
-        """Stop sharing ``slot`` with PEFT's parameters, leaving them as they are (views of the slot until the caller
-        moves them; the host tier moves them to host memory at once)."""
-        self.shared.pop(slot, None)
+    def release_slot(self, slot: int) -> None:
+        """Slot ``slot``'s shared parameters own their memory again, and its next restack copies them in afresh."""
+        self._release(slot)
         self.sources.pop(slot, None)
 
     def release_shared(self) -> None:
@@ -496,8 +557,10 @@ class LoraStack:
     def to(self, device: torch.device) -> "LoraStack":
         """Move the stack (after the model was moved). Every tensor is copied before any is replaced, so a copy
         that fails leaves the stack as it was."""
-        run_pending([self])
-        moved = {n: getattr(self, n).to(device) for n in sorted(_TENSORS) if getattr(self, n) is not None}
+        names = [n for n in sorted(_TENSORS) if getattr(self, n) is not None and (n != "data" or self.pages is None)]
+        moved = {n: getattr(self, n).to(device) for n in names}
+        if self.pages is not None:  # the group's pages move once, for every stack of the group
+            moved["data"] = self.pages.to(device).data
         for n, t in moved.items():
             setattr(self, n, t)
         self.device = torch.device(device)
@@ -505,6 +568,58 @@ class LoraStack:
         self._point_shared()  # PEFT's parameters were moved on their own: back to one copy, the stack's
         self.refresh()
         return self
+
+
+class DevicePages:
+    """The host tier's device memory for the stacks of one device and dtype: one page per slot, each holding the
+    resident adapter of that slot in every stack of the group, laid out as the adapter's host region (its layers in
+    order, each slot's ``A`` then ``B`` as :meth:`LoraStack.slot_elements` aligns them). Bringing an adapter in is
+    then one host-to-device copy of its region into its page, moving it out one copy back; every stack of the group
+    has :attr:`data` as its storage and per-slot offsets into it (``slot · page_numel`` + the layer's place in the
+    page)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.count = 0  # pages
+        self.page_numel = 0  # elements per page
+        self.data = torch.empty(0, dtype=dtype, device=self.device)
+        self.stacks: "weakref.WeakSet[LoraStack]" = weakref.WeakSet()
+
+    def start(self, slot: int) -> int:
+        """Where slot ``slot``'s page starts in :attr:`data`."""
+        return slot * self.page_numel
+
+    def page(self, slot: int, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of slot ``slot``'s page."""
+        return self.data.narrow(0, slot * self.page_numel, numel)
+
+    def fit(self, count: int, page_numel: int) -> bool:
+        """Room for ``count`` pages of ``page_numel`` elements; ``True`` when the memory was rebuilt (the pages'
+        contents are copied over, each at the start of its new page: the caller moves every slot's offsets and
+        re-points PEFT's views)."""
+        count, page_numel = max(count, self.count), max(page_numel, self.page_numel)
+        if (count, page_numel) == (self.count, self.page_numel):
+            return False
+        data = torch.empty(count * page_numel, dtype=self.dtype, device=self.device)
+        if self.count and self.page_numel:
+            old = self.data.view(self.count, self.page_numel)
+            data.view(count, page_numel)[: self.count, : self.page_numel].copy_(old)
+        self.data, self.count, self.page_numel = data, count, page_numel
+        for stack in list(self.stacks):
+            stack.data = data
+        return True
+
+    def to(self, device: torch.device) -> "DevicePages":
+        """The pages on ``device`` (moved once for every stack of the group)."""
+        device = torch.device(device)
+        if self.data.device != device:
+            self.data, self.device = self.data.to(device), device
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
 
 
 class HostArena:
@@ -520,12 +635,13 @@ class HostArena:
         self.slab_bytes = slab_bytes
         self.slabs: list[torch.Tensor] = []
         self.used = 0  # bytes taken in the last slab
-        self.regions: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.regions: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
         self.spare: dict[int, list[torch.Tensor]] = {}  # freed regions (uint8) by size
 
-    def region(self, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """Adapter ``name``'s host memory for ``numel`` elements of ``dtype`` (the same memory on every call)."""
-        key = (name, dtype)
+    def region(self, name: str, dtype: torch.dtype, numel: int, tag: str = "") -> torch.Tensor:
+        """Adapter ``name``'s host memory for ``numel`` elements of ``dtype`` (the same memory on every call); ``tag``
+        tells apart regions of one adapter and dtype (its page for a device, the rest of its weights)."""
+        key = (name, dtype, tag)
         held = self.regions.get(key)
         if held is not None and held.numel() == numel:
             return held

@@ -58,8 +58,12 @@ def test_adapters_come_and_go_least_recently_used_first(tiered):
     assert csgmv_stats(model)["resident"] == ["a0", "a2"]
     if torch.cuda.is_available():
         assert all(p.is_pinned() for p in _weights(model, "a3"))  # evicted: copied out to pinned memory
-    assert csgmv_stats(model)["stack_bytes"] == csgmv_stats(model)["shared_bytes"] + sum(
-        layer._csgmv_stack.nbytes - layer._csgmv_stack.shared_bytes for layer in model._csgmv.layers.values()
+    # The stacks' storage is the tier's pages, one per slot, each the size of the largest adapter's weights
+    (pages,) = model._csgmv.tier.pages.values()
+    largest = max(sum(p.numel() for p in _weights(model, name) if p.dim() == 2) for name in ADAPTERS)
+    assert pages.count == 2 and largest <= pages.page_numel <= largest + 2 * 64 * len(model._csgmv.layers)
+    assert csgmv_stats(model)["stack_bytes"] == pages.nbytes + sum(
+        layer._csgmv_stack.nbytes for layer in model._csgmv.layers.values()
     )
 
 
@@ -154,23 +158,22 @@ def test_every_adapter_holds_its_host_region_from_the_start(tiered):
     """Residents get their host regions when the model is enabled (pinning host memory is slow: no call pays for it):
     evictions copy into those regions, and calls that move adapters both ways allocate no host memory."""
     model, input_ids, mask, outs = tiered
-    host = model._csgmv.host
-    assert {name for name, _ in host.regions} == set(ADAPTERS)
+    host = model._csgmv.tier.host
+    assert {key[0] for key in host.regions} == set(ADAPTERS)
     reserved = {key: region.data_ptr() for key, region in host.regions.items()}
     slabs = host.nbytes
     _call(model, input_ids, mask, outs, ["a3", "a4", BASE, "a3"])  # a0 and a1 leave for the regions they hold
     _call(model, input_ids, mask, outs, ["a0", "a2", BASE, "a0"])  # a0 comes back, a2 in; a3 and a4 leave
     assert host.nbytes == slabs, "a call allocated host memory"
     assert {key: region.data_ptr() for key, region in host.regions.items()} == reserved
-    region = {(name, r.dtype): r for (name, _), r in host.regions.items()}
+    (region,) = [r for key, r in host.regions.items() if key[0] == "a3"]  # its page's layout: one region
     for p in _weights(model, "a3"):
-        r = region["a3", p.dtype]
-        assert r.data_ptr() <= p.data_ptr() < r.data_ptr() + r.numel() * r.element_size(), "a3 left for its region"
+        assert region.data_ptr() <= p.data_ptr() < region.data_ptr() + region.nbytes, "a3 left for its region"
 
 
 def test_deleted_adapter_frees_its_host_region(tiered):
     model, input_ids, mask, outs = tiered
-    host = model._csgmv.host
+    host = model._csgmv.tier.host
     _call(model, input_ids, mask, outs, ["a3", "a4", BASE, "a3"])  # a0 and a1 are copied out to host memory
     held = {k: v.data_ptr() for k, v in host.regions.items() if k[0] == "a0"}
     assert held, "an evicted adapter has a host region"
@@ -248,13 +251,13 @@ def test_bringing_adapters_in_leaves_the_collector_as_it_was(tiered):
         gc.enable()
 
 
-@pytest.mark.parametrize("where", ["set_slot", "run_pending", "settle"])
+@pytest.mark.parametrize("where", ["place", "page", "evict"])
 def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
-    """A bring-in that fails part way (here: an injected error while filling slots, while running the batched copies,
-    or after them) leaves no slot claiming weights it was not given: the next calls, with the same adapters and
-    others, give every row its adapter's stock PEFT result."""
-    import peft_csgmv.model as csgmv_model
+    """A bring-in that fails part way (here: an injected error while the layers' slots are set, at the second page
+    copy, or while a resident is moved out) leaves no slot claiming weights it was not given: the next calls, with
+    the same adapters and others, give every row its adapter's stock PEFT result."""
     import peft_csgmv.slots as csgmv_slots
+    import peft_csgmv.tier as csgmv_tier
 
     model, _ = tiny_model("llama")
     specs = {
@@ -265,16 +268,16 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
     outs = per_adapter(model, [*specs, BASE], lambda: model(input_ids, attention_mask=mask).logits)
     enable_csgmv(model, backend="torch", max_resident_adapters=2)
     calls = []
-    owner, attr = {
-        "set_slot": (csgmv_slots.LoraStack, "set_slot"),
-        "run_pending": (csgmv_model, "run_pending"),
-        "settle": (csgmv_model, "_settle"),
+    owner, attr, nth = {
+        "place": (csgmv_slots.LoraStack, "place", 5),
+        "page": (csgmv_slots.DevicePages, "page", 4),  # two pages out (a0, a1), then a2's in, then a3's
+        "evict": (csgmv_tier.HostTier, "evict", 2),
     }[where]
     real = getattr(owner, attr)
 
     def failing(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 5 or where != "set_slot":  # one call each of the others per bring-in
+        if len(calls) == nth:
             raise RuntimeError("out of memory (injected)")
         return real(*args, **kwargs)
 
@@ -288,10 +291,10 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
 
 
 def test_packed_views_are_the_slices_they_replace():
-    """``_packed_views`` (the views a moving adapter's weights take of its host region or of its staging copy on the
+    """``packed_views`` (the views a moving adapter's weights take of its host region or of its staging copy on the
     GPU): each weight's shape, contiguous, packed one after another or at given element offsets, on a buffer that is
     itself a view at an offset of a larger one; writes through them land in the buffer."""
-    from peft_csgmv.model import _packed_views
+    from peft_csgmv.tier import packed_views as _packed_views
 
     slab = torch.arange(200, dtype=torch.float32)
     buf = slab[37:137]  # a region of a slab: storage offset 37
@@ -307,3 +310,73 @@ def test_packed_views_are_the_slices_they_replace():
         assert torch.equal(v, buf[start : start + p.numel()].view(p.shape))
     packed[0].fill_(-1.0)
     assert torch.equal(slab[37:49], torch.full((12,), -1.0)) and slab[36] == 36 and slab[49] == 49
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_residents_live_in_their_pages_and_move_in_one_copy_each(tiered, monkeypatch):
+    """The stacks' storage is the tier's pages: every resident's PEFT weights are views of its slot's page, every
+    other adapter's of its host region; bringing an adapter in is one copy of its region into its page, moving one
+    out one copy back (on a GPU: one host-to-device and one device-to-host copy, whatever the number of weights)."""
+    from peft_csgmv.slots import DevicePages
+
+    model, input_ids, mask, outs = tiered
+    tier = model._csgmv.tier
+    (pages,) = tier.pages.values()
+    copies = []
+    real = DevicePages.page
+
+    def page(self, slot, numel):
+        copies.append(slot)
+        return real(self, slot, numel)
+
+    monkeypatch.setattr(DevicePages, "page", page)
+    _call(model, input_ids, mask, outs, ["a3", "a4", BASE, "a3"])  # a0 and a1 out, a3 and a4 in
+    assert len(copies) == 4, f"{len(copies)} page copies for two adapters out and two in"
+    slots = model._csgmv.registry.index
+    for name in ADAPTERS:
+        weights = _weights(model, name)
+        if name in ("a3", "a4"):
+            assert {_storage(p) for p in weights} == {_storage(pages.data)}, f"{name} is not in the pages"
+            lo = pages.data.data_ptr() + pages.start(slots[name]) * pages.data.element_size()
+            hi = lo + pages.page_numel * pages.data.element_size()
+            assert all(lo <= p.data_ptr() < hi for p in weights), f"{name} is not in its slot's page"
+        else:
+            (region,) = [r for key, r in tier.host.regions.items() if key[0] == name]
+            assert {_storage(p) for p in weights} == {_storage(region)}, f"{name} is not in its host region"
+
+
+def test_a_larger_adapter_loaded_later_grows_the_pages():
+    """An adapter larger than the pages, loaded after enabling, gets pages of its size: the residents keep their
+    places in the new pages (PEFT's weights with them), and every call still gives each row its adapter's result,
+    against an untouched copy of the model with the same adapters."""
+    import copy
+
+    from peft import LoraConfig
+
+    model, _ = tiny_model("llama")
+    specs = {n: dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR) for n in ("a0", "a1", "a2")}
+    model = add_adapters(model, specs).to(DEVICE)
+    reference = copy.deepcopy(model)
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    big = dict(r=12, lora_alpha=16, target_modules=ALL_LINEAR, init_lora_weights=False)
+    for m in (model, reference):
+        torch.manual_seed(5)
+        m.add_adapter("big", LoraConfig(**big))
+    input_ids, mask = make_batch(4, 6)
+    outs = per_adapter(
+        reference, ["a0", "a1", "a2", "big", BASE], lambda: reference(input_ids, attention_mask=mask).logits
+    )
+    (pages,) = model._csgmv.tier.pages.values()
+    small = pages.page_numel
+    _call(model, input_ids, mask, outs, ["a0", "a1", BASE, "a0"])
+    _call(model, input_ids, mask, outs, ["big", "a0", BASE, "big"])  # the pages grow, a0 stays resident
+    assert pages.page_numel > 2 * small
+    a0 = _weights(model, "a0")  # resident through the growth: its weights moved with its page
+    assert {_storage(p) for p in a0} == {_storage(pages.data)}, "a0's weights still view the old pages"
+    for names in (["a1", "big", "a1", BASE], ["a2", "a0", BASE, "a2"], ["big", "a2", "big", "a2"]):
+        _call(model, input_ids, mask, outs, names)
+    for name in csgmv_stats(model)["resident"]:
+        assert {_storage(p) for p in _weights(model, name)} == {_storage(pages.data)}

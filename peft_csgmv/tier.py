@@ -1,0 +1,306 @@
+"""The host tier (``enable_csgmv(model, max_resident_adapters=N)``): at most N adapters hold a slot on the device; the
+others' kernel-layer weights wait in host memory (pinned where CUDA is) and come into a slot when a call needs them,
+the least recently used resident out.
+
+Layout. The stacks of one device and dtype share one :class:`~peft_csgmv.slots.DevicePages`: a page per slot, holding
+the slot's adapter in every layer of the group, laid out as that adapter's host region (a :class:`Placement`: its
+layers in order, each one's ``A`` then ``B``). Bringing an adapter in is one host-to-device copy of its region into
+its page, after which each layer's slot only records where it is and PEFT's parameters are re-pointed at it; moving
+it out is one copy back, and PEFT's parameters are re-pointed at the region. What the pages do not hold (DoRA
+magnitudes, ``lora_B`` biases, weights of another dtype than their stack's, adapters PEFT's path serves in a kernel
+layer) moves on its own, parameter by parameter, into a second region.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import gc
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .slots import DevicePages, HostArena, LoraStack, layer_adapter, module_param
+
+
+@dataclass
+class Entry:
+    """One layer's part of an adapter's page: its weights (PEFT's parameters) at ``rel`` elements into the page."""
+
+    layer: nn.Module
+    stack: LoraStack
+    rel: int
+    a: torch.Tensor
+    b: torch.Tensor
+    share: bool  # PEFT's parameters, of the stack's dtype: views of the page (else copied into it)
+    dora: bool
+    bias: torch.Tensor | None  # lora_B's bias (PEFT's lora_bias=True)
+
+
+@dataclass
+class Placement:
+    """Where one adapter's kernel-layer weights go: its :class:`Entry` per kernel layer that serves it, the elements
+    its page takes in each group's pages, the parameters that move on their own (``rest``, with their layer's device),
+    and the layers where PEFT's path serves its rows."""
+
+    entries: list[Entry] = field(default_factory=list)
+    numel: dict[DevicePages, int] = field(default_factory=dict)
+    rest: list[tuple[torch.Tensor, torch.device]] = field(default_factory=list)
+    peft_layers: list[nn.Module] = field(default_factory=list)
+    views: dict = field(default_factory=dict)  # region key -> HostTier.regions' tuple for that region
+
+    def shared(self, pages: DevicePages) -> tuple[list[torch.Tensor], list[int]]:
+        """The parameters of group ``pages`` that are views of the page, and their element offsets in it."""
+        params, offsets = [], []
+        for e in self.entries:
+            if e.share and e.stack.pages is pages:
+                r, k = e.a.shape
+                params += (e.a, e.b)
+                offsets += (e.rel, e.rel + LoraStack.slot_elements(r, k, 0))
+        return params, offsets
+
+
+def lay_out(layers, name: str, kernel_reason: Callable[[nn.Module, str], str | None]) -> Placement:
+    """Adapter ``name``'s :class:`Placement` over the kernel ``layers`` (their stacks built with pages)."""
+    placement = Placement()
+    for layer in layers:
+        weights = layer_adapter(layer, name)
+        if weights is None:
+            continue
+        params = adapter_params(layer, name)
+        stack: LoraStack = layer._csgmv_stack
+        if kernel_reason(layer, name) is not None:
+            placement.peft_layers.append(layer)
+            placement.rest += [(p, stack.device) for p in params]
+            continue
+        a, b = weights
+        pages = stack.pages
+        rel = placement.numel.get(pages, 0)
+        placement.numel[pages] = rel + LoraStack.slot_elements(a.shape[0], stack.in_features, stack.out_features)
+        share = isinstance(a, nn.Parameter) and a.dtype == b.dtype == stack.dtype
+        bias = None if stack.embedding else module_param(layer._modules["lora_B"][name], "bias")
+        placement.entries.append(Entry(layer, stack, rel, a, b, share, layer.use_dora.get(name, False), bias))
+        placement.rest += [(p, stack.device) for p in params if not (share and (p is a or p is b))]
+    return placement
+
+
+class HostTier:
+    """The host tier's state: the residents in least-recently-used order, the host memory, the device pages of each
+    (device, dtype) group and every adapter's :class:`Placement`."""
+
+    def __init__(self, max_resident: int) -> None:
+        self.max_resident = max_resident
+        self.lru: collections.OrderedDict = collections.OrderedDict()  # resident names, least recently used first
+        self.host = HostArena(pin=torch.cuda.is_available())
+        self.pages: dict[tuple[torch.device, torch.dtype], DevicePages] = {}
+        self.placements: dict[str, Placement] = {}
+
+    def pages_for(self, device: torch.device, dtype: torch.dtype) -> DevicePages:
+        key = (torch.device(device), dtype)
+        pages = self.pages.get(key)
+        if pages is None:
+            pages = self.pages[key] = DevicePages(device, dtype)
+        return pages
+
+    def lay_out(self, layers, names, registry, kernel_reason) -> None:
+        """Every adapter's placement, pages to fit them (one per slot), and each resident's places reserved in its
+        slot's page. A resident whose places moved (its weights replaced by others of another shape) gets memory of
+        its own first, so that the restack that follows copies it into its new places whole."""
+        layers = list(layers)
+        self.placements = {name: lay_out(layers, name, kernel_reason) for name in names}
+        live = {layer._csgmv_stack.pages for layer in layers}
+        self.pages = {key: pages for key, pages in self.pages.items() if pages in live}
+        need: dict[DevicePages, int] = {}
+        for placement in self.placements.values():
+            for pages, numel in placement.numel.items():
+                need[pages] = max(need.get(pages, 0), numel)
+        for pages in live:
+            old = pages.page_numel
+            if pages.fit(max(registry.capacity, 1), need.get(pages, 0)):
+                for stack in list(pages.stacks):
+                    stack.repage(old)
+        moved = set()
+        for slot, name in enumerate(registry.names):
+            for e in self.placements[name].entries if name is not None else ():
+                start = e.stack.pages.start(slot) + e.rel
+                if e.stack.reserved.get(slot, start) != start:
+                    moved.add(slot)
+                e.stack.reserved[slot] = start
+        for slot in moved:
+            for layer in layers:
+                layer._csgmv_stack.release_slot(slot)
+
+    def regions(self, name: str) -> list[tuple[DevicePages | None, torch.Tensor, list, list]]:
+        """Adapter ``name``'s host regions as ``(pages, region, parameters, their views of it)``: one per group of
+        pages, laid out as the page, with the parameters that are views of the page while it is resident; one per
+        dtype for the rest (``pages`` None), packed. Made once per region (an adapter keeps its regions)."""
+        placement = self.placements[name]
+        wanted: list = []
+        for pages, numel in placement.numel.items():
+            wanted.append((pages, self.host.region(name, pages.dtype, numel, tag=str(pages.device))))
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p, _ in placement.rest:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for dtype, params in by_dtype.items():
+            wanted.append((params, self.host.region(name, dtype, sum(p.numel() for p in params), tag="rest")))
+        out = []
+        for group, region in wanted:
+            key = (region.data_ptr(), region.dtype, region.numel())
+            held = placement.views.get(key)
+            if held is None:
+                if isinstance(group, DevicePages):
+                    params, offsets = placement.shared(group)
+                    held = (group, region, params, packed_views(region, params, offsets))
+                else:
+                    held = (None, region, group, packed_views(region, group))
+                placement.views[key] = held
+            out.append(held)
+        return out
+
+    def hosted(self, name: str) -> bool:
+        """Whether adapter ``name``'s page weights wait in host memory (not on their stacks' devices)."""
+        return any(e.share and e.a.device != e.stack.device for e in self.placements[name].entries)
+
+    def park(self, name: str, slot: int | None = None) -> None:
+        """Adapter ``name``'s weights into its host regions, PEFT's parameters re-pointed at them (weights there
+        already stay). ``slot``: the adapter is resident there: each group's page leaves in one copy."""
+        for pages, region, params, views in self.regions(name):
+            if slot is not None and pages is not None:
+                region.copy_(pages.page(slot, region.numel()), non_blocking=True)
+            else:
+                _gather(region, params, views)
+            for view, p in zip(views, params):
+                p.data = view
+
+    def reserve(self, names) -> None:
+        """Host regions for ``names`` now (pinning host memory is slow: no call should pay for it)."""
+        for name in names:
+            self.regions(name)
+
+    def bring_in(self, name: str, slot: int, dora_scale, dora_refused: set) -> None:
+        """Adapter ``name`` from its host regions into slot ``slot``: one copy per group of pages, the rest of its
+        parameters to their layers' devices, then each layer's slot set at its place in the page."""
+        placement = self.placements[name]
+        for pages, region, _, _ in self.regions(name):
+            if pages is not None:
+                pages.page(slot, region.numel()).copy_(region, non_blocking=True)
+        for p, device in placement.rest:
+            if p.device != device:
+                p.data = p.data.to(device, copy=True, non_blocking=True)
+        starts = {pages: pages.start(slot) for pages in placement.numel}
+        for e in placement.entries:
+            e.stack.place(slot, starts[e.stack.pages] + e.rel, e.a, e.b, e.layer.scaling[name], e.share, e.bias)
+            if e.dora:
+                e.stack.set_extras(slot, dora_scale(e.layer, name), e.bias)
+        for layer in placement.peft_layers:
+            layer._csgmv_peft = layer._csgmv_peft | {name}
+            if layer.use_dora.get(name, False):
+                dora_refused.add(name)
+
+    def evict(self, name: str, slot: int) -> None:
+        """Adapter ``name`` out of slot ``slot`` to its host regions (copied out first: a copy that fails leaves it
+        resident as it was), its slot emptied in every layer."""
+        placement = self.placements[name]
+        self.park(name, slot)
+        for e in placement.entries:
+            e.stack.vacate(slot)
+        for layer in placement.peft_layers:
+            layer._csgmv_peft = layer._csgmv_peft - {name}
+
+
+def _gather(region: torch.Tensor, params: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+    """Copy ``params`` into their ``views`` of ``region``, where they are not there already. All of them on one GPU:
+    gathered there and sent in one copy (hundreds of small copies would each pay the copy engine's setup)."""
+    todo = [(v, p) for v, p in zip(views, params) if p.data_ptr() != v.data_ptr() or p.device != v.device]
+    if not todo:
+        return
+    device = params[0].device
+    if len(todo) == len(params) > 1 and device.type == "cuda" and all(p.device == device for p in params):
+        staging = torch.empty(region.numel(), dtype=region.dtype, device=device)
+        base = region.storage_offset()
+        offsets = [v.storage_offset() - base for v in views]
+        torch._foreach_copy_(packed_views(staging, params, offsets), [p.data for p in params])
+        region.copy_(staging, non_blocking=True)  # the staging buffer's next user comes later in stream order
+        return
+    for view, p in todo:
+        view.copy_(p.data, non_blocking=True)
+
+
+@contextlib.contextmanager
+def no_gc_pauses() -> Iterator[None]:
+    """Python's cyclic collector off for a burst of short-lived objects (the views of moving adapters), then back as
+    it was. Collections in the middle of it would promote thousands of them to older generations and set off full
+    collections, each of which walks every object of a model that holds thousands of adapters (~1 s for 300 adapters
+    of a 112-layer model on the CPU); off, they die young, uncounted."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def host_copies_done(layers) -> None:
+    """Wait for the asynchronous copies of adapter weights to pinned host memory before host code may read them: once
+    per call that moves adapters out, at its start, never inside a layer."""
+    for device in {layer._csgmv_stack.device for layer in layers}:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+
+def packed_views(flat: torch.Tensor, params, offsets=None) -> list[torch.Tensor]:
+    """Contiguous views of the 1-D ``flat``, one of each parameter's shape: packed one after another, or at element
+    ``offsets`` of ``flat``. ``as_strided`` on ``flat``'s storage: slicing and then viewing costs ~5 µs more per view,
+    paid for each of an adapter's hundreds of weights."""
+    base = flat.storage_offset()
+    views, pos = [], 0
+    for i, p in enumerate(params):
+        shape = p.shape
+        start = pos if offsets is None else offsets[i]
+        views.append(flat.as_strided(shape, _contiguous_strides(shape), base + start))
+        pos += p.numel()
+    return views
+
+
+@functools.lru_cache(maxsize=None)
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _module_params(module: nn.Module) -> list[torch.Tensor]:
+    """``list(module.parameters())``, read straight from the module's own dict where it has no submodules (an
+    ``nn.Linear``): the host tier reads every adapter's parameters in every layer, and the generator costs ~20 µs."""
+    if module._modules:
+        return list(module.parameters())
+    return [p for p in module._parameters.values() if p is not None]
+
+
+def adapter_params(layer: nn.Module, name: str) -> list[torch.Tensor]:
+    """Adapter ``name``'s parameters in a kernel layer."""
+    params = []
+    held = layer._modules
+    for key in ("lora_A", "lora_B", "lora_magnitude_vector"):
+        holder = held.get(key)
+        module = holder._modules.get(name) if holder is not None else None
+        if module is not None:
+            params += _module_params(module)
+    for key in ("lora_embedding_A", "lora_embedding_B"):
+        holder = held.get(key)
+        if holder is not None and name in holder:
+            params.append(holder[name])
+    return params
+
+
+def move_adapter(layer: nn.Module, name: str, device: torch.device) -> None:
+    """Move adapter ``name``'s weights in a kernel layer to ``device`` (from pinned host memory: asynchronously)."""
+    for p in adapter_params(layer, name):
+        if p.device != device:
+            p.data = p.data.to(device, copy=True, non_blocking=True)
