@@ -13,7 +13,8 @@ Random weights from the 1B Llama layout (no hub), LoRA on all 7 projections. Thr
    adapters loaded (no host tier) in the same run; GPU memory of both; and the host time a call with ids spends
    before its forward (validation, residency, opening the call: ``adapter_ids_scope``), which is all the tier adds
    to a call whose adapters are resident (the kernels do the same work); and, on CUDA, a 32-token ``generate`` on
-   transformers' static cache (compiled decode: the host's drift does not enter) with both (``--no-static``: skip).
+   transformers' static cache (compiled decode: the host's drift does not enter) with both, and the GPU's busy time in
+   it (``--no-static``: skip).
 3. **Host-tier load cost.** A forward whose 32 adapters all wait in host memory (each copied into a slot first)
    against the same forward once they are resident; per adapter, against its bytes over the measured pinned
    host→device bandwidth.
@@ -187,11 +188,14 @@ def main(argv=None) -> int:
             )  # fmt: skip
         return ms
 
-    def static_ms(pm) -> float | None:
+    def static_ms(pm) -> tuple[float, float] | tuple[None, None]:
         """A 32-token ``generate`` on transformers' static cache (compiled decode, CUDA graphs) with ``names``: the
-        median of 3 after the first (which compiles), ms; None off CUDA or with --no-static."""
+        median of 3 after the first (which compiles), and the GPU's busy time in one more (the kernels' own time,
+        torch profiler), ms; None off CUDA or with --no-static."""
         if device.type != "cuda" or not args.static:
-            return None
+            return None, None
+        from profile_static import kernel_times
+
         kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=names, do_sample=False, max_new_tokens=32,
                   min_new_tokens=32, cache_implementation="static")  # fmt: skip
         times = []
@@ -202,7 +206,8 @@ def main(argv=None) -> int:
                 pm.generate(**kw)
                 torch.cuda.synchronize(device)
                 times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times[1:])
+            kernels, _, _ = kernel_times(lambda: pm.generate(**kw), 20.0)
+        return statistics.median(times[1:]), sum(total for total, _ in kernels.values()) / 1e3
 
     scale = {}
     if args.scale:
@@ -210,7 +215,8 @@ def main(argv=None) -> int:
         pm = add_many(model, 32, [16], device, fp32=False)
         enable_csgmv(pm)
         gib = (_allocated(device) - before) / GIB
-        scale["loaded_32"] = dict(decode_ms=decode_ms(pm), gib=gib, call_us=call_us(pm), static_ms=static_ms(pm))
+        static, busy = static_ms(pm)
+        scale["loaded_32"] = dict(decode_ms=decode_ms(pm), gib=gib, call_us=call_us(pm), static_ms=static, busy_ms=busy)
         print(f"32 loaded: {scale['loaded_32']}", flush=True)
         disable_csgmv(pm)
         t0 = time.perf_counter()
@@ -254,10 +260,11 @@ def main(argv=None) -> int:
         else:
             bw_gbs = float("nan")
         per_adapter_ms = (cold_ms - warm_ms) / len(cold_names)
+        static, busy = static_ms(pm)
         scale["tier"] = dict(
             adapters=args.scale, resident=args.resident, load_s=load_s, enable_s=enable_s, peft_gib=peft_gib,
-            gib=tier_gib, decode_ms=decode_ms(pm), call_us=call_us(pm), static_ms=static_ms(pm), cold_call_ms=cold_ms,
-            cold_calls_ms=cold_times,
+            gib=tier_gib, decode_ms=decode_ms(pm), call_us=call_us(pm), static_ms=static, busy_ms=busy,
+            cold_call_ms=cold_ms, cold_calls_ms=cold_times,
             warm_call_ms=warm_ms,
             per_adapter_load_ms=per_adapter_ms, adapter_mib=one_adapter_bytes / 2**20, h2d_gb_s=bw_gbs,
             pcie_ms_per_adapter=one_adapter_bytes / (bw_gbs * 1e9) * 1e3,
@@ -279,11 +286,11 @@ def main(argv=None) -> int:
         t, one = scale["tier"], scale["loaded_32"]
         print()
         print("| adapters loaded | on the GPU | adapter GiB on the GPU | decode-step ms, 32 distinct | call host µs "
-              "| static-cache generate ms (32 tokens) |")  # fmt: skip
+              "| static-cache generate ms (32 tokens), GPU busy ms |")  # fmt: skip
         print("|---|---|---|---|---|---|")
 
         def static(row) -> str:
-            return "—" if row["static_ms"] is None else f"{row['static_ms']:.1f}"
+            return "—" if row["static_ms"] is None else f"{row['static_ms']:.1f}, {row['busy_ms']:.1f}"
 
         print(f"| 32 | all | {one['gib']:.2f} | {one['decode_ms']:.2f} | {one['call_us']:.0f} | {static(one)} |")
         print(

@@ -128,6 +128,7 @@ def weights_device(layer: nn.Module) -> torch.device:
 # change of the launch shape (largest rank, rank alignment), bumps :attr:`LoraStack.version`, which compiled code
 # guards on: it recompiles instead of reading freed memory or launching stale tiles.
 _TENSORS = frozenset(("data", "a_off", "b_off", "ranks", "scalings", "mag", "bias", "lora_bias"))
+_VECTORS = (("ranks", torch.int32), ("scalings", torch.float32), ("a_off", torch.int64), ("b_off", torch.int64))
 _handles = itertools.count()
 _STACKS: "weakref.WeakValueDictionary[int, LoraStack]" = weakref.WeakValueDictionary()
 
@@ -148,6 +149,8 @@ class LoraStack:
     def __setattr__(self, name: str, value) -> None:
         if name in _TENSORS:
             self._bump()
+        elif name == "_views" and value is None and self.__dict__.get("pages") is not None:
+            self.pages.dirty = True  # a slot changed: the group's tables are uploaded again
         object.__setattr__(self, name, value)
 
     def _bump(self) -> None:
@@ -182,7 +185,7 @@ class LoraStack:
             self.data = torch.empty(reserve, dtype=dtype, device=device)
         else:
             self.data = pages.data
-            pages.stacks.add(self)
+            self.row = pages.join(self)
         self.extents: dict[int, tuple[int, int]] = {}  # slot -> (start, length) in data
         self.tail = 0  # end of the last extent allocated at the end of data
         self.a_off = torch.zeros(capacity, dtype=torch.int64, device=device)
@@ -226,7 +229,12 @@ class LoraStack:
 
     def _upload(self) -> None:
         """The host's per-slot vectors to the device: four copies for however many slots changed, into the same
-        tensors (their addresses are static: compiled graphs and bound launches keep reading them)."""
+        tensors (their addresses are static: compiled graphs and bound launches keep reading them). With
+        :attr:`pages`, the group's tables, once for all its stacks."""
+        if self.pages is not None:
+            if self.pages.dirty:
+                self.pages.upload()
+            return
         for dev, host, dtype in (
             (self.ranks, self.ranks_host, torch.int32),
             (self.scalings, self.scalings_host, torch.float32),
@@ -476,8 +484,8 @@ class LoraStack:
         self.ranks_host[slot] = r
         self.scalings_host[slot] = float(scaling)
         self.sources[slot] = lora_a
-        state = self.__dict__
-        state["_views"] = None  # (not a tensor: no version bump)
+        self.__dict__["_views"] = None  # (set directly: this runs for each layer of every adapter brought in)
+        self.pages.dirty = True
         data = self.data
         base = data.storage_offset()
         dst_a = data.as_strided((r, k), (k, 1), base + start)
@@ -499,6 +507,7 @@ class LoraStack:
         self.extents.pop(slot, None)
         if self.ranks_host[slot]:
             self.__dict__["_views"] = None
+            self.pages.dirty = True
         self.ranks_host[slot] = 0
         self.scalings_host[slot] = 0.0
         if self.mag is not None or self.lora_bias is not None:
@@ -585,6 +594,41 @@ class DevicePages:
         self.page_numel = 0  # elements per page
         self.data = torch.empty(0, dtype=dtype, device=self.device)
         self.stacks: "weakref.WeakSet[LoraStack]" = weakref.WeakSet()
+        # Every stack's per-slot vectors as rows of one table each (a row per stack, :attr:`LoraStack.row`): a call
+        # that moves adapters uploads four tables, not four vectors per layer. ``dirty``: a row changed since.
+        self.rows = 0
+        self.table: dict[str, torch.Tensor] = {}
+        self.dirty = True
+
+    def join(self, stack: "LoraStack") -> int:
+        """Take ``stack`` into the group: its storage is :attr:`data`, its per-slot vectors a row of the tables."""
+        self.stacks.add(stack)
+        self.rows += 1
+        self.dirty = True
+        return self.rows - 1
+
+    def upload(self) -> None:
+        """Every stack's per-slot vectors (ranks, scalings, offsets) from the host's lists to the device: one copy per
+        table, into the same tensors while their shape holds (compiled graphs and bound launches keep reading them);
+        each stack's vectors are views of its row."""
+        stacks = list(self.stacks)
+        width = max((s.capacity for s in stacks), default=1)
+        shape = (self.rows, width)
+        for name, dtype in _VECTORS:
+            table = self.table.get(name)
+            if table is None or tuple(table.shape) != shape or table.device != self.device:
+                table = self.table[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+            rows = [[0] * width for _ in range(self.rows)]
+            for s in stacks:
+                values = getattr(s, name + "_host")
+                rows[s.row][: len(values)] = values
+            host = torch.tensor(rows, dtype=dtype)
+            table.copy_(host.pin_memory() if table.is_cuda else host, non_blocking=True)
+            for s in stacks:
+                view = table[s.row]
+                if getattr(s, name).data_ptr() != view.data_ptr():
+                    setattr(s, name, view)
+        self.dirty = False
 
     def start(self, slot: int) -> int:
         """Where slot ``slot``'s page starts in :attr:`data`."""

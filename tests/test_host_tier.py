@@ -380,3 +380,31 @@ def test_a_larger_adapter_loaded_later_grows_the_pages():
         _call(model, input_ids, mask, outs, names)
     for name in csgmv_stats(model)["resident"]:
         assert {_storage(p) for p in _weights(model, name)} == {_storage(pages.data)}
+
+
+def test_a_call_that_moves_adapters_uploads_the_slot_vectors_once(tiered, monkeypatch):
+    """Every layer's per-slot vectors (ranks, scalings, offsets) are rows of one table per vector: a call that moves
+    adapters uploads each table once, not four vectors per layer, and each layer's row holds its values."""
+    from peft_csgmv.slots import DevicePages
+
+    model, input_ids, mask, outs = tiered
+    uploads = []
+    real = DevicePages.upload
+
+    def upload(self):
+        uploads.append(1)
+        real(self)
+
+    monkeypatch.setattr(DevicePages, "upload", upload)
+    _call(model, input_ids, mask, outs, ["a3", "a4", BASE, "a3"])  # two out, two in
+    assert len(uploads) == 1, f"{len(uploads)} uploads in one call"
+    (pages,) = model._csgmv.tier.pages.values()
+    for layer in model._csgmv.layers.values():
+        stack = layer._csgmv_stack
+        for name in ("ranks", "scalings", "a_off", "b_off"):
+            vector = getattr(stack, name)
+            assert vector.data_ptr() == pages.table[name][stack.row].data_ptr(), f"{name} is not its table row"
+            host = torch.tensor(getattr(stack, name + "_host"), dtype=vector.dtype)
+            assert torch.equal(vector[: stack.capacity].cpu(), host)
+    _call(model, input_ids, mask, outs, ["a3", "a4", "a3", "a4"])  # nothing moves: nothing uploaded
+    assert len(uploads) == 1
