@@ -212,6 +212,11 @@ class LoraStack:
         """Elements of storage one slot of ``rank`` takes (both matrices, each aligned)."""
         return _up(rank * in_features) + _up(out_features * rank)
 
+    @staticmethod
+    def b_start(rank: int, in_features: int) -> int:
+        """Where a slot's ``B`` starts, in elements from the slot's start (after its aligned ``A``)."""
+        return _up(rank * in_features)
+
     @property
     def capacity(self) -> int:
         return len(self.ranks_host)
@@ -370,7 +375,7 @@ class LoraStack:
         self._point_shared()
 
     def _set_offsets(self, slot: int, start: int, rank: int) -> None:
-        self.a_off_host[slot], self.b_off_host[slot] = start, start + _up(rank * self.in_features)
+        self.a_off_host[slot], self.b_off_host[slot] = start, start + self.b_start(rank, self.in_features)
         self._views = None  # the device copies follow on refresh
 
     def _free(self, slot: int) -> None:
@@ -476,7 +481,7 @@ class LoraStack:
         out = self.out_features
         if slot >= len(self.ranks_host):
             self.ensure_capacity(slot + 1)
-        b_start = start + _up(r * k)
+        b_start = start + _up(r * k)  # (b_start, inlined: this runs for each layer of every adapter brought in)
         self.reserved[slot] = start
         self.extents[slot] = (start, b_start - start + _up(out * r))
         self.a_off_host[slot] = start

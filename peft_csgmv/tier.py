@@ -59,11 +59,11 @@ class Placement:
             if e.share and e.stack.pages is pages:
                 r, k = e.a.shape
                 params += (e.a, e.b)
-                offsets += (e.rel, e.rel + LoraStack.slot_elements(r, k, 0))
+                offsets += (e.rel, e.rel + LoraStack.b_start(r, k))
         return params, offsets
 
 
-def lay_out(layers, name: str, kernel_reason: Callable[[nn.Module, str], str | None]) -> Placement:
+def placement_of(layers, name: str, kernel_reason: Callable[[nn.Module, str], str | None]) -> Placement:
     """Adapter ``name``'s :class:`Placement` over the kernel ``layers`` (their stacks built with pages)."""
     placement = Placement()
     for layer in layers:
@@ -110,7 +110,7 @@ class HostTier:
         slot's page. A resident whose places moved (its weights replaced by others of another shape) gets memory of
         its own first, so that the restack that follows copies it into its new places whole."""
         layers = list(layers)
-        self.placements = {name: lay_out(layers, name, kernel_reason) for name in names}
+        self.placements = {name: placement_of(layers, name, kernel_reason) for name in names}
         live = {layer._csgmv_stack.pages for layer in layers}
         self.pages = {key: pages for key, pages in self.pages.items() if pages in live}
         need: dict[DevicePages, int] = {}
