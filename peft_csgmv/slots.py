@@ -174,6 +174,10 @@ class LoraStack:
         self.handle = next(_handles)
         _STACKS[self.handle] = self
         self.launch_shape: tuple[int, int] | None = None  # (largest rank, rank alignment) the views were built with
+        # With the host tier: the ranks of every adapter this layer holds, resident or not. The launch shape covers
+        # them all, so that bringing adapters in and out of slots never changes it (compiled code would recompile).
+        self.held_ranks: frozenset[int] = frozenset()
+        self.held_max = 0
         self.embedding = embedding  # an embedding layer: A is gathered by token id instead of multiplied
         self.in_features = in_features
         self.out_features = out_features
@@ -223,8 +227,16 @@ class LoraStack:
 
     @property
     def r_max(self) -> int:
-        """The largest rank of any slot (at least 1): the width of the shrink's output."""
-        return max(self.ranks_host, default=0) or 1
+        """The largest rank of any slot, or of any adapter the layer holds with the host tier (at least 1): the width
+        of the shrink's output."""
+        return max(max(self.ranks_host, default=0), self.held_max) or 1
+
+    def hold_ranks(self, ranks) -> None:
+        """The host tier: the ranks of every adapter this layer holds (see :attr:`held_ranks`)."""
+        ranks = frozenset(ranks)
+        if ranks != self.held_ranks:
+            self.held_ranks, self.held_max = ranks, max(ranks, default=0)
+            self._views = None
 
     def refresh(self) -> None:
         """Bring the device's per-slot vectors (ranks, scalings, offsets) in line with the host's and build :attr:`a`
@@ -254,7 +266,7 @@ class LoraStack:
         if views is None:
             self._upload()
             ranks, cap = tuple(self.ranks_host), self.capacity
-            r, align = self.r_max, rank_align(x for x in ranks if x)
+            r, align = self.r_max, rank_align(itertools.chain((x for x in ranks if x), self.held_ranks))
             if self.launch_shape != (r, align):  # compiled launches use these as tile sizes: recompile
                 self.launch_shape = (r, align)
                 self._bump()

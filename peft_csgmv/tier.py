@@ -106,8 +106,9 @@ class HostTier:
         return pages
 
     def lay_out(self, layers, names, registry, kernel_reason) -> None:
-        """Every adapter's placement, pages to fit them (one per slot), and each resident's places reserved in its
-        slot's page. A resident whose places moved (its weights replaced by others of another shape) gets memory of
+        """Every adapter's placement, pages to fit them (one per slot), each layer's held ranks (its launch shape
+        then stays put as adapters come and go), and each resident's places reserved in its slot's page. A resident
+        whose places moved (its weights replaced by others of another shape) gets memory of
         its own first, so that the restack that follows copies it into its new places whole."""
         layers = list(layers)
         self.placements = {name: placement_of(layers, name, kernel_reason) for name in names}
@@ -122,6 +123,12 @@ class HostTier:
             if pages.fit(max(registry.capacity, 1), need.get(pages, 0)):
                 for stack in list(pages.stacks):
                     stack.repage(old)
+        held: dict[LoraStack, set[int]] = {}
+        for placement in self.placements.values():
+            for e in placement.entries:
+                held.setdefault(e.stack, set()).add(e.a.shape[0])
+        for layer in layers:
+            layer._csgmv_stack.hold_ranks(held.get(layer._csgmv_stack, ()))
         moved = set()
         for slot, name in enumerate(registry.names):
             for e in self.placements[name].entries if name is not None else ():

@@ -75,6 +75,22 @@ def test_static_cache_generate_matches_eager_without_recompiles(backend):
     assert not torch.equal(outs[0], outs[1]), "the id lists generate the same tokens: the test proves nothing"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_static_cache_through_the_host_tier_without_recompiles(backend):
+    """With the host tier (2 slots for 4 adapters of ranks 4 to 16, so every call moves adapters in and out): the
+    compiled decode step stays one graph (a layer's launch shape follows the ranks of every adapter it holds, not the
+    residents'), and each call gives eager csgmv's tokens."""
+    model, targets = tiny_model("llama")
+    specs = {f"a{i}": dict(r=4 * (i + 1), lora_alpha=8, target_modules=targets) for i in range(4)}
+    model = add_adapters(model, specs).to(DEVICE)
+    enable_csgmv(model, backend=backend, max_resident_adapters=2)
+    input_ids, mask = make_batch(3, 5)
+    for ids in (["a0", None, "a1"], ["a2", "a3", None], ["a1", "a3", "a1"], ["a0", "a2", "a0"]):
+        static, eager = _static_and_eager(model, input_ids, mask, ids)
+        assert torch.equal(static, eager), f"ids {ids}: the compiled decode generated other tokens"
+    assert _graphs() == 1, f"{_graphs()} graphs compiled: moving adapters changed the graph"
+
+
 @pytest.mark.parametrize(
     "kw",
     [dict(num_beams=2, do_sample=False), dict(do_sample=True, num_return_sequences=2, top_k=5)],
