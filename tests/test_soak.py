@@ -1,7 +1,8 @@
 """Soak: a seeded random sequence of what users do to an enabled model — mixed calls with random ids, batch shapes and
 slices, wrong calls, adapters added, deleted, edited in place and rescaled, merges — with every valid call compared
 against stock PEFT's own per-adapter runs of the same rows, and every wrong call required to fail cleanly and leave
-the model right for the next one."""
+the model right for the next one. Also through the host tier (2 slots): every call and every stock run then moves
+adapters in and out of slots, and a call needing more distinct adapters than fit is one of the wrong calls."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _config(rng: random.Random) -> LoraConfig:
     extra = {}
     if rng.random() < 0.2 and "embed_tokens" not in targets:
         extra["use_dora"] = True
-    elif rng.random() < 0.2:
+    elif rng.random() < 0.2 and "embed_tokens" not in targets:  # PEFT refuses lora_bias on an Embedding
         extra["lora_bias"] = True
     return LoraConfig(
         init_lora_weights=False, r=rng.choice([1, 2, 4, 8, 16]), lora_alpha=rng.choice([1, 4, 8, 16]),
@@ -34,7 +35,8 @@ def _config(rng: random.Random) -> LoraConfig:
 
 
 class Soak:
-    def __init__(self, seed: int, backend: str):
+    def __init__(self, seed: int, backend: str, tier: int | None = None):
+        self.tier = tier  # max_resident_adapters
         self.rng = random.Random(seed)
         torch.manual_seed(seed)
         model, targets = tiny_model("llama")
@@ -42,7 +44,7 @@ class Soak:
         self.counter = 1
         for _ in range(2):
             self.add()
-        enable_csgmv(self.model, backend=backend)
+        enable_csgmv(self.model, backend=backend, max_resident_adapters=tier)
         self.backend = backend
 
     @property
@@ -70,7 +72,10 @@ class Soak:
         return ids
 
     def names(self, rows: int) -> list[str | None]:
-        pool = [*self.adapters, None, BASE]
+        adapters = self.adapters
+        if self.tier is not None:  # no more distinct adapters than fit
+            adapters = self.rng.sample(adapters, min(len(adapters), self.rng.randint(1, self.tier)))
+        pool = [*adapters, None, BASE]
         n = (
             rows
             if rows == 1 or self.rng.random() < 0.8
@@ -91,9 +96,14 @@ class Soak:
     def wrong_call(self):
         input_ids = self.batch()
         rows = input_ids.shape[0]
-        kind = self.rng.choice(["unknown", "length", "empty-rows", "not-a-list", "training"])
+        kinds = ["unknown", "length", "empty-rows", "not-a-list", "training"]
+        if self.tier is not None and len(self.adapters) > self.tier and rows > self.tier:
+            kinds.append("too-many")
+        kind = self.rng.choice(kinds)
         kw = {"adapter_ids": [self.rng.choice(self.adapters) for _ in range(rows)]}
-        if kind == "unknown":
+        if kind == "too-many":  # more distinct adapters than the host tier's slots
+            kw["adapter_ids"][: self.tier + 1] = self.rng.sample(self.adapters, self.tier + 1)
+        elif kind == "unknown":
             kw["adapter_ids"][-1] = "missing"
         elif kind == "length":
             kw["adapter_ids"] = kw["adapter_ids"] * 2 + ["a0"]
@@ -116,7 +126,8 @@ class Soak:
             for pname, p in self.model.named_parameters():
                 if f"lora_B.{name}." in pname:
                     p.mul_(1.5)
-        enable_csgmv(self.model, backend=self.backend)  # documented: restack after editing weights in place
+        # documented: restack after editing weights in place
+        enable_csgmv(self.model, backend=self.backend, max_resident_adapters=self.tier)
 
     def rescale(self):
         name = self.rng.choice(self.adapters)
@@ -148,9 +159,12 @@ class Soak:
         op()
 
 
-@pytest.mark.parametrize("backend,seed,steps", [("torch", 0, 40), ("torch", 1, 40), ("triton", 2, 15)])
-def test_soak(backend, seed, steps):
-    soak = Soak(seed, backend)
+@pytest.mark.parametrize(
+    "backend,seed,steps,tier",
+    [("torch", 0, 40, None), ("torch", 1, 40, None), ("triton", 2, 15, None), ("torch", 3, 40, 2), ("torch", 4, 40, 2)],
+)
+def test_soak(backend, seed, steps, tier):
+    soak = Soak(seed, backend, tier)
     for _ in range(steps):
         soak.step()
         if soak.rng.random() < 0.3:
