@@ -219,7 +219,7 @@ class CsgmvState:
             if tier is not None:
                 # Every adapter's place in its page; those without a slot wait in host memory, and residents whose
                 # weights wait there (admitted now) come in from it.
-                tier.lay_out(found.values(), names, self.registry, _kernel_reason)
+                tier.lay_out(found.values(), names, self.registry, self.kernel_reason)
                 hosted = [n for n in names if n not in self.registry.index]
                 for name in hosted:
                     tier.park(name)
@@ -261,6 +261,26 @@ class CsgmvState:
                 stacklevel=3,
             )
 
+    def kernel_reason(self, layer: nn.Module, name: str) -> str | None:
+        """:func:`_kernel_reason`, and, where ``enable_csgmv`` was given no ``dtype``, an adapter whose weights are
+        of a narrower (or another half-precision) dtype than the layer's base weight: PEFT rounds the layer's input to
+        the adapter's dtype before its products, which the kernels do not, so its rows take PEFT's path (PEFT's
+        numbers). Wider adapters (PEFT's fp32 default on a half-precision model) and same-dtype ones run the kernels."""
+        reason = _kernel_reason(layer, name)
+        if reason is not None or self.dtype is not None:
+            return reason
+        a = layer_adapter(layer, name)[0]
+        weight = getattr(layer.get_base_layer(), "weight", None)
+        if (
+            weight is None
+            or a.dtype == weight.dtype
+            or not (a.dtype.is_floating_point and weight.dtype.is_floating_point)
+        ):
+            return None
+        if torch.finfo(a.dtype).bits <= torch.finfo(weight.dtype).bits:
+            return f"weights in {a.dtype} on a {weight.dtype} layer"
+        return None
+
     @_normal_tensors
     def _restack(self, layer: nn.Module) -> None:
         """Copy one layer's adapters again (PEFT rescaled it)."""
@@ -283,7 +303,7 @@ class CsgmvState:
             if weights is None:
                 stack.clear_slot(slot)
                 continue
-            if _kernel_reason(layer, name) is not None:
+            if self.kernel_reason(layer, name) is not None:
                 peft_rows.add(name)
                 if layer.use_dora.get(name, False):
                     self.dora_refused.add(name)
@@ -323,7 +343,7 @@ class CsgmvState:
         slotted = [
             a.shape[0]
             for n, (a, _) in layer_adapters(layer).items()
-            if n in self.registry.index and _kernel_reason(layer, n) is None
+            if n in self.registry.index and self.kernel_reason(layer, n) is None
         ]
         device, dtype = weights_device(layer), self.stack_dtype(layer)
         if self.tier is not None and device.type == "cpu":  # the layer's first adapter may wait in host memory

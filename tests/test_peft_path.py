@@ -10,6 +10,7 @@ from helpers import (
     ALL_LINEAR,
     BASE,
     DEVICE,
+    add_adapters,
     assert_adapters_matter,
     close,
     greedy_kwargs,
@@ -18,6 +19,7 @@ from helpers import (
     make_batch,
     per_adapter,
     stitch,
+    tiny_model,
 )
 from peft import LoraConfig, get_peft_model
 
@@ -169,3 +171,33 @@ def test_sequence_classification_heads(backend):
     finally:
         disable_csgmv(model)
     close(got, stitch(outs, names), "per-row classifier heads")
+
+
+def test_adapters_narrower_than_the_model_take_peft_path():
+    """bf16 adapters on an fp32 model (``autocast_adapter_dtype=False`` leaves them so): PEFT rounds each layer's
+    input to bf16 before their products, so their rows take PEFT's path, with PEFT's numbers, beside an fp32 adapter
+    on the kernels; with ``dtype=`` the kernels serve them all (no PEFT rows)."""
+    import warnings
+
+    model, targets = tiny_model("llama")
+    specs = {
+        "f": dict(r=4, lora_alpha=8, target_modules=targets),
+        "h": dict(r=6, lora_alpha=8, target_modules=targets + ["embed_tokens"]),
+    }
+    model = add_adapters(model, specs).to(DEVICE)
+    for name, p in model.named_parameters():
+        if ".h." in name:
+            p.data = p.data.to(torch.bfloat16)
+    input_ids, mask = make_batch(4, 6)
+    names = ["h", "f", BASE, "h"]
+    outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enable_csgmv(model, backend="torch")
+        with torch.no_grad():
+            got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+    assert all(layer._csgmv_peft == {"h"} for layer in model._csgmv.layers.values() if "h" in layer.lora_A)
+    assert any("PEFT's own mixed-batch path" in str(w.message) for w in caught)
+    close(got, stitch(outs, names), "bf16 adapter rows on an fp32 model")
+    enable_csgmv(model, backend="torch", dtype=torch.float32)
+    assert not any(layer._csgmv_peft for layer in model._csgmv.layers.values())
