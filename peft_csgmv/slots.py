@@ -252,13 +252,8 @@ class LoraStack:
             if self.pages.dirty:
                 self.pages.upload()
             return
-        for dev, host, dtype in (
-            (self.ranks, self.ranks_host, torch.int32),
-            (self.scalings, self.scalings_host, torch.float32),
-            (self.a_off, self.a_off_host, torch.int64),
-            (self.b_off, self.b_off_host, torch.int64),
-        ):
-            src = torch.tensor(host, dtype=dtype)
+        for name, dtype in _VECTORS:
+            dev, src = getattr(self, name), torch.tensor(getattr(self, name + "_host"), dtype=dtype)
             dev.copy_(src.pin_memory() if dev.is_cuda else src, non_blocking=True)
 
     def _pooled(self) -> tuple[Pooled, Pooled]:
@@ -465,7 +460,8 @@ class LoraStack:
                 if bias is not None:
                     self.bias.copy_(bias.detach().float())
         elif self.mag is not None:
-            self.mag[slot] = 1.0
+            with torch.no_grad():
+                self.mag[slot] = 1.0
         if lora_bias is not None and self.lora_bias is None:
             self.lora_bias = torch.zeros((self.capacity, self.out_features), dtype=torch.float32, device=self.device)
         if self.lora_bias is not None:
@@ -519,16 +515,8 @@ class LoraStack:
     def vacate(self, slot: int) -> None:
         """The host tier moved the slot's adapter out: the slot is empty (rank 0), and PEFT's parameters that viewed
         it are left as they are (the tier has pointed them at host memory)."""
-        self.shared.pop(slot, None)
-        self.sources.pop(slot, None)
-        self.extents.pop(slot, None)
-        if self.ranks_host[slot]:
-            self.__dict__["_views"] = None
-            self.pages.dirty = True
-        self.ranks_host[slot] = 0
-        self.scalings_host[slot] = 0.0
-        if self.mag is not None or self.lora_bias is not None:
-            self.set_extras(slot, None, None)
+        self.shared.pop(slot, None)  # no longer this slot's: clear_slot must not give them copies
+        self.clear_slot(slot)
 
     def _aliases(self, *tensors: torch.Tensor) -> bool:
         """Whether any of ``tensors`` lives in this stack's storage."""
@@ -570,11 +558,7 @@ class LoraStack:
         self._free(slot)
         if self.ranks_host[slot]:
             self._views = None  # the device copies follow on refresh
-        with torch.no_grad():
-            if self.mag is not None:
-                self.mag[slot] = 1.0
-            if self.lora_bias is not None:
-                self.lora_bias[slot] = 0.0
+        self.set_extras(slot, None, None)
         self.ranks_host[slot] = 0
         self.scalings_host[slot] = 0.0
         self.sources.pop(slot, None)
@@ -655,21 +639,22 @@ class DevicePages:
         """The first ``numel`` elements of slot ``slot``'s page."""
         return self.data.narrow(0, slot * self.page_numel, numel)
 
-    def fit(self, count: int, page_numel: int) -> bool:
-        """Room for ``count`` pages of ``page_numel`` elements; ``True`` when the memory was rebuilt (the pages'
-        contents are copied over, each at the start of its new page: the caller moves every slot's offsets and
-        re-points PEFT's views)."""
+    def fit(self, count: int, page_numel: int) -> None:
+        """Room for ``count`` pages of ``page_numel`` elements. Where the memory is rebuilt, each page's contents go to
+        the start of its new page, and every stack of the group follows (:meth:`LoraStack.repage`: its slots'
+        offsets, PEFT's views)."""
         count, page_numel = max(count, self.count), max(page_numel, self.page_numel)
         if (count, page_numel) == (self.count, self.page_numel):
-            return False
+            return
         data = torch.empty(count * page_numel, dtype=self.dtype, device=self.device)
-        if self.count and self.page_numel:
-            old = self.data.view(self.count, self.page_numel)
-            data.view(count, page_numel)[: self.count, : self.page_numel].copy_(old)
+        old_numel = self.page_numel
+        if self.count and old_numel:
+            old = self.data.view(self.count, old_numel)
+            data.view(count, page_numel)[: self.count, :old_numel].copy_(old)
         self.data, self.count, self.page_numel = data, count, page_numel
         for stack in list(self.stacks):
             stack.data = data
-        return True
+            stack.repage(old_numel)
 
     def to(self, device: torch.device) -> "DevicePages":
         """The pages on ``device`` (moved once for every stack of the group)."""

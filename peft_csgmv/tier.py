@@ -119,10 +119,7 @@ class HostTier:
             for pages, numel in placement.numel.items():
                 need[pages] = max(need.get(pages, 0), numel)
         for pages in live:
-            old = pages.page_numel
-            if pages.fit(max(registry.capacity, 1), need.get(pages, 0)):
-                for stack in list(pages.stacks):
-                    stack.repage(old)
+            pages.fit(max(registry.capacity, 1), need.get(pages, 0))
         held: dict[LoraStack, set[int]] = {}
         for placement in self.placements.values():
             for e in placement.entries:
