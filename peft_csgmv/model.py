@@ -133,7 +133,7 @@ class CsgmvState:
         # weights wait in (pinned) host memory and are brought into a slot when a call needs them, least recently
         # used out. None: every adapter has a slot.
         self.max_resident = max_resident
-        self.tier = None if max_resident is None else HostTier(max_resident)
+        self.tier = None if max_resident is None else HostTier()
         # Runs the layers' LoRA for each call; it restacks a layer through this state when PEFT rescales it.
         self.executor = Executor(backend, self._restack)
         self.registry = SlotRegistry()

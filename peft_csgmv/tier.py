@@ -91,8 +91,7 @@ class HostTier:
     """The host tier's state: the residents in least-recently-used order, the host memory, the device pages of each
     (device, dtype) group and every adapter's :class:`Placement`."""
 
-    def __init__(self, max_resident: int) -> None:
-        self.max_resident = max_resident
+    def __init__(self) -> None:
         self.lru: collections.OrderedDict = collections.OrderedDict()  # resident names, least recently used first
         self.host = HostArena(pin=torch.cuda.is_available())
         self.pages: dict[tuple[torch.device, torch.dtype], DevicePages] = {}
