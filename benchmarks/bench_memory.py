@@ -194,18 +194,12 @@ def main(argv=None) -> int:
         torch profiler), ms; None off CUDA or with --no-static."""
         if device.type != "cuda" or not args.static:
             return None, None
-        from profile_static import kernel_times
+        from profile_static import call_series, kernel_times
 
         kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=names, do_sample=False, max_new_tokens=32,
                   min_new_tokens=32, cache_implementation="static")  # fmt: skip
-        times = []
         with torch.no_grad():
-            for _ in range(4):
-                torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                pm.generate(**kw)
-                torch.cuda.synchronize(device)
-                times.append((time.perf_counter() - t0) * 1e3)
+            times = call_series(lambda: pm.generate(**kw), 4, lambda: torch.cuda.synchronize(device))["ms"]
             kernels, _, _ = kernel_times(lambda: pm.generate(**kw), 20.0)
         return statistics.median(times[1:]), sum(total for total, _ in kernels.values()) / 1e3
 
