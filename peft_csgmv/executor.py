@@ -157,20 +157,29 @@ class StaticPlan:
             self.buf.copy_(host)
 
 
-_EXECUTORS: "weakref.WeakValueDictionary[int, Executor]" = weakref.WeakValueDictionary()
+# Every live executor by handle, weakly (a plain dict of weak references, which dynamo traces; an entry leaves with its
+# executor). Patched modules hold their executor's handle, not the executor: compiled code then reaches the one
+# executor through one source, ``_LIVE[handle]()``, which dynamo guards once, where the same object held by every layer
+# would cost one Python aliasing guard per layer at every step (see :func:`executor_of`).
+_LIVE: "dict[int, weakref.ref[Executor]]" = {}
 _ids = itertools.count()
+
+
+def executor_of(handle: int) -> "Executor":
+    """The executor of ``handle`` (:attr:`Executor.handle`, which patched modules hold)."""
+    return _LIVE[handle]()
 
 
 def active_calls() -> int:
     """How many csgmv calls are in progress, over all enabled models (0 between calls; a read-out for tests)."""
-    return sum(1 for ex in list(_EXECUTORS.values()) if ex.active)
+    return sum(1 for ref in list(_LIVE.values()) if (ex := ref()) is not None and ex.active)
 
 
 @torch._dynamo.assume_constant_result
 def _static_plan_attr(executor: int, n: int, rows: int, tokens_per_row: int, device: str) -> str:
     """The executor attribute holding the :class:`StaticPlan` of a compiled shape, made (and filled for the call in
     progress) on first use. It runs when a graph is traced, outside the graph, and its answer is a constant of it."""
-    return _EXECUTORS[executor].register_static(n, rows, tokens_per_row, torch.device(device))
+    return executor_of(executor).register_static(n, rows, tokens_per_row, torch.device(device))
 
 
 class Executor:
@@ -200,8 +209,16 @@ class Executor:
         self.statics: list[StaticPlan] = []
         self._triton: dict = {}
         self._outer: list = []  # the calls a nested call interrupted (a model called again inside a call)
-        self.id = next(_ids)
-        _EXECUTORS[self.id] = self
+        self.handle = handle = next(_ids)
+        _LIVE[handle] = weakref.ref(self, lambda _: _LIVE.pop(handle, None))
+
+    def __deepcopy__(self, memo):
+        # Patched modules name their executor by handle, so a copy of an enabled model would run its calls through
+        # the original's executor and stacks: refused, loudly.
+        raise TypeError(
+            "copy.deepcopy of a model with csgmv enabled is not supported: copy it before enable_csgmv, or "
+            "disable_csgmv(model) first and enable both afterwards"
+        )
 
     def beside_on(self, device: torch.device) -> bool:
         """Whether compiled code on ``device`` runs a layer's LoRA beside its base product (see :attr:`beside`)."""
@@ -284,7 +301,7 @@ class Executor:
     def static_plan(self, rows: int, tokens_per_row: int, device: torch.device) -> StaticPlan:
         """The :class:`StaticPlan` of a layer input of this shape, for compiled code: its attribute name is a constant
         of the traced graph, its buffers are graph inputs whose contents each call rewrites."""
-        return getattr(self, _static_plan_attr(self.id, self.num_ids, rows, tokens_per_row, str(device)))
+        return getattr(self, _static_plan_attr(self.handle, self.num_ids, rows, tokens_per_row, str(device)))
 
     def register_static(self, n: int, rows: int, tokens_per_row: int, device: torch.device) -> str:
         for i, static in enumerate(self.statics):

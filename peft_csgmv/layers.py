@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import kernels, ops
-from .executor import Executor, PlanRun, use_triton
+from .executor import Executor, PlanRun, executor_of, use_triton
 from .slots import weights_device
 
 if TYPE_CHECKING:
@@ -121,9 +121,9 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     # the class says): compiled code then guards one dict entry per layer, not the property's lookup through the
     # class hierarchy (a quarter of a compiled step's guard check on a 16-layer model).
     state = self.__dict__
-    ex: Executor = state["_csgmv_exec"]
+    ex: Executor = executor_of(state["_csgmv_exec"])
     if not ex.active or state.get("_disable_adapters", False) or "adapter_names" in kwargs:
-        return state["_csgmv_orig_forward"](x, *args, **kwargs)
+        return self._csgmv_orig_forward(x, *args, **kwargs)
     if kwargs:
         # PEFT's hooks may pass per-call variant arguments (aLoRA offsets computed for the *active* adapter when no
         # adapter_names reach PEFT): the call's own, computed from its ids, replace them.
@@ -139,13 +139,13 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         # the stack stays where the weights are.
         call = ex.call
         names = call.names_for(rows)
-        return state["_csgmv_orig_forward"](x, *args, adapter_names=names, **call.variant_kwargs(), **kwargs)
+        return self._csgmv_orig_forward(x, *args, adapter_names=names, **call.variant_kwargs(), **kwargs)
     peft_rows = state["_csgmv_peft"]
     if peft_rows and not peft_rows.isdisjoint(ex.call.name_set):
         # Adapters the kernels do not serve here: PEFT's mixed-batch forward for their rows (base output included).
         call = ex.call
         names = [n if n in peft_rows else "__base__" for n in call.names_for(rows)]
-        result = state["_csgmv_orig_forward"](x, *args, adapter_names=names, **call.variant_kwargs(), **kwargs)
+        result = self._csgmv_orig_forward(x, *args, adapter_names=names, **call.variant_kwargs(), **kwargs)
     else:
         base = self._modules["base_layer"]
         hooked = base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or _global_hooks()
@@ -244,7 +244,7 @@ def _follow_weights(layer: nn.Module, stack: "LoraStack", ex: Executor, device: 
 def _peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
     """A module csgmv has no kernel for: during a csgmv call, PEFT's own mixed-batch forward with the rows' names
     (and, for LoRA layers, the call's other per-call arguments, as PEFT's hooks pass them)."""
-    ex: Executor = self._csgmv_exec
+    ex: Executor = executor_of(self.__dict__["_csgmv_exec"])
     if not ex.active or "adapter_names" in kwargs:
         return self._csgmv_orig_forward(*args, **kwargs)
     call = ex.call
@@ -261,9 +261,35 @@ def _peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
 
 
 def _patch(module: nn.Module, forward, executor: Executor) -> None:
-    module._csgmv_exec = executor
-    module._csgmv_orig_forward = module.forward
-    module.forward = types.MethodType(forward, module)
+    """Give ``module`` the csgmv ``forward`` (``module._csgmv_orig_forward`` is its own) and its executor's handle.
+    A module whose forward is its class's gets a subclass of that class with ``forward`` (made once per class, same
+    name): compiled code then checks a patched module with one type guard, where an instance-level bound forward
+    costs a Python guard per module (``module is module.forward.__self__``) at every step. A module with a forward of
+    its own (accelerate's hooks) gets ``forward`` on the instance, over it."""
+    module._csgmv_exec = executor.handle
+    if "forward" in module.__dict__:
+        module._csgmv_orig_forward = module.forward
+        module.forward = types.MethodType(forward, module)
+    else:
+        module.__class__ = _patched_class(type(module), forward)
+
+
+_PATCHED_CLASSES: dict = {}
+
+
+def _patched_class(cls: type, forward) -> type:
+    """The subclass of ``cls`` whose forward is ``forward`` (one per pair; ``_csgmv_base`` names ``cls``)."""
+    sub = _PATCHED_CLASSES.get((cls, forward))
+    if sub is None:
+        namespace = {"forward": forward, "_csgmv_orig_forward": cls.forward, "_csgmv_base": cls,
+                     "__module__": cls.__module__, "__qualname__": cls.__qualname__}  # fmt: skip
+        sub = _PATCHED_CLASSES[(cls, forward)] = type(cls.__name__, (cls,), namespace)
+    return sub
+
+
+def unpatched_type(module: nn.Module) -> type:
+    """``type(module)`` as it was before csgmv patched it."""
+    return type(module).__dict__.get("_csgmv_base", type(module))
 
 
 # PEFT methods that change a layer's scaling in place: after each, the layer's stack is refreshed.
@@ -275,7 +301,7 @@ def _restack_after(layer: nn.Module, method: str):
 
     def wrapper(*args, **kwargs):
         result = original(*args, **kwargs)
-        layer._csgmv_exec.restack(layer)
+        executor_of(layer._csgmv_exec).restack(layer)
         return result
 
     return wrapper
@@ -300,9 +326,12 @@ def unpatch_layer(layer: nn.Module) -> None:
     stack = layer.__dict__.get("_csgmv_stack")
     if stack is not None:  # PEFT's weights own their memory again
         stack.release_shared()
+    state = layer.__dict__
+    if "_csgmv_orig_forward" in state:  # patched on the instance: the instance's own forward again
+        state["forward"] = state.pop("_csgmv_orig_forward")
+    else:  # patched by class: its class again (a forward set on the instance since, as accelerate's hooks do, stays)
+        layer.__class__ = unpatched_type(layer)
     for attr in (
-        "forward",
-        "_csgmv_orig_forward",
         "_csgmv_stack",
         "_csgmv_exec",
         "_csgmv_held",

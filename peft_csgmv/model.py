@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .executor import CallContext, Executor
-from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer
+from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer, unpatched_type
 from .slots import LoraStack, SlotRegistry, layer_adapter, layer_adapters, module_param, weights_device
 from .tier import HostTier, host_copies_done, move_adapter, no_gc_pauses
 
@@ -99,9 +99,10 @@ def _kernel_layer(layer: nn.Module) -> bool:
     that)."""
     from peft.tuners.lora import Embedding as LoraEmbedding
 
-    if type(layer) in _kernel_layer_types():
+    cls = unpatched_type(layer)
+    if cls in _kernel_layer_types():
         return True
-    return type(layer) is LoraEmbedding and layer.get_base_layer().max_norm is None
+    return cls is LoraEmbedding and layer.get_base_layer().max_norm is None
 
 
 def _dora_scale(layer: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:

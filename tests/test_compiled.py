@@ -182,6 +182,41 @@ def test_compiled_graph_takes_the_plan_not_the_stacks():
     assert csgmv == base + 3, f"base model graph: {base} inputs, csgmv: {csgmv}"
 
 
+def test_compiled_step_checks_no_python_guard_per_layer():
+    """Every step of a compiled model first runs dynamo's guard check, on the host, while the GPU waits. The patched
+    modules add only C++ guards to it (type, dict entries, constants), none of dynamo's Python guards, which cost ~1-3
+    µs each: not ``module is module.forward.__self__`` (an instance-level bound forward) nor ``layer_i._csgmv_exec is
+    layer_j._csgmv_exec`` (one executor object held by every layer), one of each per LoRA layer at every step."""
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    model = _model()
+    enable_csgmv(model, backend="torch")
+    input_ids, mask = make_batch(3, 5)
+    logger, lines = logging.getLogger("torch._dynamo.guards.__guards"), Lines()
+    torch._logging.set_logs(guards=True)
+    logger.addHandler(lines)
+    try:
+        model.generate(
+            input_ids=input_ids, attention_mask=mask, adapter_ids=ID_LISTS[0], max_new_tokens=2,
+            cache_implementation="static", compile_config=_compile_config(),
+        )  # fmt: skip
+    finally:
+        logger.removeHandler(lines)
+        torch._logging.set_logs()
+    guards = [g.strip() for text in lines.lines for g in text.split("\n")]
+    assert any("['_csgmv_stack']" in g for g in guards), "the patched layers' guards were not logged"
+    python = [g for g in guards if "LAMBDA_GUARD" in g and ("['_csgmv" in g or ".forward.__self__" in g)]
+    assert not python, f"{len(python)} Python guards on patched modules, e.g. {python[0]}"
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_layer_switched_off_runs_its_base_layer(compiled):
     """PEFT's per-layer switch (``layer.enable_adapters(False)``) holds in csgmv calls as in stock PEFT's runs: that

@@ -441,3 +441,51 @@ def test_nested_call_restores_the_outer_one(enabled):
         handle.remove()
     assert inner[0] is not None and active_calls() == 0
     close(got, expected, "outer call after a nested one")
+
+
+def test_patching_is_undone_exactly_and_keeps_instance_forwards():
+    """``enable_csgmv`` gives each PEFT module a subclass of its class (same name) with the csgmv forward, and a module
+    that has a forward of its own (accelerate's hooks set one) the csgmv forward over it; ``disable_csgmv`` gives back
+    every module's class and that module's own forward. Meanwhile calls give PEFT's results."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model, targets = tiny_model("llama")
+    model = add_adapters(model, {"a0": dict(r=4, lora_alpha=8, target_modules=targets),
+                                 "a1": dict(r=8, lora_alpha=4, target_modules=targets)}).to(DEVICE)  # fmt: skip
+    hooked = model.base_model.model.model.layers[0].self_attn.q_proj
+    add_hook_to_module(hooked, ModelHook())
+    own = hooked.__dict__["forward"]
+    classes = {name: type(m) for name, m in model.named_modules()}
+    names = ["a0", BASE, "a1"]
+    input_ids, mask = make_batch(3, 5)
+    expected = stitch(per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits), names)
+    enable_csgmv(model, backend="torch")
+    patched = model.base_model.model.model.layers[1].self_attn.q_proj
+    assert type(patched) is not classes["base_model.model.model.layers.1.self_attn.q_proj"]
+    assert type(patched).__name__ == "Linear" and "forward" not in patched.__dict__
+    assert hooked.__dict__["forward"] is not own
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=mask, adapter_ids=["a0", None, "a1"]).logits
+    close(got, expected, "a csgmv call through a hooked layer")
+    disable_csgmv(model)
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert hooked.__dict__["forward"] is own
+    assert not any("forward" in m.__dict__ for m in model.modules() if m is not hooked)
+
+
+def test_deepcopy_of_an_enabled_model_is_refused_loudly():
+    """Patched modules name their executor by handle, so a copy would run its calls through the original's state:
+    ``copy.deepcopy`` of an enabled model raises, and leaves the model working; a copy made before enabling works."""
+    import copy
+
+    model, targets = tiny_model("llama")
+    model = add_adapters(model, {"a0": dict(r=4, lora_alpha=8, target_modules=targets)}).to(DEVICE)
+    input_ids, mask = make_batch(2, 5)
+    expected = per_adapter(model, ["a0"], lambda: model(input_ids, attention_mask=mask).logits)["a0"]
+    twin = copy.deepcopy(model)
+    enable_csgmv(model, backend="torch")
+    with pytest.raises(TypeError, match="deepcopy of a model with csgmv enabled"):
+        copy.deepcopy(model)
+    for m in (model, enable_csgmv(twin, backend="torch")):
+        with torch.no_grad():
+            close(m(input_ids, attention_mask=mask, adapter_ids=["a0", "a0"]).logits, expected, "after the refusal")
