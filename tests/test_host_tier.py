@@ -376,10 +376,30 @@ def test_a_larger_adapter_loaded_later_grows_the_pages():
     assert pages.page_numel > 2 * small
     a0 = _weights(model, "a0")  # resident through the growth: its weights moved with its page
     assert {_storage(p) for p in a0} == {_storage(pages.data)}, "a0's weights still view the old pages"
-    for names in (["a1", "big", "a1", BASE], ["a2", "a0", BASE, "a2"], ["big", "a2", "big", "a2"]):
+    # Every slot gets small adapters again, at the places they had in the old pages (slot 0's start is the same):
+    # their weights must view the new pages (views of the old storage kept from before would still fit the key).
+    for names in (["a1", "big", "a1", BASE], ["a2", "a0", BASE, "a2"], ["big", "a2", "big", "a2"], ["a0", "a1"] * 2,
+                  ["a2", "a0"] * 2, ["a1", "a2", BASE, "a1"]):  # fmt: skip
         _call(model, input_ids, mask, outs, names)
-    for name in csgmv_stats(model)["resident"]:
-        assert {_storage(p) for p in _weights(model, name)} == {_storage(pages.data)}
+        for name in csgmv_stats(model)["resident"]:
+            assert {_storage(p) for p in _weights(model, name)} == {_storage(pages.data)}, f"{name} after {names}"
+
+
+def test_pages_rebuilt_in_place_give_new_bring_ins_views_of_the_new_memory(tiered):
+    """Pages rebuilt with room for one more page keep every slot at the same offsets: adapters brought in after that
+    (the same ones, at the same places) get views of the new memory, not of the old (a bring-in reuses its slot's
+    views while the memory holds), and every call keeps PEFT's per-adapter results."""
+    model, input_ids, mask, outs = tiered
+    for names in (["a2", "a3"] * 2, ["a0", "a1"] * 2):  # every adapter brought in once before
+        _call(model, input_ids, mask, outs, names)
+    (pages,) = model._csgmv.tier.pages.values()
+    old = _storage(pages.data)
+    pages.fit(pages.count + 1, pages.page_numel)
+    assert _storage(pages.data) != old
+    for names in (["a2", "a3"] * 2, ["a0", "a1"] * 2, ["a2", "a3"] * 2, ["a1", "a0"] * 2):
+        _call(model, input_ids, mask, outs, names)
+        for name in csgmv_stats(model)["resident"]:
+            assert {_storage(p) for p in _weights(model, name)} == {_storage(pages.data)}, f"{name} after {names}"
 
 
 def test_a_call_that_moves_adapters_uploads_the_slot_vectors_once(tiered, monkeypatch):
