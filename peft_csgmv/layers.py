@@ -1,4 +1,4 @@
-"""The patched forwards of PEFT modules. Every patched module holds its model's
+"""The patched forwards of PEFT modules. Every patched module holds the handle of its model's
 :class:`~peft_csgmv.executor.Executor`, which says whether a csgmv call is in progress and runs the LoRA of its rows.
 
 A patched ``lora.Linear`` (or bitsandbytes 4-bit / 8-bit LoRA layer) runs ``y = base(x)`` and then, when a csgmv call
@@ -308,8 +308,8 @@ def _restack_after(layer: nn.Module, method: str):
 
 
 def patch_layer(layer: nn.Module, stack: "LoraStack", executor: Executor) -> None:
-    """Swap a kernel layer's ``forward`` for the csgmv forward, and make its rescaling methods refresh the stack
-    (instance attributes; :func:`unpatch_layer` undoes it)."""
+    """Give a kernel layer the csgmv forward (see :func:`_patch`), and make its rescaling methods refresh the stack
+    (instance attributes; :func:`unpatch_layer` undoes both)."""
     layer._csgmv_stack = stack
     _patch(layer, _csgmv_forward, executor)
     for method in _RESCALING_METHODS:

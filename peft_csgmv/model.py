@@ -4,7 +4,8 @@ chunked-SGMV kernels.
 What patching does, all of it undone by :func:`disable_csgmv`:
 
 * every PEFT LoRA ``Linear`` layer (``nn.Linear`` or GPT-2 ``Conv1D`` base) and ``Embedding`` layer gets a
-  :class:`~peft_csgmv.slots.LoraStack` and an instance-level ``forward`` (see :mod:`peft_csgmv.layers`);
+  :class:`~peft_csgmv.slots.LoraStack` and csgmv's ``forward``, through a subclass of its class of the same name
+  (see :mod:`peft_csgmv.layers`);
 * every other PEFT tuner layer and auxiliary wrapper (LoRA convolutions, embeddings with ``max_norm``,
   MultiheadAttention, ``target_parameters``, other quantized layers, ``modules_to_save`` and trainable-token wrappers)
   gets PEFT's own mixed-batch path during csgmv calls: PEFT's results there, and PEFT's errors where PEFT refuses;
