@@ -16,6 +16,7 @@ printed last; the JSON holds GPU name, versions and date.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from peft_csgmv import disable_csgmv, enable_csgmv  # noqa: E402
 from peft_csgmv.bench import (  # noqa: E402
+    TARGETS,
     _clock_up,
     add_adapters,
     build_model,
@@ -40,6 +42,8 @@ from peft_csgmv.kernels.launch import pdl  # noqa: E402
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1b", help="a built-in Llama size of peft_csgmv.bench (tiny, 1b, 8b)")
+    p.add_argument("--config", default=None, help="any causal-LM config.json (or folder) instead of --model")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated LoRA target modules")
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--batch", type=int, default=32)
@@ -63,6 +67,12 @@ def main(argv=None) -> int:
         help="also the widest row with each layer's LoRA after its base product, not beside it (PEFT_CSGMV_BESIDE=0)",
     )
     p.add_argument(
+        "--serial",
+        action="store_true",
+        help="also the widest row with every launch serial: no PDL, no side stream "
+        "(PEFT_CSGMV_PDL=0, PEFT_CSGMV_BESIDE=0)",
+    )
+    p.add_argument(
         "--beside-min-mib",
         type=float,
         default=None,
@@ -74,6 +84,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="only the base model, the widest csgmv row and the switched rows (no PEFT, eager or narrower rows)",
     )
+    p.add_argument(
+        "--reuse-cache",
+        action="store_true",
+        help="every static row passes one StaticCache of its own, reset before each generate, where transformers makes "
+        "a new one per call (whose new addresses make the compiled step record its CUDA graph again): the rows' "
+        "times without that recording",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
@@ -82,11 +99,12 @@ def main(argv=None) -> int:
 
     torch._dynamo.config.recompile_limit = 64  # the rows' graphs share one compiled callable
     device, dtype = device_and_dtype(args.device)
-    model = build_model(args.model, device, dtype)
+    model = build_model(args.model, device, dtype, args.config)
     g = torch.Generator(device="cpu").manual_seed(1)
     input_ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
     mask = torch.ones_like(input_ids)
     results = []
+    cache_kwarg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
     def sync():
         if device.type == "cuda":
@@ -96,12 +114,20 @@ def main(argv=None) -> int:
         _clock_up(device)
         kw = dict(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=args.new_tokens,
                   min_new_tokens=args.new_tokens, **extra)  # fmt: skip
-        if static:
+        cache = None
+        if static and args.reuse_cache:
+            from transformers import StaticCache
+
+            cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.new_tokens)
+        elif static:
             kw["cache_implementation"] = "static"
         graphs_before = counters["stats"]["unique_graphs"]
         times = []
         with torch.no_grad():
             for _ in range(args.repeats + 1):
+                if cache is not None:
+                    cache.reset()
+                    kw[cache_kwarg] = cache
                 sync()
                 t0 = time.perf_counter()
                 out = target.generate(**kw)
@@ -122,7 +148,7 @@ def main(argv=None) -> int:
         return out
 
     measure("base model, no LoRA", model)
-    pm = add_adapters(model, args.adapters, [args.rank], device)
+    pm = add_adapters(model, args.adapters, [args.rank], device, targets=args.targets.split(","))
     pm.set_adapter("a0")
     if not args.lean:
         measure("PEFT one adapter", pm)
@@ -150,6 +176,10 @@ def main(argv=None) -> int:
         variants.append(("no_pdl", "no PDL", {"PEFT_CSGMV_PDL": "0"}))
     if args.after:
         variants.append(("after", "LoRA after the base product", {"PEFT_CSGMV_BESIDE": "0"}))
+    if args.serial:
+        variants.append(
+            ("serial", "serial (no PDL, no side stream)", {"PEFT_CSGMV_PDL": "0", "PEFT_CSGMV_BESIDE": "0"})
+        )
     if args.beside_min_mib is not None:
         env = {"PEFT_CSGMV_BESIDE_MIN_MIB": str(args.beside_min_mib)}
         variants.append(("beside_min", f"beside only base weights ≥ {args.beside_min_mib:g} MiB", env))
@@ -162,16 +192,17 @@ def main(argv=None) -> int:
             print(f"{label} vs default compiled csgmv: {same_variant[key] * 100:.1f}% of tokens identical")
             disable_csgmv(pm)
 
+    name = os.path.basename(os.path.normpath(args.config)) if args.config else args.model
     ref = {r["row"]: r for r in results}
     base, one = ref["base model, no LoRA"], ref.get("PEFT one adapter")
     print()
-    print(f"| {args.model} | row (cache_implementation=static) | generate tok/s | vs PEFT one | vs base | compile s |")
+    print(f"| {name} | row (cache_implementation=static) | generate tok/s | vs PEFT one | vs base | compile s |")
     print("|" + "---|" * 6)
     for r in results:
         label = r["row"] + ("" if r["static"] else " (dynamic cache)")
         vs_one = f"{r['tok_s'] / one['tok_s']:.2f}" if one else "—"
         print(
-            f"| {args.model} | {label} | {r['tok_s']:.0f} | {vs_one} | "
+            f"| {name} | {label} | {r['tok_s']:.0f} | {vs_one} | "
             f"{r['tok_s'] / base['tok_s']:.2f} | {r['compile_s']:.1f} |"
         )
     if args.out:

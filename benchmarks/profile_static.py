@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from peft_csgmv import enable_csgmv  # noqa: E402
-from peft_csgmv.bench import _clock_up, add_adapters, build_model, device_and_dtype, run_meta, write_results  # noqa: E402
+from peft_csgmv.bench import TARGETS, _clock_up, add_adapters, build_model, device_and_dtype, run_meta, write_results  # noqa: E402
 
 
 class GuardTimer:
@@ -70,9 +70,12 @@ class GuardTimer:
             self._guards.guard_manager_testing_hook_fn = self._saved
 
 
-def kernel_times(fn, gap_us: float) -> tuple[dict, float, float]:
-    """``({kernel name: (total µs, count)}, short gaps µs, long gaps µs)`` of the device kernels ``fn`` runs: the
-    idle time between consecutive kernels, in gaps shorter than ``gap_us`` and in longer ones."""
+def kernel_times(fn, gap_us: float) -> tuple[dict, float, float, dict]:
+    """``({kernel name: (total µs, count)}, short gaps µs, long gaps µs, graphs)`` of the device kernels ``fn`` runs:
+    the idle time between consecutive kernels, in gaps shorter than ``gap_us`` and in longer ones. ``graphs``: the
+    bursts of kernels (runs with no gap of ``gap_us`` or more) of the most kernels, i.e. the decode step's CUDA-graph
+    replays: their count, median kernel count, and median span (first kernel's start to last kernel's end: the
+    graph's GPU time, kernels on two streams counted once) and busy time (the union of their kernels' intervals)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -89,6 +92,9 @@ def kernel_times(fn, gap_us: float) -> tuple[dict, float, float]:
     spans.sort()
     short = long = 0.0
     end = spans[0][1] if spans else 0.0
+    bursts = []  # [start, end, kernels, union µs]
+    if spans:
+        bursts.append([spans[0][0], spans[0][1], 1, spans[0][1] - spans[0][0]])
     for start, stop in spans[1:]:
         gap = start - end
         if gap > 0:
@@ -96,8 +102,21 @@ def kernel_times(fn, gap_us: float) -> tuple[dict, float, float]:
                 short += gap
             else:
                 long += gap
+                bursts.append([start, stop, 0, 0.0])
+        burst = bursts[-1]
+        burst[2] += 1
+        burst[3] += max(0.0, stop - max(start, end))
+        burst[1] = max(burst[1], stop)
         end = max(end, stop)
-    return dict(out), short, long
+    most = max((b[2] for b in bursts), default=0)
+    big = [b for b in bursts if b[2] >= 0.9 * most]
+    graphs = dict(
+        count=len(big),
+        kernels=statistics.median(b[2] for b in big) if big else 0,
+        span_us=statistics.median(b[1] - b[0] for b in big) if big else 0.0,
+        busy_us=statistics.median(b[3] for b in big) if big else 0.0,
+    )
+    return dict(out), short, long, graphs
 
 
 def host_profile(fn, top: int) -> str:
@@ -151,6 +170,8 @@ def call_series(fn, n: int, sync) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1b")
+    p.add_argument("--config", default=None, help="any causal-LM config.json (or folder) instead of --model")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated LoRA target modules")
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--distinct", type=int, default=32)
     p.add_argument("--rank", type=int, default=16)
@@ -168,7 +189,7 @@ def main(argv=None) -> int:
 
     torch._dynamo.config.recompile_limit = 64
     device, dtype = device_and_dtype(None)
-    model = build_model(args.model, device, dtype)
+    model = build_model(args.model, device, dtype, args.config)
     g = torch.Generator(device="cpu").manual_seed(1)
     input_ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
     mask = torch.ones_like(input_ids)
@@ -196,8 +217,8 @@ def main(argv=None) -> int:
             _clock_up(device)
             prefill = timed(target, 1, extra)
             full = timed(target, args.new_tokens, extra)
-            k1, short1, long1 = kernel_times(lambda: run(target, 1, extra), args.gap_us)
-            kn, shortn, longn = kernel_times(lambda: run(target, args.new_tokens, extra), args.gap_us)
+            k1, short1, long1, _ = kernel_times(lambda: run(target, 1, extra), args.gap_us)
+            kn, shortn, longn, graphs = kernel_times(lambda: run(target, args.new_tokens, extra), args.gap_us)
             host = host_profile(lambda: run(target, args.new_tokens, extra), args.cprofile) if args.cprofile else ""
             series = call_series(lambda: run(target, args.new_tokens, extra), args.series, sync)
         per_step = {}
@@ -212,7 +233,7 @@ def main(argv=None) -> int:
             row=label, prefill_ms=prefill, generate_ms=full, step_ms=step, step_gpu_ms=busy, prefill_gpu_ms=prefill_gpu,
             tok_s=args.batch * args.new_tokens / full * 1e3, kernels_per_step=sum(n for _, n in per_step.values()),
             gap_ms=(shortn - short1) / steps / 1e3, host_wait_ms=(longn - long1) / steps / 1e3,
-            guard_us=guard_timer.us[-1] if guard_timer.us else None,
+            guard_us=guard_timer.us[-1] if guard_timer.us else None, graph=graphs,
             top=sorted(((k, us, n) for k, (us, n) in per_step.items()), key=lambda r: -r[1])[: args.top], series=series,
         )  # fmt: skip
         rows.append(row)
@@ -220,6 +241,11 @@ def main(argv=None) -> int:
               f"gaps {row['gap_ms']:.3f}, host wait {row['host_wait_ms']:.3f}), {row['kernels_per_step']:.0f} "
               f"kernels/step, {row['tok_s']:.0f} tok/s, guard check {row['guard_us'] or float('nan'):.0f} µs",
               flush=True)  # fmt: skip
+        print(
+            f"  decode graph replays: {graphs['count']} of {graphs['kernels']:.0f} kernels, GPU span "
+            f"{graphs['span_us'] / 1e3:.3f} ms, busy (union) {graphs['busy_us'] / 1e3:.3f} ms",
+            flush=True,
+        )
         for name, us, n in row["top"]:
             print(f"  {us:8.1f} µs/step  {n:6.1f}×  {name[:110]}")
         if host:
@@ -232,7 +258,7 @@ def main(argv=None) -> int:
     wanted = args.rows.split(",")
     if "base" in wanted:
         measure("base model", model)
-    pm = add_adapters(model, args.adapters, [args.rank], device)
+    pm = add_adapters(model, args.adapters, [args.rank], device, targets=args.targets.split(","))
     pm.set_adapter("a0")
     if "peft" in wanted:
         measure("PEFT one adapter", pm)
@@ -242,13 +268,14 @@ def main(argv=None) -> int:
         measure(f"peft_csgmv, {args.distinct} distinct", pm, adapter_ids=ids)
 
     print(f"\n| {args.model} | row | tok/s | prefill ms | decode step ms | GPU busy per step ms | in-graph gaps ms | "
-          "host wait ms | kernels per step | guard check µs |")  # fmt: skip
-    print("|" + "---|" * 10)
+          "host wait ms | kernels per step | guard check µs | graph span ms | graph busy ms |")  # fmt: skip
+    print("|" + "---|" * 12)
     for r in rows:
         guard = "—" if r["guard_us"] is None else f"{r['guard_us']:.0f}"
         print(f"| {args.model} | {r['row']} | {r['tok_s']:.0f} | {r['prefill_ms']:.1f} | {r['step_ms']:.3f} | "
               f"{r['step_gpu_ms']:.3f} | {r['gap_ms']:.3f} | {r['host_wait_ms']:.3f} | "
-              f"{r['kernels_per_step']:.0f} | {guard} |")  # fmt: skip
+              f"{r['kernels_per_step']:.0f} | {guard} | {r['graph']['span_us'] / 1e3:.3f} | "
+              f"{r['graph']['busy_us'] / 1e3:.3f} |")  # fmt: skip
     if args.out:
         write_results(args.out, run_meta(device, args=vars(args)), results=rows)
     return 0

@@ -23,6 +23,10 @@
 #            after the base product (~6 min) -> static_{8b,1b}_beside.json
 #   smin     static cache, 1B then 8B: base model, csgmv 32 distinct (all beside), after, and only base weights of
 #            >= 16 MiB beside (PEFT_CSGMV_BESIDE_MIN_MIB; ~7 min) -> static_{1b,8b}_min.json
+#   sfusedproj  static cache, lean: the 1B Llama layout and the same sizes with fused q/k/v and gate/up projections
+#            (Phi-3's layout, LoRA on its 4 projections) -> static_1b_lean.json, static_phi3_1b.json
+#   pvariants  as pstatic (base, csgmv) with each decode graph's GPU span, then csgmv with all launches serial
+#            (no PDL, no side stream) -> profile_static_1b_{span,serial}.*
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
@@ -105,6 +109,27 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
           --out "$OUT/static_${m}_min.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/static_${m}_min.log"
         grep "^| $m" "$OUT/static_${m}_min.log" || tail -25 "$OUT/static_${m}_min.log"
       done ;;
+    sfusedproj)
+      # The 1B sizes with q/k/v and gate/up as one projection each (Phi-3's layout): what fewer LoRA layers per block
+      # would give csgmv against the base model, next to the Llama layout in the same run.
+      python3 -c "from transformers import Phi3Config as C; C(hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=4096, pad_token_id=0).save_pretrained('$OUT/phi3_1b')"
+      python3 benchmarks/bench_static.py --model 1b --lean --repeats 3 --out "$OUT/static_1b_lean.json" 2>&1 \
+        | grep --line-buffered -v -i warn > "$OUT/static_1b_lean.log"
+      python3 benchmarks/bench_static.py --config "$OUT/phi3_1b" --targets qkv_proj,o_proj,gate_up_proj,down_proj \
+        --lean --repeats 3 --out "$OUT/static_phi3_1b.json" 2>&1 | grep --line-buffered -v -i warn \
+        > "$OUT/static_phi3_1b.log"
+      grep -h "^| " "$OUT/static_1b_lean.log" "$OUT/static_phi3_1b.log" ;;
+    pvariants)
+      # The static-cache decode step of 1B: base and csgmv as they are, then csgmv with every launch serial (no PDL, no
+      # side stream), whose kernel times are each kernel's own.
+      python3 benchmarks/profile_static.py --model 1b --rows base,csgmv --out "$OUT/profile_static_1b_span.json" 2>&1 \
+        | grep --line-buffered -v -i -E "warn|USDT|profiler" > "$OUT/profile_static_1b_span.log"
+      PEFT_CSGMV_PDL=0 PEFT_CSGMV_BESIDE=0 python3 benchmarks/profile_static.py --model 1b --rows csgmv \
+        --out "$OUT/profile_static_1b_serial.json" 2>&1 | grep --line-buffered -v -i -E "warn|USDT|profiler" \
+        > "$OUT/profile_static_1b_serial.log"
+      tail -40 "$OUT/profile_static_1b_span.log"; tail -25 "$OUT/profile_static_1b_serial.log" ;;
     multi)
       python3 benchmarks/bench_multi_gpu.py --out "$OUT/multi_gpu.json" 2>&1 | grep --line-buffered -v -i warn \
         > "$OUT/multi_gpu.log"
