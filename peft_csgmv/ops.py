@@ -69,8 +69,7 @@ def _stack_at(handle: int, version: int):
     return s
 
 
-@torch.library.custom_op("peft_csgmv::lora", mutates_args=())
-def lora(
+def _lora(
     x: torch.Tensor,
     y: torch.Tensor,
     permutation: torch.Tensor,
@@ -115,7 +114,6 @@ def lora(
     return out
 
 
-@lora.register_fake
 def _lora_fake(x, y, *args, **kwargs) -> torch.Tensor:
     return torch.empty_like(y)
 
@@ -131,8 +129,7 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     return stream
 
 
-@torch.library.custom_op("peft_csgmv::lora_linear", mutates_args=())
-def lora_linear(
+def _lora_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
@@ -193,14 +190,39 @@ def lora_linear(
     return y, delta
 
 
-@lora_linear.register_fake
 def _lora_linear_fake(x, weight, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (x.shape[0], weight.shape[0])
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.float32)
 
 
-# The registered overloads, which compiled layers call: dynamo takes an overload as one graph call, where calling the
-# ``custom_op`` object would make it trace the object's Python ``__call__`` in every LoRA layer (~4 ms of tracing per
-# layer on the CPU).
-lora_overload = torch.ops.peft_csgmv.lora.default
-lora_linear_overload = torch.ops.peft_csgmv.lora_linear.default
+# Registered straight with the dispatcher (a ``torch.library.Library`` schema, one implementation for every device,
+# a fake one for tracing), as vLLM's ``direct_register_custom_op`` registers its kernels: ``torch.library.custom_op``
+# wraps each call in Python layers of its own (an autograd wrapper, a dynamo-disabled wrapper, an aliasing check of the
+# outputs), which cost more host time per call than the op's own Python on an H200's host (~60-90 µs against ~57:
+# benchmarks/bench_capture.py); compiled code without CUDA graphs pays that at every LoRA layer of every step, and a
+# CUDA graph's capture (which transformers' static cache repeats for every ``generate``) once per layer. These ops are
+# for inference: they have no backward.
+_LIB = torch.library.Library("peft_csgmv", "DEF")
+_SCHEMAS = {
+    "lora": (
+        "(Tensor x, Tensor y, Tensor permutation, Tensor seg_indptr, Tensor seg_slot, Tensor? embed_scale, int stack, "
+        "int version, int chunk, bool triton, bool fused=False) -> Tensor",
+        _lora,
+        _lora_fake,
+    ),
+    "lora_linear": (
+        "(Tensor x, Tensor weight, Tensor? bias, Tensor permutation, Tensor seg_indptr, Tensor seg_slot, int stack, "
+        "int version, int chunk, bool triton, bool fused=False) -> (Tensor, Tensor)",
+        _lora_linear,
+        _lora_linear_fake,
+    ),
+}
+for _name, (_schema, _impl, _fake) in _SCHEMAS.items():
+    _LIB.define(_name + _schema)
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"peft_csgmv::{_name}", _fake, lib=_LIB)
+
+# The ops' overloads, which compiled layers call (dynamo takes an overload as one graph call) and which run eagerly as
+# any torch op does.
+lora = lora_overload = torch.ops.peft_csgmv.lora.default
+lora_linear = lora_linear_overload = torch.ops.peft_csgmv.lora_linear.default
