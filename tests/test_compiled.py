@@ -77,6 +77,32 @@ def test_static_cache_generate_matches_eager_without_recompiles(backend):
     assert not torch.equal(outs[0], outs[1]), "the id lists generate the same tokens: the test proves nothing"
 
 
+def test_static_generate_with_a_kept_cache_matches_eager_without_recompiles():
+    """A caller who keeps one ``StaticCache`` and passes it to every ``generate`` (reset between calls: its tensors keep
+    their addresses, so on CUDA the compiled step's graph replays instead of being recorded again; docs/benchmarks.md)
+    gets eager csgmv's tokens for each id list, from one compiled graph."""
+    from transformers import StaticCache
+
+    from peft_csgmv.batch import cache_kwarg
+
+    model = _model()
+    enable_csgmv(model)
+    input_ids, mask = make_batch(3, 5)
+    new_tokens = 4
+    cache = StaticCache(config=model.config, max_cache_len=input_ids.shape[1] + new_tokens - 1)
+    outs = []
+    for ids in ID_LISTS:
+        cache.reset()
+        kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=ids, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, do_sample=False)  # fmt: skip
+        kept = model.generate(compile_config=_compile_config(), **{cache_kwarg(model): cache}, **kw)
+        eager = model.generate(**kw)
+        assert torch.equal(kept, eager), f"ids {ids}: the compiled decode over the kept cache generated other tokens"
+        outs.append(kept)
+    assert _graphs() == 1, f"{_graphs()} graphs compiled: the kept cache or the ids changed the graph"
+    assert not torch.equal(outs[0], outs[1]), "the id lists generate the same tokens: the test proves nothing"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_static_cache_through_the_host_tier_without_recompiles(backend):
     """With the host tier (2 slots for 4 adapters of ranks 4 to 16, so every call moves adapters in and out): the
