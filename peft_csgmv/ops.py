@@ -217,10 +217,16 @@ _SCHEMAS = {
         _lora_linear_fake,
     ),
 }
-for _name, (_schema, _impl, _fake) in _SCHEMAS.items():
-    _LIB.define(_name + _schema)
-    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"peft_csgmv::{_name}", _fake, lib=_LIB)
+
+
+def _register() -> None:
+    for name, (schema, impl, fake) in _SCHEMAS.items():
+        _LIB.define(name + schema)
+        _LIB.impl(name, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"peft_csgmv::{name}", fake, lib=_LIB)
+
+
+_register()
 
 # The ops' overloads, which compiled layers call (dynamo takes an overload as one graph call) and which run eagerly as
 # any torch op does.
