@@ -12,8 +12,9 @@ consecutive kernels: gaps under ``--gap-us`` (kernels queued back to back, insid
 (the GPU waiting on the host). ``--cprofile N`` also prints the N functions with the most host time (cProfile,
 ``tottime``) over one full generate; ``--series N`` times N more full generates one by one (with the garbage
 collections and compiles among them). Also measured: the host time of dynamo's guard check of the row's compiled
-decode step (every step runs it before the CUDA graph). Printed: a table of prefill / step / GPU-busy / gap /
-host-wait time per step for each row, and each row's kernels by time per step.
+decode step (every step runs it before the CUDA graph), and in one more generate its first decode step (where the CUDA
+graph is recorded again for the call's new cache) against the later ones. Printed: a table of prefill / step /
+GPU-busy / gap / host-wait time per step for each row, and each row's kernels by time per step.
 """
 
 from __future__ import annotations
@@ -119,6 +120,25 @@ def kernel_times(fn, gap_us: float) -> tuple[dict, float, float, dict]:
     return dict(out), short, long, graphs
 
 
+class StepClock:
+    """A stopping criterion that stops nothing and notes the time after each step of ``generate`` (the device
+    synchronized first): the first decode step, which records the compiled step's CUDA graph whenever the call's
+    cache is new, against the steps that replay it."""
+
+    def __init__(self, sync) -> None:
+        self.sync, self.times = sync, []
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        self.sync()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def split(self) -> tuple[float, float]:
+        """``(first decode step ms, median of the later steps ms)``."""
+        gaps = [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:])]
+        return (gaps[0], statistics.median(gaps[1:])) if len(gaps) > 1 else (float("nan"), float("nan"))
+
+
 def host_profile(fn, top: int) -> str:
     """The ``top`` functions by own host time over one call of ``fn`` (cProfile)."""
     import cProfile
@@ -221,6 +241,11 @@ def main(argv=None) -> int:
             kn, shortn, longn, graphs = kernel_times(lambda: run(target, args.new_tokens, extra), args.gap_us)
             host = host_profile(lambda: run(target, args.new_tokens, extra), args.cprofile) if args.cprofile else ""
             series = call_series(lambda: run(target, args.new_tokens, extra), args.series, sync)
+            from transformers import StoppingCriteriaList
+
+            clock = StepClock(sync)
+            run(target, args.new_tokens, dict(extra, stopping_criteria=StoppingCriteriaList([clock])))
+            first_step, later_steps = clock.split()
         per_step = {}
         for name, (us, n) in kn.items():
             us0, n0 = k1.get(name, (0.0, 0))
@@ -233,7 +258,8 @@ def main(argv=None) -> int:
             row=label, prefill_ms=prefill, generate_ms=full, step_ms=step, step_gpu_ms=busy, prefill_gpu_ms=prefill_gpu,
             tok_s=args.batch * args.new_tokens / full * 1e3, kernels_per_step=sum(n for _, n in per_step.values()),
             gap_ms=(shortn - short1) / steps / 1e3, host_wait_ms=(longn - long1) / steps / 1e3,
-            guard_us=guard_timer.us[-1] if guard_timer.us else None, graph=graphs,
+            guard_us=guard_timer.us[-1] if guard_timer.us else None, graph=graphs, first_step_ms=first_step,
+            later_step_ms=later_steps,
             top=sorted(((k, us, n) for k, (us, n) in per_step.items()), key=lambda r: -r[1])[: args.top], series=series,
         )  # fmt: skip
         rows.append(row)
@@ -241,6 +267,8 @@ def main(argv=None) -> int:
               f"gaps {row['gap_ms']:.3f}, host wait {row['host_wait_ms']:.3f}), {row['kernels_per_step']:.0f} "
               f"kernels/step, {row['tok_s']:.0f} tok/s, guard check {row['guard_us'] or float('nan'):.0f} µs",
               flush=True)  # fmt: skip
+        print(f"  first decode step (the CUDA graph recorded for the call's new cache) {first_step:.2f} ms, later "
+              f"steps {later_steps:.3f} ms (median; each synchronized)", flush=True)  # fmt: skip
         print(
             f"  decode graph replays: {graphs['count']} of {graphs['kernels']:.0f} kernels, GPU span "
             f"{graphs['span_us'] / 1e3:.3f} ms, busy (union) {graphs['busy_us'] / 1e3:.3f} ms",
