@@ -635,10 +635,13 @@ class DevicePages:
                 rows[s.row][: len(values)] = values
             host = torch.tensor(rows, dtype=dtype)
             table.copy_(host.pin_memory() if table.is_cuda else host, non_blocking=True)
+            # Each stack's vector is its row of the table: made only where it is not already (a view per stack and
+            # table would cost the host a microsecond each at every upload).
+            start, row_bytes = table.data_ptr(), table.stride(0) * table.element_size()
             for s in stacks:
-                view = table[s.row]
-                if getattr(s, name).data_ptr() != view.data_ptr():
-                    setattr(s, name, view)
+                vector = getattr(s, name)
+                if vector.data_ptr() != start + s.row * row_bytes or vector.numel() != width:
+                    setattr(s, name, table[s.row])
         self.dirty = False
 
     def start(self, slot: int) -> int:
