@@ -524,9 +524,11 @@ class LoraStack:
 
     def vacate(self, slot: int) -> None:
         """The host tier moved the slot's adapter out: the slot is empty (rank 0), and PEFT's parameters that viewed
-        it are left as they are (the tier has pointed them at host memory)."""
-        self.shared.pop(slot, None)  # no longer this slot's: clear_slot must not give them copies
-        self.clear_slot(slot)
+        it are left as they are (the tier has pointed them at host memory). Called for each layer of every adapter
+        moved out: no copies to make, so :meth:`clear_slot` without its release."""
+        self.shared.pop(slot, None)  # no longer this slot's: they keep the host views the tier gave them
+        if slot < len(self.ranks_host):
+            self._empty(slot)
 
     def _aliases(self, *tensors: torch.Tensor) -> bool:
         """Whether any of ``tensors`` lives in this stack's storage."""
@@ -565,10 +567,15 @@ class LoraStack:
         if slot >= self.capacity:
             return
         self._release(slot)
+        self._empty(slot)
+
+    def _empty(self, slot: int) -> None:
+        """Slot ``slot`` (within capacity) at rank 0, its storage freed, its extras neutral."""
         self._free(slot)
         if self.ranks_host[slot]:
             self._views = None  # the device copies follow on refresh
-        self.set_extras(slot, None, None)
+        if self.mag is not None or self.lora_bias is not None:
+            self.set_extras(slot, None, None)
         self.ranks_host[slot] = 0
         self.scalings_host[slot] = 0.0
         self.sources.pop(slot, None)
