@@ -28,7 +28,7 @@
 #   pvariants  as pstatic (base, csgmv) with each decode graph's GPU span, then csgmv with all launches serial
 #            (no PDL, no side stream) -> profile_static_1b_{span,serial}.*
 #   capture  host time of one LoRA op eagerly and under CUDA-graph capture (1B gate_proj) -> capture_1b.*
-#   reuse    static cache, 1B lean (+ after): a new cache per generate vs one kept by the caller -> static_1b{,_reused}.*
+#   reuse    static cache, 1B lean (+ after): a new cache per generate vs one kept by the caller -> static_1b_{fresh,kept}.*
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
@@ -139,9 +139,10 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     reuse)
       # Static cache, 1B: transformers' new cache per generate against a cache each row keeps (the CUDA graph replays).
       for r in "" --reuse-cache; do
-        python3 benchmarks/bench_static.py --model 1b --lean --after --repeats 3 $r --out "$OUT/static_1b${r:+_reused}.json" \
-          2>&1 | grep --line-buffered -v -i warn > "$OUT/static_1b${r:+_reused}.log"
-        grep "^| 1b" "$OUT/static_1b${r:+_reused}.log"
+        tag=$([ -n "$r" ] && echo kept || echo fresh)
+        python3 benchmarks/bench_static.py --model 1b --lean --after --repeats 3 $r --out "$OUT/static_1b_$tag.json" \
+          2>&1 | grep --line-buffered -v -i warn > "$OUT/static_1b_$tag.log"
+        grep "^| 1b" "$OUT/static_1b_$tag.log"
       done ;;
     multi)
       python3 benchmarks/bench_multi_gpu.py --out "$OUT/multi_gpu.json" 2>&1 | grep --line-buffered -v -i warn \
