@@ -263,7 +263,9 @@ class LoraStack:
         if views is None:
             self._upload()
             ranks, cap = tuple(self.ranks_host), self.capacity
-            r, align = self.r_max, rank_align(itertools.chain((x for x in ranks if x), self.held_ranks))
+            distinct = set(ranks)  # a few distinct ranks among many slots: each one's alignment checked once
+            distinct.discard(0)
+            r, align = self.r_max, rank_align(distinct.union(self.held_ranks))
             if self.launch_shape != (r, align):  # compiled launches use these as tile sizes: recompile
                 self.launch_shape = (r, align)
                 self._bump()
