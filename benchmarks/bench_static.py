@@ -16,7 +16,6 @@ printed last; the JSON holds GPU name, versions and date.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from peft_csgmv import disable_csgmv, enable_csgmv  # noqa: E402
+from peft_csgmv.batch import cache_kwarg  # noqa: E402
 from peft_csgmv.bench import (  # noqa: E402
     TARGETS,
     _clock_up,
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     input_ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
     mask = torch.ones_like(input_ids)
     results = []
-    cache_kwarg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    cache_name = cache_kwarg(model)
 
     def sync():
         if device.type == "cuda":
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
             for _ in range(args.repeats + 1):
                 if cache is not None:
                     cache.reset()
-                    kw[cache_kwarg] = cache
+                    kw[cache_name] = cache
                 sync()
                 t0 = time.perf_counter()
                 out = target.generate(**kw)
