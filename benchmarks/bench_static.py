@@ -5,8 +5,10 @@ run.
     python benchmarks/bench_static.py --model 1b --out results/static_1b.json
 
 Random weights from a transformers LlamaConfig (no hub). Rows, all with ``cache_implementation="static"`` and
-transformers' default compile config: base model (no LoRA), PEFT one adapter for the whole batch, peft_csgmv with
-1 / 8 / 32 distinct adapters; then peft_csgmv 32 distinct eager (dynamic cache) for reference. Per row: the first
+transformers' default compile config: base model (no LoRA), the base model with a ``StaticCache`` kept by the caller
+(reset before each call: what csgmv does for its calls by default, ``enable_csgmv(keep_static_cache=True)``), PEFT one
+adapter for the whole batch, peft_csgmv with 1 / 8 / 32 distinct adapters, the widest of them with a new cache per call
+(transformers' way, ``keep_static_cache=False``); then peft_csgmv 32 distinct eager (dynamic cache). Per row: the first
 ``generate`` (compile included) and the median of ``--repeats`` more; ``compile s`` = first − median. tok/s counts
 new tokens (batch × ``--new-tokens``, ``min_new_tokens`` equal) over the median. Also reported: how many graphs
 dynamo compiled while each row ran (the csgmv rows share one: the ids change, the graph does not). The table is
@@ -110,15 +112,16 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def measure(label: str, target, static: bool = True, **extra):
+    def measure(label: str, target, static: bool = True, kept: bool = False, **extra):
         _clock_up(device)
         kw = dict(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=args.new_tokens,
                   min_new_tokens=args.new_tokens, **extra)  # fmt: skip
         cache = None
-        if static and args.reuse_cache:
+        if static and (args.reuse_cache or kept):
             from transformers import StaticCache
 
-            cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.new_tokens)
+            # Sized as transformers sizes the cache it makes (the last token is not written back).
+            cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.new_tokens - 1)
         elif static:
             kw["cache_implementation"] = "static"
         graphs_before = counters["stats"]["unique_graphs"]
@@ -148,6 +151,9 @@ def main(argv=None) -> int:
         return out
 
     measure("base model, no LoRA", model)
+    if not args.reuse_cache:
+        # What csgmv's calls do by default (enable_csgmv's keep_static_cache), done by the caller for the base model.
+        measure("base model, a cache kept by the caller", model, kept=True)
     pm = add_adapters(model, args.adapters, [args.rank], device, targets=args.targets.split(","))
     pm.set_adapter("a0")
     if not args.lean:
@@ -161,6 +167,10 @@ def main(argv=None) -> int:
         ids = [f"a{i % d}" for i in range(args.batch)]
         outs[d] = measure(f"peft_csgmv, {d} distinct", pm, adapter_ids=ids)
     ids = [f"a{i % max(distinct)}" for i in range(args.batch)]
+    if not args.reuse_cache:
+        enable_csgmv(pm, keep_static_cache=False)
+        measure(f"peft_csgmv, {max(distinct)} distinct, a new cache per call", pm, adapter_ids=ids)
+        enable_csgmv(pm)
     same = None
     if not args.lean:
         eager = measure(f"peft_csgmv, {max(distinct)} distinct, eager", pm, static=False, adapter_ids=ids)

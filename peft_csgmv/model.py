@@ -33,6 +33,7 @@ from torch import nn
 from .executor import CallContext, Executor
 from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer, unpatched_type
 from .slots import LoraStack, SlotRegistry, layer_adapter, layer_adapters, module_param, weights_device
+from .static_cache import KeptStaticCache
 from .tier import HostTier, host_copies_done, move_adapter, no_gc_pauses
 
 BASE = "__base__"
@@ -129,8 +130,13 @@ _normal_tensors = torch.inference_mode(False)
 class CsgmvState:
     """Everything ``enable_csgmv`` attached to one model: the slot registry, the patched layers and their stacks."""
 
-    def __init__(self, backend: str, dtype: torch.dtype | None, max_resident: int | None = None) -> None:
+    def __init__(
+        self, backend: str, dtype: torch.dtype | None, max_resident: int | None = None, keep_static_cache: bool = True
+    ) -> None:
         self.dtype = dtype
+        # The static cache of the last generate call with ids, for the next one that fits it (None: transformers'
+        # own, a new one per call).
+        self.static_cache = KeptStaticCache() if keep_static_cache else None
         # The host tier: at most this many adapters have slots (on the layers' device); the others' kernel-layer
         # weights wait in (pinned) host memory and are brought into a slot when a call needs them, least recently
         # used out. None: every adapter has a slot.
@@ -372,6 +378,8 @@ class CsgmvState:
             unpatch_layer(module)
         self.layers, self.peft_path = {}, {}
         self.executor.clear_plans()
+        if self.static_cache is not None:
+            self.static_cache.drop()
 
     # -- per call -------------------------------------------------------------------------------------------------
 
@@ -648,9 +656,13 @@ def _run(model, method, args: tuple, kwargs: dict, generate: bool):
     executor = _open_call(model, args, kwargs, generate)
     if executor is None:
         return method(model, *args, **kwargs)
+    kept = model._csgmv.static_cache if generate else None
     try:
-        with torch.no_grad():
-            return method(model, *args, **kwargs)
+        with torch.no_grad(), kept.lend(model.get_base_model()) if kept is not None else contextlib.nullcontext():
+            out = method(model, *args, **kwargs)
+        if kept is not None:
+            kept.returned(out)
+        return out
     finally:
         _close_call(executor)
 
@@ -681,7 +693,11 @@ def _generate(self, *args: Any, **kwargs: Any):
 
 @_normal_tensors
 def enable_csgmv(
-    model, backend: str = "auto", dtype: torch.dtype | None = None, max_resident_adapters: int | None = None
+    model,
+    backend: str = "auto",
+    dtype: torch.dtype | None = None,
+    max_resident_adapters: int | None = None,
+    keep_static_cache: bool = True,
 ):
     """Patch ``model`` (a ``peft.PeftModel``) in place for fast mixed-adapter batches.
 
@@ -701,6 +717,11 @@ def enable_csgmv(
         max_resident_adapters: keep at most this many adapters' kernel-layer weights on the device; the others wait
             in (pinned) host memory and are copied into a free slot when a call needs them, least recently used out.
             A call that needs more distinct adapters fails before anything runs. Default: all on the device.
+        keep_static_cache: ``generate(..., adapter_ids=..., cache_implementation="static")`` keeps its static KV cache
+            for the next such call of the same size (reset, as transformers' releases before ``_prepare_static_cache``
+            did), so the compiled decode step replays its CUDA graph instead of recording it again per call; the last
+            call's cache stays allocated until then (``csgmv_stats(model)["static_cache_bytes"]``). ``False``:
+            transformers' own, a new cache per call. See :mod:`peft_csgmv.static_cache`.
 
     Calling it again on an enabled model restacks every adapter (use it after editing adapter weights in place).
     Adding, loading and deleting adapters through PEFT is picked up on the next call without it.
@@ -713,16 +734,20 @@ def enable_csgmv(
         or max_resident_adapters < 1
     ):
         raise ValueError(f"max_resident_adapters must be a positive int or None; got {max_resident_adapters!r}")
+    if not isinstance(keep_static_cache, bool):
+        raise ValueError(f"keep_static_cache must be True or False; got {keep_static_cache!r}")
     _check_model(model)
     state = model.__dict__.get("_csgmv")
     if state is not None:
         if dtype == state.dtype and max_resident_adapters == state.max_resident:
             state.executor.set_backend(backend)
+            if keep_static_cache != (state.static_cache is not None):
+                state.static_cache = KeptStaticCache() if keep_static_cache else None
             state.sync(model, force=True)
             return model
         # A restack copies into the existing stacks, which keep their dtype and size: build them afresh.
         disable_csgmv(model)
-    state = CsgmvState(backend, dtype, max_resident_adapters)
+    state = CsgmvState(backend, dtype, max_resident_adapters, keep_static_cache)
     try:
         state.sync(model, force=True)
     except BaseException:
@@ -755,7 +780,8 @@ def csgmv_stats(model) -> dict:
     ``peft_path_modules`` (counts), ``stack_bytes`` (device memory of every stack), ``shared_bytes`` (of that, PEFT's
     own adapter weights, which are views into the stacks: stored once), ``plans_cached`` (host-built plans
     kept for later calls with the same ids), ``static_plans`` (plans of compiled shapes), ``resident`` (the adapters
-    with a slot on the device, least recently used first with ``max_resident_adapters``)."""
+    with a slot on the device, least recently used first with ``max_resident_adapters``), ``static_cache_bytes`` (the
+    static KV cache kept for the next ``generate``, see ``keep_static_cache``)."""
     state: CsgmvState = model.__dict__["_csgmv"]
     return dict(
         kernel_layers=len(state.layers),
@@ -766,6 +792,7 @@ def csgmv_stats(model) -> dict:
         plans_cached=state.executor.num_plans,
         static_plans=len(state.executor.statics),
         resident=state.resident,
+        static_cache_bytes=0 if state.static_cache is None else state.static_cache.nbytes,
     )
 
 

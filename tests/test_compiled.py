@@ -103,6 +103,96 @@ def test_static_generate_with_a_kept_cache_matches_eager_without_recompiles():
     assert not torch.equal(outs[0], outs[1]), "the id lists generate the same tokens: the test proves nothing"
 
 
+def _count_static_caches(monkeypatch) -> list:
+    """The ``StaticCache`` objects made from now on (transformers makes them through the class in ``cache_utils``)."""
+    import transformers.cache_utils as cache_utils
+
+    made, init = [], cache_utils.StaticCache.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.StaticCache, "__init__", counting)
+    return made
+
+
+_FRESH_PER_CALL = pytest.mark.skipif(
+    not hasattr(__import__("transformers").GenerationMixin, "_prepare_static_cache"),
+    reason="this transformers keeps its own static cache across generate calls (_get_cache)",
+)
+
+
+@_FRESH_PER_CALL
+def test_static_generate_keeps_its_cache_for_the_next_call(monkeypatch):
+    """transformers makes a new static cache per ``generate`` (at new addresses: on CUDA the compiled step's graph is
+    then recorded again per call); csgmv's calls with ids keep the last one for the next call of the same size, reset:
+    eager csgmv's tokens for three id lists over one cache and one graph; another batch size gets a new one (the old
+    one dropped), as does a call after one whose output carried the cache (``return_dict_in_generate``: the caller's
+    now) and after a call that failed; nothing of the lending is left on the transformers model between calls."""
+    model = _model()
+    enable_csgmv(model)
+    base = model.get_base_model()
+    made = _count_static_caches(monkeypatch)
+    input_ids, mask = make_batch(3, 5)
+    for ids in ID_LISTS:
+        static, eager = _static_and_eager(model, input_ids, mask, ids)
+        assert torch.equal(static, eager), f"ids {ids}: the compiled decode over the kept cache generated other tokens"
+        assert "_prepare_static_cache" not in base.__dict__
+    assert len(made) == 1, f"{len(made)} static caches for three calls of one size: not kept"
+    assert _graphs() == 1
+    kept = csgmv_stats(model)["static_cache_bytes"]
+    assert kept > 0
+
+    # Another batch size: a new cache of that size, kept in place of the first.
+    static, eager = _static_and_eager(model, input_ids[:2], mask[:2], ["a1", "a0"])
+    assert torch.equal(static, eager) and len(made) == 2
+    assert 0 < csgmv_stats(model)["static_cache_bytes"] < kept
+
+    # The output carries the cache: the caller's, not reset under it by the next call.
+    kw = dict(input_ids=input_ids[:2], attention_mask=mask[:2], adapter_ids=["a1", "a0"], max_new_tokens=4,
+              min_new_tokens=4, do_sample=False, cache_implementation="static",
+              compile_config=_compile_config())  # fmt: skip
+    out = model.generate(return_dict_in_generate=True, **kw)
+    given = out.cache if hasattr(out, "cache") else out.past_key_values
+    assert given is made[1] and len(made) == 2, "the kept cache of that size was not used"
+    assert csgmv_stats(model)["static_cache_bytes"] == 0
+    keys = given.layers[0].keys.clone()
+    model.generate(**kw)
+    assert len(made) == 3 and torch.equal(given.layers[0].keys, keys)
+
+    # A call that fails after the cache is made: not kept (its state is whatever the failure left).
+    class Fail(__import__("transformers").StoppingCriteria):
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        model.generate(stopping_criteria=[Fail()], **kw)  # over the kept cache made[2]
+    assert len(made) == 3 and csgmv_stats(model)["static_cache_bytes"] == 0
+    assert "_prepare_static_cache" not in base.__dict__
+    static, eager = _static_and_eager(model, input_ids[:2], mask[:2], ["a1", "a0"])
+    assert torch.equal(static, eager) and len(made) == 4
+
+
+@_FRESH_PER_CALL
+def test_static_generate_without_keeping_the_cache(monkeypatch):
+    """``keep_static_cache=False``: transformers' own behaviour, a new cache per call, none held between calls."""
+    model = _model()
+    enable_csgmv(model, keep_static_cache=False)
+    made = _count_static_caches(monkeypatch)
+    input_ids, mask = make_batch(3, 5)
+    for ids in ID_LISTS[:2]:
+        static, eager = _static_and_eager(model, input_ids, mask, ids)
+        assert torch.equal(static, eager)
+    assert len(made) == 2 and csgmv_stats(model)["static_cache_bytes"] == 0
+    enable_csgmv(model)  # switched back on without a restack
+    _static_and_eager(model, input_ids, mask, ID_LISTS[2])
+    assert csgmv_stats(model)["static_cache_bytes"] > 0
+    with pytest.raises(ValueError, match="keep_static_cache"):
+        enable_csgmv(model, keep_static_cache="no")
+    assert csgmv_stats(model)["static_cache_bytes"] > 0, "a refused call changed the model's state"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_static_cache_through_the_host_tier_without_recompiles(backend):
     """With the host tier (2 slots for 4 adapters of ranks 4 to 16, so every call moves adapters in and out): the
