@@ -11,7 +11,8 @@
 #   profile  cProfile of eager 1B decode steps: base, PEFT one adapter, csgmv     -> profile_decode_1b.txt
 #   pstatic  static-cache generate, 1B: prefill vs decode step, GPU kernels per step (base, PEFT, csgmv) -> profile_static_1b.*
 #   ranks    end to end, 1B, r=64 and mixed ranks 8/16/64 (PEFT one adapter vs csgmv) -> e2e_1b_r64.json, ...
-#   static   transformers' static cache (compiled decode), 1B and 8B, all rows, 1B without PDL too (~7 min) -> static_{1b,8b}.json
+#   static   transformers' static cache (compiled decode), 1B and 8B, all rows (~7 min; split in two device calls
+#            if need be: bench_static.py --model 1b / 8b) -> static_{1b,8b}.json
 #   memory   adapter memory with csgmv vs PEFT alone; 1000 adapters with the host tier; the tier's bookkeeping per move
 #            (~6 min) -> memory_1b.json, tier_host.log
 #   multi    two GPUs (the nvidia-h200-x2 kind): 8B with device_map over both vs one; data-parallel generate -> multi_gpu.json
@@ -74,7 +75,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
           --out "$OUT/e2e_1b_r$tag.json" 2>&1 | grep "^| 1b" | tee "$OUT/e2e_1b_r$tag.log"
       done ;;
     static)
-      python3 benchmarks/bench_static.py --model 1b --repeats 3 --pdl-off --out "$OUT/static_1b.json" 2>&1 | grep -v -i warn \
+      python3 benchmarks/bench_static.py --model 1b --repeats 3 --out "$OUT/static_1b.json" 2>&1 | grep -v -i warn \
         > "$OUT/static_1b.log"
       python3 benchmarks/bench_static.py --model 8b --repeats 2 --out "$OUT/static_8b.json" 2>&1 | grep -v -i warn \
         > "$OUT/static_8b.log"
