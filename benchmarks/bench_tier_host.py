@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--phases", action="store_true", help="also time the steps of a move (adds a little overhead)")
+    p.add_argument("--cprofile", type=int, default=0, help="then print the N functions with the most own host time")
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
     if args.adapters < args.resident + args.per_call:
@@ -90,12 +91,24 @@ def main(argv=None) -> int:
         for name in ("place", "vacate", "refresh"):
             _timed(LoraStack, name, totals)
     times = []
+    profiler = None
+    if args.cprofile:
+        import cProfile
+
+        profiler = cProfile.Profile()
     for _ in range(args.calls):
         names = [order[(nxt + i) % args.adapters] for i in range(args.per_call)]
         nxt += args.per_call
         t0 = time.perf_counter()
-        call(names)
+        if profiler is not None:
+            profiler.runcall(call, names)
+        else:
+            call(names)
         times.append(time.perf_counter() - t0)
+    if profiler is not None:
+        import pstats
+
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(args.cprofile)
     median_ms = statistics.median(times) * 1e3
     print("| layers | adapters | resident | calls of | median ms per call | ms per adapter | device |")
     print("|---|---|---|---|---|---|---|")
