@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from peft_csgmv import disable_csgmv, enable_csgmv  # noqa: E402
-from peft_csgmv.batch import cache_kwarg  # noqa: E402
+from peft_csgmv._compat import cache_kwarg  # noqa: E402
 from peft_csgmv.bench import (  # noqa: E402
     TARGETS,
     _clock_up,

@@ -329,43 +329,6 @@ def _input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def cache_kwarg(model) -> str:
-    """The name ``generate`` takes a ready KV cache under: ``cache`` in recent transformers, ``past_key_values``
-    before (read off the wrapped model's ``forward``)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    forward = getattr(type(base), "forward", None)
-    params = inspect.signature(forward).parameters if forward is not None else {}
-    return "cache" if "cache" in params else "past_key_values"
-
-
-class BucketCache:
-    """One transformers ``StaticCache`` per prompt length, kept for the batches that follow.
-
-    Given ``cache_implementation="static"``, every ``generate`` call makes a new cache, at new device addresses, and
-    the compiled decode step then records its CUDA graph again, once per call (tens of milliseconds on an H200, more
-    with LoRA), and keeps the old graph, which every later step checks first. Batches come in order of prompt length,
-    so the run keeps one cache for the current padded length (reset between batches: the same addresses, so the decode
-    step's graph replays) and frees it when the length grows. Its size is what transformers would allocate for the
-    call (``prompt + max_new_tokens - 1`` positions, ``batch_size`` rows)."""
-
-    def __init__(self, model, max_new_tokens: int) -> None:
-        self.model, self.max_new_tokens = model, max_new_tokens
-        self.name = cache_kwarg(model)
-        self.cache, self.length = None, None
-
-    def for_prompt(self, prompt_length: int) -> dict:
-        """The ``generate`` keyword argument of a batch padded to ``prompt_length``: the kept cache, reset."""
-        from transformers import StaticCache
-
-        length = prompt_length + self.max_new_tokens - 1
-        if self.cache is None or self.length != length:
-            self.cache = None  # the old one's memory is free for the new one
-            self.cache, self.length = StaticCache(config=self.model.config, max_cache_len=length), length
-        else:
-            self.cache.reset()
-        return {self.name: self.cache}
-
-
 def generate_rows(
     model,
     tokenizer,
@@ -382,19 +345,15 @@ def generate_rows(
     With ``cache_implementation="static"`` (transformers' static cache, whose decode step it compiles for each batch
     shape) every call has the same shape where it can: prompts are left-padded to :func:`prompt_bucket` of the batch's
     longest, and a short last batch is filled up to ``batch_size`` with copies of its last row (their output is
-    dropped), so a run compiles one decode step per prompt bucket it meets; with ``max_new_tokens`` given, the batches
-    of a bucket share one static cache (:class:`BucketCache`), so the compiled step records its CUDA graph once per
-    bucket, not once per batch."""
+    dropped), so a run compiles one decode step per prompt bucket it meets, and the batches of a bucket share the
+    static cache csgmv keeps for calls of one size (``enable_csgmv``'s ``keep_static_cache``): the compiled step
+    records its CUDA graph once per bucket, not once per batch."""
     from tqdm.auto import tqdm
 
     lengths = [len(ids) for ids in tokenizer([r.prompt for r in rows])["input_ids"]] if rows else []
     device = _input_device(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     static = generate_kwargs.get("cache_implementation") == "static"
-    caches = None
-    if static and generate_kwargs.get("max_new_tokens"):
-        caches = BucketCache(model, generate_kwargs["max_new_tokens"])
-        generate_kwargs = {k: v for k, v in generate_kwargs.items() if k != "cache_implementation"}
     new_tokens_total, written, started = 0, 0, time.perf_counter()
     bar = tqdm(total=len(rows), unit="row", disable=not progress, dynamic_ncols=True)
     try:
@@ -402,11 +361,10 @@ def generate_rows(
             for batch in batches_by_length(rows, lengths, batch_size):
                 brows = [rows[i] for i in batch]
                 called = brows + [brows[-1]] * (batch_size - len(brows)) if static else brows
-                padding, cache = {"padding": True}, {}
+                padding = {"padding": True}
                 if static:
                     bucket = prompt_bucket(max(lengths[i] for i in batch))
                     padding = {"padding": "max_length", "max_length": bucket}
-                    cache = caches.for_prompt(bucket) if caches is not None else {}
                 enc = tokenizer([r.prompt for r in called], return_tensors="pt", padding_side="left", **padding)
                 # Only what every causal LM's generate takes (a tokenizer may add token_type_ids, which older
                 # transformers refuse for models that do not use them).
@@ -416,7 +374,6 @@ def generate_rows(
                     attention_mask=mask,
                     adapter_ids=[r.adapter for r in called],
                     pad_token_id=pad_id,
-                    **cache,
                     **generate_kwargs,
                 )
                 new = seqs[: len(brows), input_ids.shape[1] :].cpu()

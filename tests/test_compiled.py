@@ -83,7 +83,7 @@ def test_static_generate_with_a_kept_cache_matches_eager_without_recompiles():
     gets eager csgmv's tokens for each id list, from one compiled graph."""
     from transformers import StaticCache
 
-    from peft_csgmv.batch import cache_kwarg
+    from peft_csgmv._compat import cache_kwarg
 
     model = _model()
     enable_csgmv(model)
