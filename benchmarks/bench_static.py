@@ -75,6 +75,11 @@ def main(argv=None) -> int:
         "(PEFT_CSGMV_PDL=0, PEFT_CSGMV_BESIDE=0)",
     )
     p.add_argument(
+        "--groups-off",
+        action="store_true",
+        help="also the widest row without sibling groups (PEFT_CSGMV_GROUPS=0: every layer's LoRA on its own)",
+    )
+    p.add_argument(
         "--beside-min-mib",
         type=float,
         default=None,
@@ -190,6 +195,8 @@ def main(argv=None) -> int:
         variants.append(
             ("serial", "serial (no PDL, no side stream)", {"PEFT_CSGMV_PDL": "0", "PEFT_CSGMV_BESIDE": "0"})
         )
+    if args.groups_off:
+        variants.append(("groups_off", "no sibling groups", {"PEFT_CSGMV_GROUPS": "0"}))
     if args.beside_min_mib is not None:
         env = {"PEFT_CSGMV_BESIDE_MIN_MIB": str(args.beside_min_mib)}
         variants.append(("beside_min", f"beside only base weights ≥ {args.beside_min_mib:g} MiB", env))

@@ -205,6 +205,16 @@ class Executor:
         # with PEFT_CSGMV_BESIDE=1; PEFT_CSGMV_BESIDE_MIN_MIB=N (read when the model is enabled) sets it.
         floor = os.environ.get("PEFT_CSGMV_BESIDE_MIN_MIB") or ("16" if self.beside == "cuda" else "0")
         self.beside_min_bytes = int(float(floor) * 2**20)
+        # Sibling groups (kernels.group): layers that read the same input tensor one after another, learned from the
+        # first eager call with ids (observe), then run by compiled code as one op per group. PEFT_CSGMV_GROUPS=0
+        # (read when the model is enabled) turns them off.
+        self.groups_on = os.environ.get("PEFT_CSGMV_GROUPS", "1") != "0"
+        self.groups_learned = not self.groups_on
+        self._seen: list = []  # this call's layers that read the tensor _seen_x, in order
+        self._seen_x = None
+        # A group's members' outputs, computed by its first member in compiled code, for the others: (group leader's
+        # id, member index) -> (input, output). Emptied as they are taken, and at the end of every call.
+        self.stash: dict = {}
         self.plans: collections.OrderedDict = collections.OrderedDict()  # LRU: (slots, repeat, tpr, device) -> PlanRun
         self.statics: list[StaticPlan] = []
         self._triton: dict = {}
@@ -234,10 +244,75 @@ class Executor:
 
     def end(self) -> None:
         """Close the call in progress; an interrupted outer call is in progress again."""
+        self.stash.clear()
+        if self._seen_x is not None:
+            self._learn()
         if self._outer:
             self._open(self._outer.pop())
         else:
             self.call, self.active, self.num_ids = None, False, 0
+
+    # -- sibling groups ---------------------------------------------------------------------------------------------
+
+    def observe(self, layer: torch.nn.Module, x: torch.Tensor) -> None:
+        """An eager kernel layer of the call in progress read ``x`` (until the groups are learned): layers that read
+        the very same tensor one after another are siblings. A run of them becomes a group as soon as it ends (the
+        next layer reads another tensor), so a static-cache ``generate`` has its groups from its eager prefill on,
+        before its decode step is compiled."""
+        if x is self._seen_x:
+            self._seen.append(layer)
+            return
+        self._group(self._seen)
+        self._seen, self._seen_x = [layer], x
+
+    def _group(self, run: list) -> None:
+        """``run``'s layers (siblings, in call order) as groups of up to three, leaving out layers that compiled code
+        runs beside their base product (:attr:`beside_min_bytes`; a group runs after its members' base products): each
+        group's first member holds its key and the other members' stack handles (``_csgmv_siblings``), which hold the
+        key and their place (``_csgmv_member``). No module holds another: compiled code would guard each such
+        reference in Python at every step."""
+        from .kernels.group import MAX_MEMBERS
+
+        def after(layer) -> bool:
+            stack, base = layer.__dict__.get("_csgmv_stack"), layer._modules.get("base_layer")
+            weight = getattr(base, "weight", None)
+            if stack is None or not isinstance(weight, torch.Tensor):
+                return False
+            return not (self.beside_on(stack.device) and weight.nbytes >= self.beside_min_bytes)
+
+        parts, part = [], []
+        for layer in run:
+            if after(layer):
+                part.append(layer)
+            else:
+                parts.append(part)
+                part = []
+        parts.append(part)
+        for part in parts:
+            for i in range(0, len(part) - 1, MAX_MEMBERS):
+                chunk = part[i : i + MAX_MEMBERS]
+                if len(chunk) < 2:
+                    continue
+                key = id(chunk[0])
+                handles = tuple(m.__dict__["_csgmv_stack"].handle for m in chunk[1:])
+                chunk[0].__dict__["_csgmv_siblings"] = (key, handles)
+                for index, member in enumerate(chunk[1:], start=1):
+                    member.__dict__["_csgmv_member"] = (key, index)
+
+    def forget_groups(self, layers) -> None:
+        """A layer got a new stack (another handle): the groups are learned again from the next eager call."""
+        for layer in layers:
+            layer.__dict__.pop("_csgmv_siblings", None)
+            layer.__dict__.pop("_csgmv_member", None)
+        self._seen, self._seen_x = [], None
+        self.groups_learned = not self.groups_on
+
+    def _learn(self) -> None:
+        """The end of the first eager call that observed its layers: its last run is grouped too, and the groups
+        are learned for good."""
+        self._group(self._seen)
+        self._seen, self._seen_x = [], None
+        self.groups_learned = True
 
     def _open(self, call: CallContext) -> None:
         for static in self.statics:

@@ -134,6 +134,8 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
     rows = x.shape[0]
     device = x.device
+    if not torch.compiler.is_compiling() and not ex.groups_learned:  # (compiled code reads no flag: no guard)
+        ex.observe(self, x)
     if stack.device != device and not _follow_weights(self, stack, ex, device):
         # The input is not where the layer's weights are: PEFT's own path decides (its result, or its error), and
         # the stack stays where the weights are.
@@ -149,13 +151,12 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     else:
         base = self._modules["base_layer"]
         hooked = base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or _global_hooks()
-        if (
-            not (hooked or args or kwargs)
-            and torch.compiler.is_compiling()
-            and ex.beside_on(device)
-            and _beside(stack, base, x, ex.beside_min_bytes)
-        ):
-            return _compiled_beside(ex, stack, base, x, rows, device)
+        if not (hooked or args or kwargs) and torch.compiler.is_compiling():
+            grouped = _compiled_group(self, ex, stack, base, x, rows, device)
+            if grouped is not None:
+                return grouped
+            if ex.beside_on(device) and _beside(stack, base, x, ex.beside_min_bytes):
+                return _compiled_beside(ex, stack, base, x, rows, device)
         if hooked:
             result = base(x, *args, **kwargs)
         else:  # nothing for Module.__call__ to run around forward: skip its few microseconds per layer
@@ -229,6 +230,56 @@ def _compiled_beside(ex: Executor, stack: "LoraStack", base: nn.Linear, x, rows:
         stack.version, static.chunk, triton, fused,
     )  # fmt: skip
     return (y + delta).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
+
+
+def _groupable(layer: nn.Module, ex: Executor, base: nn.Module, stack: "LoraStack", x: torch.Tensor) -> bool:
+    """Whether a sibling group's member runs in the group's op for this call (:func:`_compiled_group`): a plain
+    ``nn.Linear`` base whose forward is the class's, without hooks (the caller checked the layer's own and that no
+    variant arguments came), no DoRA or ``lora_bias``, a decode-sized input of the stack's width on its device."""
+    return (
+        type(base) is nn.Linear
+        and "forward" not in base.__dict__
+        and stack.mag is None
+        and stack.lora_bias is None
+        and not stack.embedding
+        and stack.device == x.device
+        and stack.in_features == x.shape[-1]
+        and x.numel() <= BESIDE_MAX_TOKENS * x.shape[-1]
+    )
+
+
+def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x, rows: int, device):
+    """A sibling group's member inside compiled code (groups: :meth:`Executor.observe`), or ``None`` for the layer's
+    own path. The group's first member runs ``peft_csgmv::lora_group``, one shrink and one expand launch for every
+    member's LoRA (found by stack handle), and leaves the others' deltas in :attr:`Executor.stash`; each member, the
+    first included, then adds its delta to its own base product, as :func:`_compiled_beside` does (the same numbers).
+    A member takes its delta only if it reads the same ``x`` and its stack is the one the group named; otherwise
+    (another input, hooks, a switched-off layer: checked by the caller) it runs on its own."""
+    state = layer.__dict__
+    member = state.get("_csgmv_member")
+    if member is not None:
+        taken = ex.stash.pop(member, None)
+        if taken is None or taken[0] is not x or taken[1] != stack.handle or not _groupable(layer, ex, base, stack, x):
+            return None
+        if stack.version < 0:  # never: a branch on it makes the graph guard this member's stack, which the op read
+            return None
+        delta = taken[2]
+    else:
+        group = state.get("_csgmv_siblings")
+        if group is None or not _groupable(layer, ex, base, stack, x):
+            return None
+        key, handles = group
+        x2 = x.reshape(-1, x.shape[-1])
+        static, triton, _ = _compiled_plan(ex, stack, x2, rows, device)
+        deltas = ops.lora_group(
+            x2, static.permutation, static.seg_indptr, static.seg_slot, [stack.handle, *handles],
+            [stack.version, *[-1] * len(handles)], static.chunk, triton,
+        )  # fmt: skip
+        for index, (handle, other) in enumerate(zip(handles, deltas[1:]), start=1):
+            ex.stash[(key, index)] = (x, handle, other)
+        delta = deltas[0]
+    y = base.forward(x)
+    return (y + delta.view(*y.shape)).to(y.dtype)
 
 
 def _follow_weights(layer: nn.Module, stack: "LoraStack", ex: Executor, device: torch.device) -> bool:
@@ -336,6 +387,8 @@ def unpatch_layer(layer: nn.Module) -> None:
         "_csgmv_exec",
         "_csgmv_held",
         "_csgmv_peft",
+        "_csgmv_siblings",
+        "_csgmv_member",
         *_RESCALING_METHODS,
     ):
         layer.__dict__.pop(attr, None)

@@ -181,6 +181,7 @@ class CsgmvState:
         peft_path: dict[str, nn.Module] = {}
         known: set[str] = set()
         self.dora_refused = set()
+        regroup = False  # a layer got a new stack
         if self.peft_only is None:
             _, LoraLayer, _ = _peft_classes()
             Aux = _auxiliary_wrapper_class()
@@ -219,11 +220,13 @@ class CsgmvState:
             for layer in found.values():
                 if not is_patched(layer):
                     patch_layer(layer, self._new_stack(layer), self.executor)
+                    regroup = True
                 elif layer._csgmv_stack.dtype != self.stack_dtype(layer):
                     # An adapter of a wider dtype arrived: the stack takes that dtype, every slot copied again.
                     layer._csgmv_stack.release_shared()
                     layer._csgmv_stack = self._new_stack(layer)
                     restack.add(layer)
+                    regroup = True
             if tier is not None:
                 # Every adapter's place in its page; those without a slot wait in host memory, and residents whose
                 # weights wait there (admitted now) come in from it.
@@ -245,6 +248,8 @@ class CsgmvState:
                     unpatch_layer(module)
         self.layers, self.peft_path, self.known = found, peft_path, frozenset(known)
         self.fingerprint = fingerprint
+        if regroup and len(found) > 1:  # sibling groups name stacks by handle: learned again (Executor.observe)
+            self.executor.forget_groups(found.values())
         weights = next((w for layer in found.values() for w in layer_adapters(layer).values()), None)
         self.probe = None if weights is None else (weights[0], weights[0].dtype)
         self.configs = list(model.peft_config.values())

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from . import kernels
+from .kernels.group import expand_group, group_splits, shrink_group
 from .kernels.launch import without_pdl
 from .plan import BatchPlan
 from .slots import stack_by_handle
@@ -195,6 +196,46 @@ def _lora_linear_fake(x, weight, *args, **kwargs) -> tuple[torch.Tensor, torch.T
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.float32)
 
 
+def _lora_group(
+    x: torch.Tensor,
+    permutation: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slot: torch.Tensor,
+    stacks: list[int],
+    versions: list[int],
+    chunk: int,
+    triton: bool,
+) -> list[torch.Tensor]:
+    """The LoRA alone of a sibling group: up to three layers that read the same ``x`` (their stack handles, in order),
+    in one shrink and one expand launch (:mod:`peft_csgmv.kernels.group`). Returns one ``(T, N_g)`` fp32 delta per
+    member, as :func:`lora_linear` returns its ``delta``: each member's output is ``(its base product + delta)`` in the
+    base product's dtype. ``versions``: each stack's version the caller's graph was traced with, or ``-1`` where the
+    caller's graph guards it elsewhere (each member's own call reads its stack's version, layers._compiled_group)."""
+    ss = [stack_by_handle(h) if v < 0 else _stack_at(h, v) for h, v in zip(stacks, versions)]
+    plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
+    num_tokens = x.shape[0]
+    if not triton:
+        deltas = []
+        for s in ss:
+            t = kernels.shrink_reference(x, s.a, s.ranks_host, plan)
+            delta = torch.zeros((num_tokens, s.out_features), dtype=torch.float32, device=x.device)
+            kernels.expand_reference(t, s.b, s.ranks_host, s.scalings_host, plan, delta, None, None, None)
+            deltas.append(delta)
+        return deltas
+    cuda = x.device.type == "cuda"
+    with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
+        deltas = [torch.empty((num_tokens, s.out_features), dtype=torch.float32, device=x.device) for s in ss]
+        r = max(s.a.shape[1] for s in ss)
+        t = torch.empty((len(ss), group_splits(plan, x.shape[1]), num_tokens, r), dtype=torch.float32, device=x.device)
+        shrink_group(x, [s.a for s in ss], [s.ranks for s in ss], plan, t)
+        expand_group(t, [s.b for s in ss], [s.ranks for s in ss], [s.scalings for s in ss], plan, deltas, x.dtype)
+    return deltas
+
+
+def _lora_group_fake(x, permutation, seg_indptr, seg_slot, stacks, *args, **kwargs) -> list[torch.Tensor]:
+    return [x.new_empty((x.shape[0], stack_by_handle(h).out_features), dtype=torch.float32) for h in stacks]
+
+
 # Registered straight with the dispatcher (a ``torch.library.Library`` schema, one implementation for every device,
 # a fake one for tracing), as vLLM's ``direct_register_custom_op`` registers its kernels: ``torch.library.custom_op``
 # wraps each call in Python layers of its own (an autograd wrapper, a dynamo-disabled wrapper, an aliasing check of the
@@ -216,6 +257,12 @@ _SCHEMAS = {
         _lora_linear,
         _lora_linear_fake,
     ),
+    "lora_group": (
+        "(Tensor x, Tensor permutation, Tensor seg_indptr, Tensor seg_slot, int[] stacks, int[] versions, int chunk, "
+        "bool triton) -> Tensor[]",
+        _lora_group,
+        _lora_group_fake,
+    ),
 }
 
 
@@ -232,3 +279,4 @@ _register()
 # any torch op does.
 lora = lora_overload = torch.ops.peft_csgmv.lora.default
 lora_linear = lora_linear_overload = torch.ops.peft_csgmv.lora_linear.default
+lora_group = torch.ops.peft_csgmv.lora_group.default

@@ -1,0 +1,131 @@
+"""Sibling groups: layers that read the same input (a block's q/k/v, gate/up) run their LoRA in compiled code as one
+``peft_csgmv::lora_group`` op, one shrink and one expand launch for all of them (each member adds its part to its own
+base product). The group kernels against the
+per-layer kernels (Triton, under the interpreter on CPU), and the compiled static-cache path with groups against the
+eager path (itself tested against stock PEFT elsewhere), with the op in the graph and no recompiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DEVICE, add_adapters, make_batch, tiny_model
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+from peft_csgmv import enable_csgmv, kernels
+from peft_csgmv.kernels.group import expand_group, group_splits, shrink_group
+from peft_csgmv.plan import BatchPlan
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+ID_LISTS = [["a0", None, "a1"], ["a1", "a0", None], ["a0", "a0", "a1"]]
+
+
+def _model(dtype=torch.float32, lora_bias: bool = False):
+    model, targets = tiny_model("llama", dtype=dtype)
+    specs = {
+        "a0": dict(r=4, lora_alpha=8, target_modules=targets),
+        "a1": dict(r=8, lora_alpha=4, target_modules=targets, lora_bias=lora_bias),
+    }
+    return add_adapters(model, specs).to(DEVICE)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("view", ["whole", "every_2nd_row", "offset_columns"])
+def test_group_kernels_match_the_layer_kernels(dtype, view):
+    """shrink_group + expand_group over a block's q/k/v (ranks 4 and 8, a base row) give each member's LoRA as the
+    per-layer shrink and expand do (the LoRA alone, zeros on base rows), for ``x`` whole, every 2nd row of a taller
+    tensor, or a column slice of a wider one."""
+    model = _model(dtype)
+    enable_csgmv(model, backend="triton")
+    attn = model.base_model.model.model.layers[0].self_attn
+    stacks = [attn.q_proj._csgmv_stack, attn.k_proj._csgmv_stack, attn.v_proj._csgmv_stack]
+    slots = model._csgmv.slots_for(["a0", None, "a1", "a1", "a0"])
+    plan = BatchPlan.build(list(slots), 1, DEVICE)
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(10, 60, generator=g).to(DEVICE, dtype)
+    x = {"whole": wide[:5, :48].contiguous(), "every_2nd_row": wide[::2, :48], "offset_columns": wide[:5, 7:55]}[view]
+    t = torch.zeros(3, group_splits(plan, 48), 5, max(s.a.shape[1] for s in stacks), device=DEVICE)
+    shrink_group(x, [s.a for s in stacks], [s.ranks for s in stacks], plan, t)
+    outs = [torch.full((5, s.out_features), 7.0, device=DEVICE) for s in stacks]
+    expand_group(t, [s.b for s in stacks], [s.ranks for s in stacks], [s.scalings for s in stacks], plan, outs, dtype)
+    for s, out in zip(stacks, outs):
+        want = torch.full((5, s.out_features), 7.0, device=DEVICE)
+        tt = kernels.shrink(x, s.a, s.ranks, plan)
+        kernels.expand(tt, s.b, s.ranks, s.scalings, plan, None, out=want, act_dtype=dtype)
+        assert want[0].abs().max() > 0 and not torch.equal(want[0], torch.full_like(want[0], 7.0))
+        torch.testing.assert_close(out[[0, 2, 3, 4]], want[[0, 2, 3, 4]], rtol=1e-5, atol=1e-5)
+
+
+def _graph_capture():
+    """A dynamo backend that keeps every graph it is given and runs it as traced (as ``aot_eager`` would run it,
+    without AOT autograd: the ops are the layers' own calls)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None, dynamic=False)
+    config._compile_all_devices = True
+    return config, graphs
+
+
+def _ops(graphs, name: str) -> int:
+    target = getattr(torch.ops.peft_csgmv, name).default
+    return sum(1 for gm in graphs for node in gm.graph.nodes if node.target is target)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_static_generate_runs_sibling_groups(backend, monkeypatch):
+    """The decode step compiled by transformers' static cache runs each block's q/k/v and gate/up as one group op (2
+    blocks: 4 group ops, 4 layers alone: o and down), learned from the eager prefill before the step was traced;
+    eager csgmv's tokens for three id lists, one graph. (On CPU every layer runs after its base product; on CUDA the
+    layers with base weights of 16 MiB or more run beside it instead, outside groups.)"""
+    monkeypatch.delenv("PEFT_CSGMV_GROUPS", raising=False)
+    model = _model()
+    enable_csgmv(model, backend=backend)
+    config, graphs = _graph_capture()
+    input_ids, mask = make_batch(3, 5)
+    outs = []
+    for ids in ID_LISTS:
+        kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=ids, max_new_tokens=4, min_new_tokens=4,
+                  do_sample=False)  # fmt: skip
+        static = model.generate(cache_implementation="static", compile_config=config, **kw)
+        eager = model.generate(**kw)
+        assert torch.equal(static, eager), f"ids {ids}: the grouped compiled decode generated other tokens"
+        outs.append(static)
+    assert len(graphs) == 1, f"{len(graphs)} graphs: the groups or the ids changed the graph"
+    assert _ops(graphs, "lora_group") == 4
+    assert _ops(graphs, "lora") + _ops(graphs, "lora_linear") == 4, "o and down alone"
+    assert not torch.equal(outs[0], outs[1]), "the id lists generate the same tokens: the test proves nothing"
+    assert model._csgmv.executor.stash == {}
+
+
+def test_groups_off_and_members_that_cannot_join(monkeypatch):
+    """``PEFT_CSGMV_GROUPS=0``: every layer on its own, as before. And a group whose member cannot run in the group's
+    op (here a ``lora_bias`` adapter, which the group kernels do not serve) runs layer by layer: eager's tokens."""
+    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "0")
+    model = _model()
+    enable_csgmv(model, backend="torch")
+    config, graphs = _graph_capture()
+    input_ids, mask = make_batch(3, 5)
+    kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=ID_LISTS[0], max_new_tokens=3, do_sample=False)
+    assert torch.equal(model.generate(cache_implementation="static", compile_config=config, **kw), model.generate(**kw))
+    assert _ops(graphs, "lora_group") == 0
+    torch._dynamo.reset()
+
+    monkeypatch.delenv("PEFT_CSGMV_GROUPS")
+    model = _model(lora_bias=True)
+    enable_csgmv(model, backend="torch")
+    config, graphs = _graph_capture()
+    assert torch.equal(model.generate(cache_implementation="static", compile_config=config, **kw), model.generate(**kw))
+    assert _ops(graphs, "lora_group") == 0
+    assert "_csgmv_siblings" in model.base_model.model.model.layers[0].self_attn.q_proj.__dict__, "groups learned"
