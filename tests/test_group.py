@@ -37,7 +37,9 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)], ids=str
+)
 @pytest.mark.parametrize("view", ["whole", "every_2nd_row", "offset_columns"])
 def test_group_kernels_match_the_layer_kernels(dtype, view):
     """shrink_group + expand_group over a block's q/k/v (ranks 4 and 8, a base row) give each member's LoRA as the
