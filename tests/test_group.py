@@ -1,4 +1,5 @@
-"""Sibling groups: layers that read the same input (a block's q/k/v, gate/up) run their LoRA in compiled code as one
+"""Sibling groups (``PEFT_CSGMV_GROUPS=1``, a developer switch for now): layers that read the same input (a block's
+q/k/v, gate/up) run their LoRA in compiled code as one
 ``peft_csgmv::lora_group`` op, one shrink and one expand launch for all of them (each member adds its part to its own
 base product). The group kernels against the
 per-layer kernels (Triton, under the interpreter on CPU), and the compiled static-cache path with groups against the
@@ -91,7 +92,7 @@ def test_static_generate_runs_sibling_groups(backend, monkeypatch):
     blocks: 4 group ops, 4 layers alone: o and down), learned from the eager prefill before the step was traced;
     eager csgmv's tokens for three id lists, one graph. (On CPU every layer runs after its base product; on CUDA the
     layers with base weights of 16 MiB or more run beside it instead, outside groups.)"""
-    monkeypatch.delenv("PEFT_CSGMV_GROUPS", raising=False)
+    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "1")
     model = _model()
     enable_csgmv(model, backend=backend)
     config, graphs = _graph_capture()
@@ -112,9 +113,10 @@ def test_static_generate_runs_sibling_groups(backend, monkeypatch):
 
 
 def test_groups_off_and_members_that_cannot_join(monkeypatch):
-    """``PEFT_CSGMV_GROUPS=0``: every layer on its own, as before. And a group whose member cannot run in the group's
-    op (here a ``lora_bias`` adapter, which the group kernels do not serve) runs layer by layer: eager's tokens."""
-    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "0")
+    """Without ``PEFT_CSGMV_GROUPS=1`` (the default for now) every layer runs on its own, as before, and nothing is
+    learned. And a group whose member cannot run in the group's op (here a ``lora_bias`` adapter, which the group
+    kernels do not serve) runs layer by layer: eager's tokens."""
+    monkeypatch.delenv("PEFT_CSGMV_GROUPS", raising=False)
     model = _model()
     enable_csgmv(model, backend="torch")
     config, graphs = _graph_capture()
@@ -122,9 +124,10 @@ def test_groups_off_and_members_that_cannot_join(monkeypatch):
     kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=ID_LISTS[0], max_new_tokens=3, do_sample=False)
     assert torch.equal(model.generate(cache_implementation="static", compile_config=config, **kw), model.generate(**kw))
     assert _ops(graphs, "lora_group") == 0
+    assert "_csgmv_siblings" not in model.base_model.model.model.layers[0].self_attn.q_proj.__dict__
     torch._dynamo.reset()
 
-    monkeypatch.delenv("PEFT_CSGMV_GROUPS")
+    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "1")
     model = _model(lora_bias=True)
     enable_csgmv(model, backend="torch")
     config, graphs = _graph_capture()
