@@ -152,9 +152,10 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         base = self._modules["base_layer"]
         hooked = base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or _global_hooks()
         if not (hooked or args or kwargs) and torch.compiler.is_compiling():
-            grouped = _compiled_group(self, ex, stack, base, x, rows, device)
-            if grouped is not None:
-                return grouped
+            if ex.groups_on:  # (off: the layer's dict is not read for groups, so no guard on it)
+                grouped = _compiled_group(self, ex, stack, base, x, rows, device)
+                if grouped is not None:
+                    return grouped
             if ex.beside_on(device) and _beside(stack, base, x, ex.beside_min_bytes):
                 return _compiled_beside(ex, stack, base, x, rows, device)
         if hooked:
