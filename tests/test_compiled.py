@@ -174,6 +174,29 @@ def test_static_generate_keeps_its_cache_for_the_next_call(monkeypatch):
     assert torch.equal(static, eager) and len(made) == 4
 
 
+def test_kept_cache_across_beams_sampling_and_greedy():
+    """Calls that expand the batch differently (beams, ``num_return_sequences``) and plain greedy ones, interleaved,
+    over the kept cache: each gives what it gives with a new cache per call (``keep_static_cache=False``)."""
+    calls = [dict(num_beams=2), dict(do_sample=True, num_return_sequences=2, top_k=5), {}, dict(num_beams=2), {}]
+
+    def run(keep: bool):
+        torch._dynamo.reset()
+        model = _model()
+        enable_csgmv(model, keep_static_cache=keep)
+        input_ids, mask = make_batch(3, 5)
+        outs = []
+        for kw in calls:
+            torch.manual_seed(3)
+            outs.append(model.generate(
+                input_ids=input_ids, attention_mask=mask, adapter_ids=["a1", None, "a0"], max_new_tokens=3,
+                min_new_tokens=3, cache_implementation="static", compile_config=_compile_config(), **kw,
+            ))  # fmt: skip
+        return outs
+
+    for i, (kept, fresh) in enumerate(zip(run(True), run(False))):
+        assert torch.equal(kept, fresh), f"call {i} ({calls[i]}): the kept cache changed its tokens"
+
+
 @_FRESH_PER_CALL
 def test_static_generate_without_keeping_the_cache(monkeypatch):
     """``keep_static_cache=False``: transformers' own behaviour, a new cache per call, none held between calls."""
