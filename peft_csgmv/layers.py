@@ -233,7 +233,7 @@ def _compiled_beside(ex: Executor, stack: "LoraStack", base: nn.Linear, x, rows:
     return (y + delta).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
 
 
-def _groupable(layer: nn.Module, ex: Executor, base: nn.Module, stack: "LoraStack", x: torch.Tensor) -> bool:
+def _groupable(base: nn.Module, stack: "LoraStack", x: torch.Tensor) -> bool:
     """Whether a sibling group's member runs in the group's op for this call (:func:`_compiled_group`): a plain
     ``nn.Linear`` base whose forward is the class's, without hooks (the caller checked the layer's own and that no
     variant arguments came), no DoRA or ``lora_bias``, a decode-sized input of the stack's width on its device."""
@@ -260,14 +260,14 @@ def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x,
     member = state.get("_csgmv_member")
     if member is not None:
         taken = ex.stash.pop(member, None)
-        if taken is None or taken[0] is not x or taken[1] != stack.handle or not _groupable(layer, ex, base, stack, x):
+        if taken is None or taken[0] is not x or taken[1] != stack.handle or not _groupable(base, stack, x):
             return None
         if stack.version < 0:  # never: a branch on it makes the graph guard this member's stack, which the op read
             return None
         delta = taken[2]
     else:
         group = state.get("_csgmv_siblings")
-        if group is None or not _groupable(layer, ex, base, stack, x):
+        if group is None or not _groupable(base, stack, x):
             return None
         key, handles = group
         x2 = x.reshape(-1, x.shape[-1])

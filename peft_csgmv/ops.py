@@ -130,6 +130,15 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     return stream
 
 
+def _delta_reference(x: torch.Tensor, s, plan: BatchPlan) -> torch.Tensor:
+    """The LoRA alone of stack ``s`` over ``plan``, fp32, zeros on base rows: the torch reference (CPU) of the
+    ``delta`` that :func:`lora_linear` and :func:`lora_group` return."""
+    t = kernels.shrink_reference(x, s.a, s.ranks_host, plan)
+    delta = torch.zeros((x.shape[0], s.out_features), dtype=torch.float32, device=x.device)
+    kernels.expand_reference(t, s.b, s.ranks_host, s.scalings_host, plan, delta, None, None, s.lora_bias)
+    return delta
+
+
 def _lora_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -154,11 +163,7 @@ def _lora_linear(
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
     num_tokens, n = x.shape[0], weight.shape[0]
     if not triton:
-        y = torch.nn.functional.linear(x, weight, bias)
-        t = kernels.shrink_reference(x, a, s.ranks_host, plan)
-        delta = torch.zeros((num_tokens, n), dtype=torch.float32, device=x.device)
-        kernels.expand_reference(t, b, s.ranks_host, s.scalings_host, plan, delta, None, None, s.lora_bias)
-        return y, delta
+        return torch.nn.functional.linear(x, weight, bias), _delta_reference(x, s, plan)
     cuda = x.device.type == "cuda"
     with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
         # Everything the side stream writes is allocated here, on the caller's stream, before the fork (nothing is
@@ -215,13 +220,7 @@ def _lora_group(
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
     num_tokens = x.shape[0]
     if not triton:
-        deltas = []
-        for s in ss:
-            t = kernels.shrink_reference(x, s.a, s.ranks_host, plan)
-            delta = torch.zeros((num_tokens, s.out_features), dtype=torch.float32, device=x.device)
-            kernels.expand_reference(t, s.b, s.ranks_host, s.scalings_host, plan, delta, None, None, None)
-            deltas.append(delta)
-        return deltas
+        return [_delta_reference(x, s, plan) for s in ss]
     cuda = x.device.type == "cuda"
     with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
         deltas = [torch.empty((num_tokens, s.out_features), dtype=torch.float32, device=x.device) for s in ss]

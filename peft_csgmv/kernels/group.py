@@ -18,6 +18,8 @@ runs on a side stream inside CUDA graphs, as :func:`peft_csgmv.ops.lora_linear`'
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -244,15 +246,14 @@ def expand_group(
         return outs
     r = max(w.shape[2] for w in b)
     block_n, options = expand_tiles(_block(plan.chunk_size), plan.num_segments, r)
-    tiles = [-(-w.shape[1] // block_n) for w in b]
-    ends = [sum(tiles[: i + 1]) for i in range(g)]
-    t_end = _padded(ends, MAX_MEMBERS)
+    ends = list(itertools.accumulate(-(-w.shape[1] // block_n) for w in b))
+    # Where members 1 and 2 start (a member past the last starts at the grid's end: no tile picks it).
+    starts = (ends[:-1] + [ends[-1]] * MAX_MEMBERS)[: MAX_MEMBERS - 1]
     args = (
         t, plan.permutation, plan.seg_indptr, plan.seg_slot, *_padded([w.data for w in b]),
         *_padded([w.offsets.contiguous() for w in b]), *_padded([v.contiguous() for v in ranks]),
-        *_padded([v.contiguous() for v in scalings]), *_padded(outs), *_padded([w.shape[1] for w in b]),
-        t_end[0] if g > 1 else ends[-1], t_end[1] if g > 2 else ends[-1], t.shape[1], t.stride(0), t.stride(1),
-        t.stride(2),
+        *_padded([v.contiguous() for v in scalings]), *_padded(outs), *_padded([w.shape[1] for w in b]), *starts,
+        t.shape[1], t.stride(0), t.stride(1), t.stride(2),
     )  # fmt: skip
     constexprs = dict(
         BLOCK_M=_block(plan.chunk_size), BLOCK_N=block_n, BLOCK_R=_block(t.shape[3]),
