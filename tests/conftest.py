@@ -33,6 +33,33 @@ def _one_thread():
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches and counters empty before and after the test (compiled-path tests count graphs)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def static_caches(monkeypatch):
+    """The transformers ``StaticCache`` objects made during the test (``generate`` makes them through the class in
+    ``transformers.cache_utils``), in order."""
+    import transformers.cache_utils as cache_utils
+
+    made, init = [], cache_utils.StaticCache.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.StaticCache, "__init__", counting)
+    return made
+
+
+@pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts calls of the patched layers' LoRA kernels (both backends go through ``layers.apply_lora``)."""
     calls = []

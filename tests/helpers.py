@@ -34,6 +34,17 @@ def assert_close(
         )
 
 
+def compile_config(backend="aot_eager"):
+    """transformers' ``CompileConfig`` for the static-cache path in tests: ``fullgraph=True`` (a graph break fails),
+    ``backend`` (a name or a callable), no CUDA graphs, and forced on every device (transformers compiles the decode
+    step on CUDA only, unless told)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None, dynamic=False)
+    config._compile_all_devices = True
+    return config
+
+
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

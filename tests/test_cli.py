@@ -98,21 +98,13 @@ def test_generate_matches_stock_peft(checkout, tmp_path):
         assert ("id" in rec) == ("id" in row) and rec.get("id") == row.get("id")
 
 
-def test_generate_static_cache_matches_stock_peft(checkout, tmp_path, monkeypatch):
+def test_generate_static_cache_matches_stock_peft(checkout, tmp_path, static_caches):
     """``--cache-implementation static``: the same completions as stock PEFT's per-prompt runs, prompts padded to a
     power of two and the short last batch filled (what the static cache's shapes need; their outputs dropped). The
     three batches come in two prompt buckets (16 and 32 tokens), and the two of the second share one static cache,
     reset between them (on CUDA the compiled step's graph then replays): csgmv keeps it for calls of one size, as
     transformers releases before 5.x's ``_prepare_static_cache`` did themselves."""
-    import transformers.cache_utils as cache_utils
-
-    made, init = [], cache_utils.StaticCache.__init__
-
-    def counting(self, *args, **kwargs):
-        made.append(self)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(cache_utils.StaticCache, "__init__", counting)
+    made = static_caches
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, PROMPTS)
     assert main(_args(checkout, inp, out, "--cache-implementation", "static")) == 0

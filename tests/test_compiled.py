@@ -11,15 +11,18 @@ import re
 
 import pytest
 import torch
-from helpers import BASE, DEVICE, add_adapters, close, make_batch, per_adapter, stitch, tiny_model
+import transformers
+from helpers import BASE, DEVICE, add_adapters, close, compile_config, make_batch, per_adapter, stitch, tiny_model
 from torch._dynamo.utils import counters
-from transformers import CompileConfig
 
 from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv
 from peft_csgmv.executor import active_calls
 from peft_csgmv.model import adapter_ids_scope
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 BACKENDS = ["torch", "triton"]
 ID_LISTS = [["a0", None, "a1"], ["a1", "a0", None], ["a0", "a0", "a1"]]
 
@@ -33,20 +36,6 @@ def _model(embedding: bool = True):
     return add_adapters(model, specs).to(DEVICE)
 
 
-def _compile_config() -> CompileConfig:
-    config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None, dynamic=False)
-    config._compile_all_devices = True  # transformers compiles the decode step on CUDA only, unless told
-    return config
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
@@ -56,7 +45,7 @@ def _static_and_eager(model, input_ids, mask, ids, new_tokens: int = 4):
     device) and on the default dynamic cache (eager), ``new_tokens`` each."""
     kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=ids, max_new_tokens=new_tokens,
               min_new_tokens=new_tokens, do_sample=False)  # fmt: skip
-    static = model.generate(cache_implementation="static", compile_config=_compile_config(), **kw)
+    static = model.generate(cache_implementation="static", compile_config=compile_config(), **kw)
     return static, model.generate(**kw)
 
 
@@ -95,7 +84,7 @@ def test_static_generate_with_a_kept_cache_matches_eager_without_recompiles():
         cache.reset()
         kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=ids, max_new_tokens=new_tokens,
                   min_new_tokens=new_tokens, do_sample=False)  # fmt: skip
-        kept = model.generate(compile_config=_compile_config(), **{cache_kwarg(model): cache}, **kw)
+        kept = model.generate(compile_config=compile_config(), **{cache_kwarg(model): cache}, **kw)
         eager = model.generate(**kw)
         assert torch.equal(kept, eager), f"ids {ids}: the compiled decode over the kept cache generated other tokens"
         outs.append(kept)
@@ -103,28 +92,14 @@ def test_static_generate_with_a_kept_cache_matches_eager_without_recompiles():
     assert not torch.equal(outs[0], outs[1]), "the id lists generate the same tokens: the test proves nothing"
 
 
-def _count_static_caches(monkeypatch) -> list:
-    """The ``StaticCache`` objects made from now on (transformers makes them through the class in ``cache_utils``)."""
-    import transformers.cache_utils as cache_utils
-
-    made, init = [], cache_utils.StaticCache.__init__
-
-    def counting(self, *args, **kwargs):
-        made.append(self)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(cache_utils.StaticCache, "__init__", counting)
-    return made
-
-
 _FRESH_PER_CALL = pytest.mark.skipif(
-    not hasattr(__import__("transformers").GenerationMixin, "_prepare_static_cache"),
+    not hasattr(transformers.GenerationMixin, "_prepare_static_cache"),
     reason="this transformers keeps its own static cache across generate calls (_get_cache)",
 )
 
 
 @_FRESH_PER_CALL
-def test_static_generate_keeps_its_cache_for_the_next_call(monkeypatch):
+def test_static_generate_keeps_its_cache_for_the_next_call(static_caches):
     """transformers makes a new static cache per ``generate`` (at new addresses: on CUDA the compiled step's graph is
     then recorded again per call); csgmv's calls with ids keep the last one for the next call of the same size, reset:
     eager csgmv's tokens for three id lists over one cache and one graph; another batch size gets a new one (the old
@@ -133,7 +108,7 @@ def test_static_generate_keeps_its_cache_for_the_next_call(monkeypatch):
     model = _model()
     enable_csgmv(model)
     base = model.get_base_model()
-    made = _count_static_caches(monkeypatch)
+    made = static_caches
     input_ids, mask = make_batch(3, 5)
     for ids in ID_LISTS:
         static, eager = _static_and_eager(model, input_ids, mask, ids)
@@ -152,7 +127,7 @@ def test_static_generate_keeps_its_cache_for_the_next_call(monkeypatch):
     # The output carries the cache: the caller's, not reset under it by the next call.
     kw = dict(input_ids=input_ids[:2], attention_mask=mask[:2], adapter_ids=["a1", "a0"], max_new_tokens=4,
               min_new_tokens=4, do_sample=False, cache_implementation="static",
-              compile_config=_compile_config())  # fmt: skip
+              compile_config=compile_config())  # fmt: skip
     out = model.generate(return_dict_in_generate=True, **kw)
     given = out.cache if hasattr(out, "cache") else out.past_key_values
     assert given is made[1] and len(made) == 2, "the kept cache of that size was not used"
@@ -162,7 +137,7 @@ def test_static_generate_keeps_its_cache_for_the_next_call(monkeypatch):
     assert len(made) == 3 and torch.equal(given.layers[0].keys, keys)
 
     # A call that fails after the cache is made: not kept (its state is whatever the failure left).
-    class Fail(__import__("transformers").StoppingCriteria):
+    class Fail(transformers.StoppingCriteria):
         def __call__(self, *args, **kwargs):
             raise RuntimeError("stop here")
 
@@ -189,7 +164,7 @@ def test_kept_cache_across_beams_sampling_and_greedy():
             torch.manual_seed(3)
             outs.append(model.generate(
                 input_ids=input_ids, attention_mask=mask, adapter_ids=["a1", None, "a0"], max_new_tokens=3,
-                min_new_tokens=3, cache_implementation="static", compile_config=_compile_config(), **kw,
+                min_new_tokens=3, cache_implementation="static", compile_config=compile_config(), **kw,
             ))  # fmt: skip
         return outs
 
@@ -198,11 +173,11 @@ def test_kept_cache_across_beams_sampling_and_greedy():
 
 
 @_FRESH_PER_CALL
-def test_static_generate_without_keeping_the_cache(monkeypatch):
+def test_static_generate_without_keeping_the_cache(static_caches):
     """``keep_static_cache=False``: transformers' own behaviour, a new cache per call, none held between calls."""
     model = _model()
     enable_csgmv(model, keep_static_cache=False)
-    made = _count_static_caches(monkeypatch)
+    made = static_caches
     input_ids, mask = make_batch(3, 5)
     for ids in ID_LISTS[:2]:
         static, eager = _static_and_eager(model, input_ids, mask, ids)
@@ -247,7 +222,7 @@ def test_static_cache_beams_and_sampling(kw):
     torch.manual_seed(7)
     static = model.generate(
         input_ids=input_ids, attention_mask=mask, adapter_ids=ids, cache_implementation="static",
-        compile_config=_compile_config(), **common,
+        compile_config=compile_config(), **common,
     )  # fmt: skip
     torch.manual_seed(7)
     eager = model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=ids, **common)
@@ -351,7 +326,7 @@ def test_compiled_step_checks_no_python_guard_per_layer(groups, monkeypatch):
     try:
         model.generate(
             input_ids=input_ids, attention_mask=mask, adapter_ids=ID_LISTS[0], max_new_tokens=2,
-            cache_implementation="static", compile_config=_compile_config(),
+            cache_implementation="static", compile_config=compile_config(),
         )  # fmt: skip
     finally:
         logger.removeHandler(lines)
@@ -672,7 +647,7 @@ def test_disable_after_compile_restores_stock_peft():
     input_ids, mask = make_batch(3, 5)
     model.generate(
         input_ids=input_ids, attention_mask=mask, adapter_ids=ID_LISTS[0], max_new_tokens=2,
-        cache_implementation="static", compile_config=_compile_config(),
+        cache_implementation="static", compile_config=compile_config(),
     )  # fmt: skip
     disable_csgmv(model)
     names = [BASE, "a0", "a1"]

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, add_adapters, make_batch, tiny_model
-from torch._dynamo.utils import counters
-from transformers import CompileConfig
+from helpers import DEVICE, add_adapters, compile_config, make_batch, tiny_model
 
 from peft_csgmv import enable_csgmv, kernels
 from peft_csgmv.kernels.group import expand_group, group_splits, shrink_group
 from peft_csgmv.plan import BatchPlan
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 ID_LISTS = [["a0", None, "a1"], ["a1", "a0", None], ["a0", "a0", "a1"]]
 
 
@@ -28,14 +29,6 @@ def _model(dtype=torch.float32, lora_bias: bool = False):
         "a1": dict(r=8, lora_alpha=4, target_modules=targets, lora_bias=lora_bias),
     }
     return add_adapters(model, specs).to(DEVICE)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize(
@@ -76,9 +69,7 @@ def _graph_capture():
         graphs.append(gm)
         return gm.forward
 
-    config = CompileConfig(fullgraph=True, backend=backend, mode=None, dynamic=False)
-    config._compile_all_devices = True
-    return config, graphs
+    return compile_config(backend), graphs
 
 
 def _ops(graphs, name: str) -> int:
