@@ -75,10 +75,10 @@ def main(argv=None) -> int:
         "(PEFT_CSGMV_PDL=0, PEFT_CSGMV_BESIDE=0)",
     )
     p.add_argument(
-        "--groups",
+        "--no-groups",
         action="store_true",
-        help="also the widest row with sibling groups (PEFT_CSGMV_GROUPS=1: layers that read the same input run "
-        "their LoRA in one shrink and one expand launch)",
+        help="also the widest row without sibling groups (PEFT_CSGMV_GROUPS=0: each layer its own LoRA launches, "
+        "where by default layers that read the same input run theirs in one shrink and one expand launch)",
     )
     p.add_argument(
         "--beside-min-mib",
@@ -196,8 +196,8 @@ def main(argv=None) -> int:
         variants.append(
             ("serial", "serial (no PDL, no side stream)", {"PEFT_CSGMV_PDL": "0", "PEFT_CSGMV_BESIDE": "0"})
         )
-    if args.groups:
-        variants.append(("groups", "sibling groups", {"PEFT_CSGMV_GROUPS": "1"}))
+    if args.no_groups:
+        variants.append(("no_groups", "no sibling groups", {"PEFT_CSGMV_GROUPS": "0"}))
     if args.beside_min_mib is not None:
         env = {"PEFT_CSGMV_BESIDE_MIN_MIB": str(args.beside_min_mib)}
         variants.append(("beside_min", f"beside only base weights ≥ {args.beside_min_mib:g} MiB", env))

@@ -30,8 +30,8 @@
 #            (no PDL, no side stream) -> profile_static_1b_{span,serial}.*
 #   capture  host time of one LoRA op eagerly and under CUDA-graph capture (1B gate_proj) -> capture_1b.*
 #   reuse    static cache, 1B lean (+ after): a new cache per generate vs one kept by the caller -> static_1b_{fresh,kept}.*
-#   groups   sibling groups (PEFT_CSGMV_GROUPS=1): their GPU tests, then static cache 1B and 8B lean with and without
-#            them (~6 min) -> gpu_group.log, static_{1b,8b}_groups.*
+#   groups   sibling groups (on by default): their GPU tests, then static cache 1B and 8B lean with and without
+#            them (PEFT_CSGMV_GROUPS=0) (~6 min) -> gpu_group.log, static_{1b,8b}_groups.*
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
@@ -151,7 +151,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 -m pytest tests/test_group.py -q -p no:cacheprovider > "$OUT/gpu_group.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_group.log" | tail -5
       for m in 1b 8b; do
-        python3 benchmarks/bench_static.py --model $m --lean --groups --repeats 3 --out "$OUT/static_${m}_groups.json" \
+        python3 benchmarks/bench_static.py --model $m --lean --no-groups --repeats 3 --out "$OUT/static_${m}_groups.json" \
           2>&1 | grep --line-buffered -v -i warn > "$OUT/static_${m}_groups.log"
         grep -E "^\| $m|identical" "$OUT/static_${m}_groups.log" || tail -25 "$OUT/static_${m}_groups.log"
       done ;;

@@ -1,4 +1,4 @@
-"""Sibling groups (``PEFT_CSGMV_GROUPS=1``, a developer switch for now): layers that read the same input (a block's
+"""Sibling groups (on by default; ``PEFT_CSGMV_GROUPS=0`` turns them off): layers that read the same input (a block's
 q/k/v, gate/up) run their LoRA in compiled code as one
 ``peft_csgmv::lora_group`` op, one shrink and one expand launch for all of them (each member adds its part to its own
 base product). The group kernels against the
@@ -83,7 +83,7 @@ def test_static_generate_runs_sibling_groups(backend, monkeypatch):
     blocks: 4 group ops, 4 layers alone: o and down), learned from the eager prefill before the step was traced;
     eager csgmv's tokens for three id lists, one graph. (On CPU every layer runs after its base product; on CUDA the
     layers with base weights of 16 MiB or more run beside it instead, outside groups.)"""
-    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "1")
+    monkeypatch.delenv("PEFT_CSGMV_GROUPS", raising=False)  # on by default
     model = _model()
     enable_csgmv(model, backend=backend)
     config, graphs = _graph_capture()
@@ -104,10 +104,10 @@ def test_static_generate_runs_sibling_groups(backend, monkeypatch):
 
 
 def test_groups_off_and_members_that_cannot_join(monkeypatch):
-    """Without ``PEFT_CSGMV_GROUPS=1`` (the default for now) every layer runs on its own, as before, and nothing is
-    learned. And a group whose member cannot run in the group's op (here a ``lora_bias`` adapter, which the group
-    kernels do not serve) runs layer by layer: eager's tokens."""
-    monkeypatch.delenv("PEFT_CSGMV_GROUPS", raising=False)
+    """With ``PEFT_CSGMV_GROUPS=0`` every layer runs on its own and nothing is learned. And a group whose member
+    cannot run in the group's op (here a ``lora_bias`` adapter, which the group kernels do not serve) runs layer by
+    layer: eager's tokens."""
+    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "0")
     model = _model()
     enable_csgmv(model, backend="torch")
     config, graphs = _graph_capture()
