@@ -207,7 +207,7 @@ class Executor:
         self.beside_min_bytes = int(float(floor) * 2**20)
         # Sibling groups (kernels.group): layers that read the same input tensor one after another, learned from the
         # first eager call with ids (observe), then run by compiled code as one op per group (H200, static cache, 32
-        # distinct: 1B +3..9%, 8B +6%: docs/benchmarks.md). On by default; PEFT_CSGMV_GROUPS=0 when the model is
+        # distinct: 1B +3..9%, 8B +6..7%: docs/benchmarks.md). On by default; PEFT_CSGMV_GROUPS=0 when the model is
         # enabled turns them off.
         self.groups_on = os.environ.get("PEFT_CSGMV_GROUPS", "1") != "0"
         self.groups_learned = not self.groups_on
