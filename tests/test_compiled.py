@@ -436,7 +436,8 @@ def test_compiled_fused_decode_one_launch_per_layer(monkeypatch):
 
 
 def _compiled_ops(model, ids, input_ids, mask):
-    """The logits of ``torch.compile(model)`` with ``ids``, and how many of each csgmv op its graph holds."""
+    """The logits of ``torch.compile(model)`` with ``ids``, and how many of each csgmv op its graph holds, by op name
+    (``lora``, ``lora_linear``, ``lora_group``)."""
     import collections
 
     seen = collections.Counter()
@@ -444,8 +445,8 @@ def _compiled_ops(model, ids, input_ids, mask):
     def backend(gm, example_inputs):
         for node in gm.graph.nodes:
             name = str(node.target)
-            if node.op == "call_function" and "peft_csgmv" in name:
-                seen["lora_linear" if "lora_linear" in name else "lora"] += 1
+            if node.op == "call_function" and name.startswith("peft_csgmv."):
+                seen[name.split(".")[1]] += 1
         return gm.forward
 
     compiled = torch.compile(model, backend=backend, dynamic=False, fullgraph=False)
