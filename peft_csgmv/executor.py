@@ -213,6 +213,7 @@ class Executor:
         self.groups_learned = not self.groups_on
         self._seen: list = []  # this call's layers that read the tensor _seen_x, in order
         self._seen_x = None
+        self._marked: list = []  # layers given a group's attributes while the groups are being learned
         # A group's members' outputs, computed by its first member in compiled code, for the others: (group leader's
         # id, member index) -> (input, output). Emptied as they are taken, and at the end of every call.
         self.stash: dict = {}
@@ -243,10 +244,13 @@ class Executor:
             self._outer.append(self.call)
         self._open(call)
 
-    def end(self) -> None:
-        """Close the call in progress; an interrupted outer call is in progress again."""
+    def end(self, failed: bool = False) -> None:
+        """Close the call in progress; an interrupted outer call is in progress again. A call that ``failed`` learns
+        no groups: the runs it marked are dropped, and the next eager call learns them again."""
         self.stash.clear()
-        if self._seen_x is not None:
+        if failed and not self.groups_learned:
+            self.forget_groups(self._marked)
+        elif self._seen_x is not None:
             self._learn()
         if self._outer:
             self._open(self._outer.pop())
@@ -299,20 +303,21 @@ class Executor:
                 chunk[0].__dict__["_csgmv_siblings"] = (key, handles)
                 for index, member in enumerate(chunk[1:], start=1):
                     member.__dict__["_csgmv_member"] = (key, index)
+                self._marked.extend(chunk)
 
     def forget_groups(self, layers) -> None:
         """A layer got a new stack (another handle): the groups are learned again from the next eager call."""
         for layer in layers:
             layer.__dict__.pop("_csgmv_siblings", None)
             layer.__dict__.pop("_csgmv_member", None)
-        self._seen, self._seen_x = [], None
+        self._seen, self._seen_x, self._marked = [], None, []
         self.groups_learned = not self.groups_on
 
     def _learn(self) -> None:
         """The end of the first eager call that observed its layers: its last run is grouped too, and the groups
         are learned for good."""
         self._group(self._seen)
-        self._seen, self._seen_x = [], None
+        self._seen, self._seen_x, self._marked = [], None, []
         self.groups_learned = True
 
     def _open(self, call: CallContext) -> None:

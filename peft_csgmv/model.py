@@ -653,8 +653,8 @@ def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | N
 
 
 @torch.compiler.disable
-def _close_call(executor: Executor) -> None:
-    executor.end()
+def _close_call(executor: Executor, failed: bool = False) -> None:
+    executor.end(failed)
 
 
 def _run(model, method, args: tuple, kwargs: dict, generate: bool):
@@ -667,9 +667,11 @@ def _run(model, method, args: tuple, kwargs: dict, generate: bool):
             out = method(model, *args, **kwargs)
         if kept is not None:
             kept.returned(out)
-        return out
-    finally:
-        _close_call(executor)
+    except BaseException:
+        _close_call(executor, failed=True)
+        raise
+    _close_call(executor)
+    return out
 
 
 @contextlib.contextmanager
@@ -677,11 +679,15 @@ def adapter_ids_scope(model, adapter_ids: Sequence[str | None]) -> Iterator[None
     """Apply ``adapter_ids`` to every patched layer called inside the block, as a call of the model with those ids
     does (validated the same way; for calling layers directly: benchmarks, tests, a compiled layer)."""
     executor = _open_call(model, (), {"adapter_ids": adapter_ids}, generate=False)
+    if executor is None:
+        yield
+        return
     try:
         yield
-    finally:
-        if executor is not None:
-            _close_call(executor)
+    except BaseException:
+        _close_call(executor, failed=True)
+        raise
+    _close_call(executor)
 
 
 # The wrappers run eagerly under torch.compile (validation and the ids are host work, in the disabled helpers above);

@@ -125,3 +125,43 @@ def test_groups_off_and_members_that_cannot_join(monkeypatch):
     assert torch.equal(model.generate(cache_implementation="static", compile_config=config, **kw), model.generate(**kw))
     assert _ops(graphs, "lora_group") == 0
     assert "_csgmv_siblings" in model.base_model.model.model.layers[0].self_attn.q_proj.__dict__, "groups learned"
+
+
+def test_a_failed_first_call_learns_no_groups(monkeypatch):
+    """The eager call that would learn the groups fails (a stopping criterion that raises after the prefill, when the
+    prefill's runs are already marked): the model is left with no group attributes and nothing learned; the next
+    call learns them, and a forward inside ``adapter_ids_scope`` that raises does the same."""
+    import transformers
+
+    from peft_csgmv import adapter_ids_scope
+
+    monkeypatch.delenv("PEFT_CSGMV_GROUPS", raising=False)
+    model = _model()
+    enable_csgmv(model, backend="torch")
+    ex = model._csgmv.executor
+    layers = list(model._csgmv.layers.values())
+    marks = ("_csgmv_siblings", "_csgmv_member")
+
+    def marked():
+        return [layer for layer in layers if any(m in layer.__dict__ for m in marks)]
+
+    class Fail(transformers.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            assert marked(), "the prefill marked no runs: the test proves nothing"
+            raise RuntimeError("stop here")
+
+    input_ids, mask = make_batch(3, 5)
+    kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=ID_LISTS[0], max_new_tokens=3, do_sample=False)
+    with pytest.raises(RuntimeError, match="stop here"):
+        model.generate(stopping_criteria=transformers.StoppingCriteriaList([Fail()]), **kw)
+    assert marked() == [] and not ex.groups_learned and ex._seen == [] and ex._seen_x is None
+
+    with pytest.raises(RuntimeError, match="inside the scope"):
+        with adapter_ids_scope(model, ID_LISTS[0]):
+            model.base_model.model(input_ids=input_ids, attention_mask=mask)
+            assert marked()
+            raise RuntimeError("inside the scope")
+    assert marked() == [] and not ex.groups_learned
+
+    model.generate(**kw)
+    assert ex.groups_learned and len(marked()) == 10, "q/k/v and gate/up of both blocks"
