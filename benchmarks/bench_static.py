@@ -81,6 +81,13 @@ def main(argv=None) -> int:
         "where by default layers that read the same input run theirs in one shrink and one expand launch)",
     )
     p.add_argument(
+        "--groups-after",
+        action="store_true",
+        help="also the widest row with every sibling group after its members' base products and the layers that run "
+        "beside theirs left out of groups (PEFT_CSGMV_GROUPS=after; by default a group of large enough base weights "
+        "runs beside them)",
+    )
+    p.add_argument(
         "--beside-min-mib",
         type=float,
         default=None,
@@ -198,6 +205,8 @@ def main(argv=None) -> int:
         )
     if args.no_groups:
         variants.append(("no_groups", "no sibling groups", {"PEFT_CSGMV_GROUPS": "0"}))
+    if args.groups_after:
+        variants.append(("groups_after", "groups after their base products", {"PEFT_CSGMV_GROUPS": "after"}))
     if args.beside_min_mib is not None:
         env = {"PEFT_CSGMV_BESIDE_MIN_MIB": str(args.beside_min_mib)}
         variants.append(("beside_min", f"beside only base weights ≥ {args.beside_min_mib:g} MiB", env))

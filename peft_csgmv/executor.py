@@ -209,11 +209,18 @@ class Executor:
         # first eager call with ids (observe), then run by compiled code as one op per group (H200, static cache, 32
         # distinct: 1B +3..9%, 8B +6..7%: docs/benchmarks.md). On by default; PEFT_CSGMV_GROUPS=0 when the model is
         # enabled turns them off.
-        self.groups_on = os.environ.get("PEFT_CSGMV_GROUPS", "1") != "0"
+        groups = os.environ.get("PEFT_CSGMV_GROUPS", "1")
+        self.groups_on = groups != "0"
+        # A group whose members' base weights hold at least beside_min_bytes together runs beside its base products
+        # (ops.lora_group_linear: one fork and join for the group) where the executor's beside switch is on for the
+        # device; PEFT_CSGMV_GROUPS=after keeps every group after its base products and leaves layers that run beside
+        # out of groups (the measured alternative: docs/benchmarks.md).
+        self.groups_beside = groups != "after"
         self.groups_learned = not self.groups_on
         self._seen: list = []  # this call's layers that read the tensor _seen_x, in order
         self._seen_x = None
-        self._marked: list = []  # layers given a group's attributes while the groups are being learned
+        # The groups given to layers: (the group's layers, the members' base (weight, bias) the leader holds).
+        self._groups: list[tuple[list, tuple]] = []
         # A group's members' outputs, computed by its first member in compiled code, for the others: (group leader's
         # id, member index) -> (input, output). Emptied as they are taken, and at the end of every call.
         self.stash: dict = {}
@@ -249,7 +256,7 @@ class Executor:
         no groups: the runs it marked are dropped, and the next eager call learns them again."""
         self.stash.clear()
         if failed and not self.groups_learned:
-            self.forget_groups(self._marked)
+            self.forget_groups(())
         elif self._seen_x is not None:
             self._learn()
         if self._outer:
@@ -271,23 +278,26 @@ class Executor:
         self._seen, self._seen_x = [layer], x
 
     def _group(self, run: list) -> None:
-        """``run``'s layers (siblings, in call order) as groups of up to three, leaving out layers that compiled code
-        runs beside their base product (:attr:`beside_min_bytes`; a group runs after its members' base products): each
-        group's first member holds its key and the other members' stack handles (``_csgmv_siblings``), which hold the
-        key and their place (``_csgmv_member``). No module holds another: compiled code would guard each such
-        reference in Python at every step."""
+        """``run``'s layers (siblings, in call order) as groups of up to three layers with a stack and a base weight
+        (with ``PEFT_CSGMV_GROUPS=after``, leaving out layers that compiled code runs beside their base product): each
+        group's first member holds its key, the other members' stack handles and their base layers' ``(weight,
+        bias)`` (``_csgmv_siblings``; a group that runs beside computes its members' base products too), and the other
+        members hold the key and their place (``_csgmv_member``). No module holds another: compiled code would guard
+        each such reference at every step (a member checks that the weight the group used is its own)."""
         from .kernels.group import MAX_MEMBERS
 
-        def after(layer) -> bool:
+        def joins(layer) -> bool:
             stack, base = layer.__dict__.get("_csgmv_stack"), layer._modules.get("base_layer")
             weight = getattr(base, "weight", None)
             if stack is None or not isinstance(weight, torch.Tensor):
                 return False
+            if self.groups_beside:
+                return True
             return not (self.beside_on(stack.device) and weight.nbytes >= self.beside_min_bytes)
 
         parts, part = [], []
         for layer in run:
-            if after(layer):
+            if joins(layer):
                 part.append(layer)
             else:
                 parts.append(part)
@@ -300,24 +310,38 @@ class Executor:
                     continue
                 key = id(chunk[0])
                 handles = tuple(m.__dict__["_csgmv_stack"].handle for m in chunk[1:])
-                chunk[0].__dict__["_csgmv_siblings"] = (key, handles)
+                bases = tuple((m.base_layer.weight, m.base_layer.bias) for m in chunk[1:])
+                self._groups.append((chunk, bases))
+                chunk[0].__dict__["_csgmv_siblings"] = (key, handles, bases)
                 for index, member in enumerate(chunk[1:], start=1):
                     member.__dict__["_csgmv_member"] = (key, index)
-                self._marked.extend(chunk)
 
     def forget_groups(self, layers) -> None:
-        """A layer got a new stack (another handle): the groups are learned again from the next eager call."""
-        for layer in layers:
+        """A layer got a new stack (another handle), or a call failed while learning: the groups (of ``layers`` and
+        those given so far) are learned again from the next eager call."""
+        for layer in itertools.chain(layers, *(chunk for chunk, _ in self._groups)):
             layer.__dict__.pop("_csgmv_siblings", None)
             layer.__dict__.pop("_csgmv_member", None)
-        self._seen, self._seen_x, self._marked = [], None, []
+        self._seen, self._seen_x, self._groups = [], None, []
         self.groups_learned = not self.groups_on
+
+    def check_groups(self) -> None:
+        """Before a call: a member whose base layer's weight or bias is another tensor than its group's leader holds
+        (a parameter replaced since the groups were learned) makes the groups be learned again (compiled code then
+        traces again: it guards the layers' group entries). The weights' values may change in place (merging,
+        loading a state dict): the leader reads the same tensors."""
+        for chunk, bases in self._groups:
+            for member, (weight, bias) in zip(chunk[1:], bases):
+                base = member._modules.get("base_layer")
+                if getattr(base, "weight", None) is not weight or getattr(base, "bias", None) is not bias:
+                    self.forget_groups(())
+                    return
 
     def _learn(self) -> None:
         """The end of the first eager call that observed its layers: its last run is grouped too, and the groups
         are learned for good."""
         self._group(self._seen)
-        self._seen, self._seen_x, self._marked = [], None, []
+        self._seen, self._seen_x = [], None
         self.groups_learned = True
 
     def _open(self, call: CallContext) -> None:

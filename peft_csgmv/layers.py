@@ -251,11 +251,14 @@ def _groupable(base: nn.Module, stack: "LoraStack", x: torch.Tensor) -> bool:
 
 def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x, rows: int, device):
     """A sibling group's member inside compiled code (groups: :meth:`Executor.observe`), or ``None`` for the layer's
-    own path. The group's first member runs ``peft_csgmv::lora_group``, one shrink and one expand launch for every
-    member's LoRA (found by stack handle), and leaves the others' deltas in :attr:`Executor.stash`; each member, the
-    first included, then adds its delta to its own base product, as :func:`_compiled_beside` does (the same numbers).
-    A member takes its delta only if it reads the same ``x`` and its stack is the one the group named; otherwise
-    (another input, hooks, a switched-off layer: checked by the caller) it runs on its own."""
+    own path. The group's first member runs the group's op, one shrink and one expand launch for every member's LoRA
+    (found by stack handle), and leaves the others' parts in :attr:`Executor.stash`. A group whose members' base
+    weights hold at least :attr:`Executor.beside_min_bytes` together, where the executor runs LoRA beside base products
+    on this device, runs ``peft_csgmv::lora_group_linear``: the members' base products too, the LoRA beside them;
+    otherwise ``peft_csgmv::lora_group``, each member computing its own base product. Each member then adds its delta
+    to its base product, as :func:`_compiled_beside` does (the same numbers). A member takes its part only if it reads
+    the same ``x``, its stack is the one the group named and its base weight and bias are the ones the group used;
+    otherwise (another input, hooks, a switched-off layer: checked by the caller) it runs on its own."""
     state = layer.__dict__
     member = state.get("_csgmv_member")
     if member is not None:
@@ -264,22 +267,35 @@ def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x,
             return None
         if stack.version < 0:  # never: a branch on it makes the graph guard this member's stack, which the op read
             return None
-        delta = taken[2]
+        _, _, delta, y = taken
+        if y is None:
+            y = base.forward(x)
     else:
         group = state.get("_csgmv_siblings")
         if group is None or not _groupable(base, stack, x):
             return None
-        key, handles = group
+        key, handles, bases = group
         x2 = x.reshape(-1, x.shape[-1])
         static, triton, _ = _compiled_plan(ex, stack, x2, rows, device)
-        deltas = ops.lora_group(
-            x2, static.permutation, static.seg_indptr, static.seg_slot, [stack.handle, *handles],
-            [stack.version, *[-1] * len(handles)], static.chunk, triton,
-        )  # fmt: skip
-        for index, (handle, other) in enumerate(zip(handles, deltas[1:]), start=1):
-            ex.stash[(key, index)] = (x, handle, other)
-        delta = deltas[0]
-    y = base.forward(x)
+        plan = (static.permutation, static.seg_indptr, static.seg_slot)
+        stacks, versions = [stack.handle, *handles], [stack.version, *[-1] * len(handles)]
+        # (the members' weights are read only for a group that may run beside: otherwise the graph guards none)
+        weights = [base.weight, *(w for w, _ in bases)] if ex.groups_beside and ex.beside_on(device) else None
+        if (
+            weights is not None
+            and sum(w.nbytes for w in weights) >= ex.beside_min_bytes
+            and all(w.device == device and w.shape[-1] == x.shape[-1] for w in weights)
+        ):
+            biases = [base.bias, *(b for _, b in bases)]
+            outs = ops.lora_group_linear(x2, weights, biases, *plan, stacks, versions, static.chunk, triton)
+            ys, deltas = outs[: len(weights)], outs[len(weights) :]
+        else:
+            deltas = ops.lora_group(x2, *plan, stacks, versions, static.chunk, triton)
+            ys = [None] * len(deltas)
+        lead = x.shape[:-1]
+        for index, (handle, delta, y) in enumerate(zip(handles, deltas[1:], ys[1:]), start=1):
+            ex.stash[(key, index)] = (x, handle, delta, None if y is None else y.view(*lead, -1))
+        delta, y = deltas[0], (base.forward(x) if ys[0] is None else ys[0].view(*lead, -1))
     return (y + delta.view(*y.shape)).to(y.dtype)
 
 

@@ -648,6 +648,7 @@ def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | N
     row_slots = state.slots_for(ids)
     state.restack_rescaled()
     executor = state.executor
+    executor.check_groups()
     executor.begin(CallContext(row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets))
     return executor
 

@@ -19,6 +19,11 @@ across the graph's fork and join idled the GPU more than it hid. Compiled layers
 (``PEFT_CSGMV_BESIDE=0`` turns it off; on the H200 it is faster on the 8B layout, a tie on the 1B one:
 docs/benchmarks.md).
 
+``peft_csgmv::lora_group`` is a sibling group's LoRA (up to three layers that read the same ``x``: a block's q/k/v,
+gate/up) in one shrink and one expand launch, one fp32 delta per member; ``peft_csgmv::lora_group_linear`` is that
+and the members' base products in one op, the group's LoRA on the side stream beside all of them (one fork and one
+join for the group) while a CUDA graph is captured.
+
 Semantics (as :mod:`peft_csgmv.kernels`)::
 
     for each segment s with slot = seg_slot[s], rows = permutation[seg_indptr[s]:seg_indptr[s+1]]:
@@ -201,8 +206,56 @@ def _lora_linear_fake(x, weight, *args, **kwargs) -> tuple[torch.Tensor, torch.T
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.float32)
 
 
-def _lora_group(
+def _group_run(x, weights, biases, permutation, seg_indptr, seg_slot, stacks, versions, chunk, triton):
+    """:func:`_lora_group` (``weights`` ``None``: the deltas) and :func:`_lora_group_linear` (the base products, then
+    the deltas, the LoRA beside the base products while a CUDA graph is captured)."""
+    ss = [stack_by_handle(h) if v < 0 else _stack_at(h, v) for h, v in zip(stacks, versions)]
+    plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
+    num_tokens, linear = x.shape[0], weights is not None
+
+    def products() -> list[torch.Tensor]:
+        return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)] if linear else []
+
+    if not triton:
+        return products() + [_delta_reference(x, s, plan) for s in ss]
+    cuda = x.device.type == "cuda"
+    with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
+        # As in lora_linear: what the side stream writes is allocated before the fork, on the caller's stream.
+        deltas = [torch.empty((num_tokens, s.out_features), dtype=torch.float32, device=x.device) for s in ss]
+        r = max(s.a.shape[1] for s in ss)
+        t = torch.empty((len(ss), group_splits(plan, x.shape[1]), num_tokens, r), dtype=torch.float32, device=x.device)
+        fork = linear and cuda and torch.cuda.is_current_stream_capturing()
+        main = torch.cuda.current_stream() if fork else None
+        side = side_stream(x.device) if fork else None
+        if fork:
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if fork else contextlib.nullcontext():
+            shrink_group(x, [s.a for s in ss], [s.ranks for s in ss], plan, t)
+            expand_group(t, [s.b for s in ss], [s.ranks for s in ss], [s.scalings for s in ss], plan, deltas, x.dtype)
+        ys = products()
+        if fork:
+            main.wait_stream(side)
+    return ys + deltas
+
+
+def _lora_group(x: torch.Tensor, *args) -> list[torch.Tensor]:
+    """``(x, permutation, seg_indptr, seg_slot, stacks, versions, chunk, triton)``: the LoRA alone of a sibling group,
+    up to three layers that read the same ``x`` (their stack handles, in order), in one shrink and one expand launch
+    (:mod:`peft_csgmv.kernels.group`). Returns one ``(T, N_g)`` fp32 delta per member, as :func:`lora_linear` returns
+    its ``delta``: each member's output is ``(its base product + delta)`` in the base product's dtype. ``versions``:
+    each stack's version the caller's graph was traced with, or ``-1`` where the caller's graph guards it elsewhere
+    (each member's own call reads its stack's version, layers._compiled_group)."""
+    return _group_run(x, None, None, *args)
+
+
+def _lora_group_fake(x, permutation, seg_indptr, seg_slot, stacks, *args, **kwargs) -> list[torch.Tensor]:
+    return [x.new_empty((x.shape[0], stack_by_handle(h).out_features), dtype=torch.float32) for h in stacks]
+
+
+def _lora_group_linear(
     x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[Optional[torch.Tensor]],
     permutation: torch.Tensor,
     seg_indptr: torch.Tensor,
     seg_slot: torch.Tensor,
@@ -211,28 +264,18 @@ def _lora_group(
     chunk: int,
     triton: bool,
 ) -> list[torch.Tensor]:
-    """The LoRA alone of a sibling group: up to three layers that read the same ``x`` (their stack handles, in order),
-    in one shrink and one expand launch (:mod:`peft_csgmv.kernels.group`). Returns one ``(T, N_g)`` fp32 delta per
-    member, as :func:`lora_linear` returns its ``delta``: each member's output is ``(its base product + delta)`` in the
-    base product's dtype. ``versions``: each stack's version the caller's graph was traced with, or ``-1`` where the
-    caller's graph guards it elsewhere (each member's own call reads its stack's version, layers._compiled_group)."""
-    ss = [stack_by_handle(h) if v < 0 else _stack_at(h, v) for h, v in zip(stacks, versions)]
-    plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
-    num_tokens = x.shape[0]
-    if not triton:
-        return [_delta_reference(x, s, plan) for s in ss]
-    cuda = x.device.type == "cuda"
-    with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
-        deltas = [torch.empty((num_tokens, s.out_features), dtype=torch.float32, device=x.device) for s in ss]
-        r = max(s.a.shape[1] for s in ss)
-        t = torch.empty((len(ss), group_splits(plan, x.shape[1]), num_tokens, r), dtype=torch.float32, device=x.device)
-        shrink_group(x, [s.a for s in ss], [s.ranks for s in ss], plan, t)
-        expand_group(t, [s.b for s in ss], [s.ranks for s in ss], [s.scalings for s in ss], plan, deltas, x.dtype)
-    return deltas
+    """A sibling group's base products and LoRA in one op, as :func:`lora_linear` is one layer's: ``weights[g]``
+    ``(N_g, in)`` and ``biases[g]`` (or ``None``) are member ``g``'s plain ``nn.Linear``'s. Returns the members' base
+    products ``y_g = F.linear(x, W_g, b_g)`` in ``x``'s dtype, then their deltas as :func:`lora_group` returns them
+    (``2 G`` tensors): member ``g``'s output is ``(y_g + delta_g)`` in ``y_g``'s dtype. While a CUDA graph is captured
+    the group's two launches run on :func:`side_stream`, beside all the members' base products (one fork and one join
+    for the group)."""
+    return _group_run(x, weights, biases, permutation, seg_indptr, seg_slot, stacks, versions, chunk, triton)
 
 
-def _lora_group_fake(x, permutation, seg_indptr, seg_slot, stacks, *args, **kwargs) -> list[torch.Tensor]:
-    return [x.new_empty((x.shape[0], stack_by_handle(h).out_features), dtype=torch.float32) for h in stacks]
+def _lora_group_linear_fake(x, weights, biases, permutation, seg_indptr, seg_slot, stacks, *args, **kwargs):
+    ys = [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
+    return ys + [x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32) for w in weights]
 
 
 # Registered straight with the dispatcher (a ``torch.library.Library`` schema, one implementation for every device,
@@ -262,6 +305,12 @@ _SCHEMAS = {
         _lora_group,
         _lora_group_fake,
     ),
+    "lora_group_linear": (
+        "(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor permutation, Tensor seg_indptr, Tensor seg_slot, "
+        "int[] stacks, int[] versions, int chunk, bool triton) -> Tensor[]",
+        _lora_group_linear,
+        _lora_group_linear_fake,
+    ),
 }
 
 
@@ -279,3 +328,4 @@ _register()
 lora = lora_overload = torch.ops.peft_csgmv.lora.default
 lora_linear = lora_linear_overload = torch.ops.peft_csgmv.lora_linear.default
 lora_group = torch.ops.peft_csgmv.lora_group.default
+lora_group_linear = torch.ops.peft_csgmv.lora_group_linear.default

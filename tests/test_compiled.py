@@ -298,14 +298,15 @@ def test_compiled_graph_takes_the_plan_not_the_stacks():
     assert csgmv == base + 3, f"base model graph: {base} inputs, csgmv: {csgmv}"
 
 
-@pytest.mark.parametrize("groups", ["off", "on"])
+@pytest.mark.parametrize("groups", ["off", "on", "beside"])
 def test_compiled_step_checks_no_python_guard_per_layer(groups, monkeypatch):
     """Every step of a compiled model first runs dynamo's guard check, on the host, while the GPU waits. The patched
     modules add only C++ guards to it (type, dict entries, constants), none of dynamo's Python guards, which cost ~1-3
     µs each: not ``module is module.forward.__self__`` (an instance-level bound forward) nor ``layer_i._csgmv_exec is
     layer_j._csgmv_exec`` (one executor object held by every layer), one of each per LoRA layer at every step; nor,
     with sibling groups, ``leader's sibling is module`` (a group's first member holds the others' stack handles, not
-    the modules)."""
+    the modules; a group beside its base products reads the members' weights, and each member checks that the weight
+    is its own: C++ guards too)."""
     import logging
 
     class Lines(logging.Handler):
@@ -316,7 +317,9 @@ def test_compiled_step_checks_no_python_guard_per_layer(groups, monkeypatch):
         def emit(self, record):
             self.lines.append(record.getMessage())
 
-    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "1" if groups == "on" else "0")  # groups: each leader holds handles only
+    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "0" if groups == "off" else "1")  # groups: each leader holds handles only
+    if groups == "beside":
+        monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
     model = _model()
     enable_csgmv(model, backend="torch")
     input_ids, mask = make_batch(3, 5)
@@ -336,7 +339,7 @@ def test_compiled_step_checks_no_python_guard_per_layer(groups, monkeypatch):
     assert any(on_layers.search(g) for g in guards), "the patched layers' guards were not logged"
     python = [g for g in guards if "LAMBDA_GUARD" in g and (on_layers.search(g) or ".forward.__self__" in g)]
     assert not python, f"{len(python)} Python guards on patched modules, e.g. {python[0]}"
-    if groups == "on":
+    if groups != "off":
         assert any("_csgmv_siblings" in g for g in guards), "no sibling group was traced"
 
 

@@ -352,6 +352,79 @@ def test_pdl_launches_give_the_serial_launches_results(out_of_place, monkeypatch
         assert torch.equal(got, serial)
 
 
+def _beside_matches_serial(chain, device) -> None:
+    """``chain(x, beside)`` over 20 random bf16 inputs (32, 2048): beside gives the serial numbers bit for bit, eagerly
+    (one stream: no side stream made) and replayed from a CUDA graph (the side stream forked under capture) with a new
+    input before each replay."""
+    from peft_csgmv import ops
+
+    with torch.no_grad():
+        inputs = [torch.randn(32, 2048, device=DEV, dtype=torch.bfloat16) for _ in range(20)]
+        serial = [chain(x, beside=False) for x in inputs]
+        assert all(torch.isfinite(s).all() and s.abs().sum() > 0 for s in serial)
+        ops._SIDE_STREAMS.pop(device, None)
+        for x, want in zip(inputs, serial):
+            assert torch.equal(chain(x, beside=True), want), "eager: beside differs from one after the other"
+        assert device not in ops._SIDE_STREAMS, "run eagerly, the LoRA forked onto a side stream"
+        static_x = inputs[0].clone()
+        chain(static_x, beside=True)  # warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(static_x, beside=True)
+        assert device in ops._SIDE_STREAMS, "captured, the LoRA did not run on a side stream"
+        for x, want in zip(inputs, serial):
+            static_x.copy_(x)
+            graph.replay()
+            assert torch.equal(out, want), "replayed: beside differs from one after the other"
+
+
+def test_group_beside_base_products_gives_the_serial_results():
+    """``peft_csgmv::lora_group_linear`` (a q/k/v group's LoRA on a side stream beside the three base products, one
+    fork and one join) over a chain of blocks, each reading what the last wrote: bit for bit the base products followed
+    by ``peft_csgmv::lora_group`` on one stream, eagerly and replayed from a CUDA graph with a new input before each of
+    20 replays."""
+    import transformers as tf
+
+    from peft_csgmv import ops
+    from peft_csgmv.executor import StaticPlan
+
+    cfg = tf.LlamaConfig(
+        vocab_size=128, hidden_size=2048, intermediate_size=256, num_hidden_layers=6, num_attention_heads=16,
+        num_key_value_heads=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    targets = ["q_proj", "k_proj", "v_proj"]
+    specs = {f"a{i}": dict(r=8 + 8 * (i % 2), lora_alpha=32, target_modules=targets) for i in range(32)}
+    pm = add_adapters(model, specs)
+    pm.to(torch.bfloat16).to(DEV)
+    enable_csgmv(pm)
+    blocks = [[getattr(layer.self_attn, t) for t in targets] for layer in pm.base_model.model.model.layers]
+    device = torch.device(DEV, torch.cuda.current_device())
+    static = StaticPlan(32, 32, 1, device)
+    static.fill(tuple(-1 if i % 5 == 0 else (7 * i) % 32 for i in range(32)))
+    plan = (static.permutation, static.seg_indptr, static.seg_slot)
+
+    def chain(x, beside: bool):
+        for members in blocks:
+            stacks = [m._csgmv_stack.handle for m in members]
+            versions = [m._csgmv_stack.version for m in members]
+            if beside:
+                weights, biases = [m.base_layer.weight for m in members], [m.base_layer.bias for m in members]
+                outs = ops.lora_group_linear(x, weights, biases, *plan, stacks, versions, static.chunk, True)
+                ys, deltas = outs[:3], outs[3:]
+            else:
+                ys = [m.base_layer(x) for m in members]
+                deltas = ops.lora_group(x, *plan, stacks, versions, static.chunk, True)
+            q, k, v = [(y + d).to(y.dtype) for y, d in zip(ys, deltas)]
+            x = q + torch.cat([k, v], dim=1)
+        return x
+
+    _beside_matches_serial(chain, device)
+    disable_csgmv(pm)
+
+
 @pytest.mark.parametrize("adapters", ["fp32", "bf16"])
 def test_lora_beside_base_product_gives_the_serial_results(adapters):
     """``peft_csgmv::lora_linear`` (the LoRA on a side stream beside the base product, joined before it returns) over
@@ -395,24 +468,5 @@ def test_lora_beside_base_product_gives_the_serial_results(adapters):
                 x = ops.lora(x, y, *plan, None, stack.handle, stack.version, static.chunk, True)
         return x
 
-    with torch.no_grad():
-        inputs = [torch.randn(32, 2048, device=DEV, dtype=torch.bfloat16) for _ in range(20)]
-        serial = [chain(x, beside=False) for x in inputs]
-        assert all(torch.isfinite(s).all() for s in serial)
-        for x, want in zip(inputs, serial):
-            assert torch.equal(chain(x, beside=True), want), "eager: beside differs from one after the other"
-        ops._SIDE_STREAMS.pop(device, None)
-        chain(inputs[0], beside=True)
-        assert device not in ops._SIDE_STREAMS, "run eagerly, the LoRA forked onto a side stream"
-        static_x = inputs[0].clone()
-        chain(static_x, beside=True)  # warm up outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(static_x, beside=True)
-        assert device in ops._SIDE_STREAMS, "captured, the LoRA did not run on a side stream"
-        for x, want in zip(inputs, serial):
-            static_x.copy_(x)
-            graph.replay()
-            assert torch.equal(out, want), "replayed: beside differs from one after the other"
+    _beside_matches_serial(chain, device)
     disable_csgmv(pm)

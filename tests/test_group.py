@@ -165,3 +165,58 @@ def test_a_failed_first_call_learns_no_groups(monkeypatch):
 
     model.generate(**kw)
     assert ex.groups_learned and len(marked()) == 10, "q/k/v and gate/up of both blocks"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_groups_beside_their_base_products(backend, monkeypatch):
+    """Where the executor runs LoRA beside base products (the default on CUDA for base weights of 16 MiB or more,
+    ``PEFT_CSGMV_BESIDE=1`` forces it here), a group whose members' base weights reach the floor together runs as one
+    ``peft_csgmv::lora_group_linear`` (the members' base products and the group's LoRA, which on CUDA runs beside
+    them): eager's tokens for three id lists, one graph. With a floor between the q/k/v and gate/up groups' bytes
+    (18432 and 30720 here), q/k/v run as ``lora_group`` after their base products and gate/up beside them;
+    ``PEFT_CSGMV_GROUPS=after`` leaves the layers that run beside out of groups. A member whose base weight is replaced
+    by another parameter after the groups were learned (the group's leader holds the old one) makes the next call
+    learn the groups again: eager's tokens with the new weight."""
+    monkeypatch.delenv("PEFT_CSGMV_GROUPS", raising=False)
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
+    input_ids, mask = make_batch(3, 5)
+    kw = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+
+    def run(model, id_lists):
+        config, graphs = _graph_capture()
+        outs = []
+        for ids in id_lists:
+            static = model.generate(cache_implementation="static", compile_config=config, adapter_ids=ids, **kw)
+            eager = model.generate(adapter_ids=ids, **kw)
+            assert torch.equal(static, eager), f"ids {ids}: the grouped compiled decode generated other tokens"
+            outs.append(static)
+        ops = {n: _ops(graphs, n) for n in ("lora", "lora_linear", "lora_group", "lora_group_linear")}
+        return outs, graphs, {n: c for n, c in ops.items() if c}
+
+    model = _model()
+    enable_csgmv(model, backend=backend)
+    outs, graphs, ops = run(model, ID_LISTS)
+    assert len(graphs) == 1, f"{len(graphs)} graphs: the groups or the ids changed the graph"
+    assert ops == {"lora_group_linear": 4, "lora_linear": 4}, ops
+    assert not torch.equal(outs[0], outs[1]), "the id lists generate the same tokens: the test proves nothing"
+    assert model._csgmv.executor.stash == {}
+
+    k = model.base_model.model.model.layers[1].self_attn.k_proj.base_layer
+    k.weight = torch.nn.Parameter(torch.randn_like(k.weight))
+    changed, _, _ = run(model, ID_LISTS[:1])
+    assert not torch.equal(changed[0], outs[0]), "a new k weight generates the same tokens: the test proves nothing"
+    torch._dynamo.reset()
+
+    monkeypatch.setenv("PEFT_CSGMV_BESIDE_MIN_MIB", str(20000 / 2**20))
+    model = _model()
+    enable_csgmv(model, backend=backend)
+    _, _, ops = run(model, ID_LISTS[:2])
+    assert ops == {"lora_group": 2, "lora_group_linear": 2, "lora": 4}, ops
+    torch._dynamo.reset()
+
+    monkeypatch.delenv("PEFT_CSGMV_BESIDE_MIN_MIB")
+    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "after")
+    model = _model()
+    enable_csgmv(model, backend=backend)
+    _, _, ops = run(model, ID_LISTS[:2])
+    assert ops == {"lora_linear": 14}, ops
