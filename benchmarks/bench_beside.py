@@ -117,6 +117,13 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--pdl-off", action="store_true", help="also both csgmv rows without PDL (PEFT_CSGMV_PDL=0)")
+    p.add_argument(
+        "--groups",
+        action="store_true",
+        help="the sibling-group rows instead (an eager call first, which learns the groups): the default (groups "
+        "of base weights >= 16 MiB together beside their base products), groups after them (PEFT_CSGMV_GROUPS=after), "
+        "a 10 MiB floor, no groups",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device, dtype = device_and_dtype(None)
@@ -153,12 +160,24 @@ def main(argv=None) -> int:
         inner = pm.base_model.model
         row("PEFT one adapter", torch.compile(inner, mode="reduce-overhead", dynamic=False))
         ids = [f"a{i % args.adapters}" for i in range(args.rows)]
-        variants = [("LoRA after the base", "0", "1"), ("beside", "1", "1")]
+        variants = [("LoRA after the base", {"PEFT_CSGMV_BESIDE": "0"}), ("beside", {"PEFT_CSGMV_BESIDE": "1"})]
         if args.pdl_off:  # does programmatic dependent launch across the graph's fork cost or hide idle time?
-            variants += [("LoRA after the base, no PDL", "0", "0"), ("beside, no PDL", "1", "0")]
-        for label, beside, use_pdl in variants:
-            with developer_switches({"PEFT_CSGMV_BESIDE": beside, "PEFT_CSGMV_PDL": use_pdl}):
+            no_pdl = {"PEFT_CSGMV_PDL": "0"}
+            variants += [("LoRA after the base, no PDL", {"PEFT_CSGMV_BESIDE": "0", **no_pdl}),
+                         ("beside, no PDL", {"PEFT_CSGMV_BESIDE": "1", **no_pdl})]  # fmt: skip
+        if args.groups:
+            variants = [
+                ("default: groups beside (16 MiB)", {}),
+                ("groups after the base", {"PEFT_CSGMV_GROUPS": "after"}),
+                ("groups beside, 10 MiB floor", {"PEFT_CSGMV_BESIDE_MIN_MIB": "10"}),
+                ("no groups", {"PEFT_CSGMV_GROUPS": "0"}),
+            ]
+        for label, env in variants:
+            with developer_switches(env):
                 enable_csgmv(pm)
+                if args.groups:  # an eager call learns the groups
+                    with torch.no_grad(), adapter_ids_scope(pm, ids):
+                        inner(x)
                 compiled = torch.compile(inner, mode="reduce-overhead", dynamic=False)
 
                 def call(x, compiled=compiled, pm=pm):
