@@ -120,10 +120,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--groups",
         action="store_true",
-        help="the sibling-group rows instead (an eager call first, which learns the groups): the default (groups "
-        "of base weights >= 16 MiB together beside their base products), groups after them (PEFT_CSGMV_GROUPS=after), "
-        "a 10 MiB floor, no groups",
+        help="the sibling-group rows instead (an eager call first, which learns the groups): groups beside their "
+        "base products where their base weights hold >= 16 MiB together (PEFT_CSGMV_GROUPS=beside), the default "
+        "(groups after them, layers that run beside out of groups), beside with a 10 MiB floor, no groups",
     )
+    p.add_argument("--reverse", action="store_true", help="the csgmv rows in reverse order (to see the order's effect)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device, dtype = device_and_dtype(None)
@@ -167,12 +168,12 @@ def main(argv=None) -> int:
                          ("beside, no PDL", {"PEFT_CSGMV_BESIDE": "1", **no_pdl})]  # fmt: skip
         if args.groups:
             variants = [
-                ("default: groups beside (16 MiB)", {}),
-                ("groups after the base", {"PEFT_CSGMV_GROUPS": "after"}),
-                ("groups beside, 10 MiB floor", {"PEFT_CSGMV_BESIDE_MIN_MIB": "10"}),
+                ("groups beside (16 MiB)", {"PEFT_CSGMV_GROUPS": "beside"}),
+                ("default: groups after the base", {}),
+                ("groups beside, 10 MiB floor", {"PEFT_CSGMV_GROUPS": "beside", "PEFT_CSGMV_BESIDE_MIN_MIB": "10"}),
                 ("no groups", {"PEFT_CSGMV_GROUPS": "0"}),
             ]
-        for label, env in variants:
+        for label, env in variants[::-1] if args.reverse else variants:
             with developer_switches(env):
                 enable_csgmv(pm)
                 if args.groups:  # an eager call learns the groups

@@ -81,11 +81,11 @@ def main(argv=None) -> int:
         "where by default layers that read the same input run theirs in one shrink and one expand launch)",
     )
     p.add_argument(
-        "--groups-after",
+        "--groups-beside",
         action="store_true",
-        help="also the widest row with every sibling group after its members' base products and the layers that run "
-        "beside theirs left out of groups (PEFT_CSGMV_GROUPS=after; by default a group of large enough base weights "
-        "runs beside them)",
+        help="also the widest row with sibling groups beside their members' base products (PEFT_CSGMV_GROUPS=beside: "
+        "layers that run beside theirs join groups, and a group of base weights over the beside floor together runs "
+        "its LoRA beside them)",
     )
     p.add_argument(
         "--beside-min-mib",
@@ -205,8 +205,8 @@ def main(argv=None) -> int:
         )
     if args.no_groups:
         variants.append(("no_groups", "no sibling groups", {"PEFT_CSGMV_GROUPS": "0"}))
-    if args.groups_after:
-        variants.append(("groups_after", "groups after their base products", {"PEFT_CSGMV_GROUPS": "after"}))
+    if args.groups_beside:
+        variants.append(("groups_beside", "groups beside their base products", {"PEFT_CSGMV_GROUPS": "beside"}))
     if args.beside_min_mib is not None:
         env = {"PEFT_CSGMV_BESIDE_MIN_MIB": str(args.beside_min_mib)}
         variants.append(("beside_min", f"beside only base weights ≥ {args.beside_min_mib:g} MiB", env))

@@ -32,10 +32,10 @@
 #   reuse    static cache, 1B lean (+ after): a new cache per generate vs one kept by the caller -> static_1b_{fresh,kept}.*
 #   groups   sibling groups (on by default): their GPU tests, then static cache 1B and 8B lean with and without
 #            them (PEFT_CSGMV_GROUPS=0) (~6 min) -> gpu_group.log, static_{1b,8b}_groups.*
-#   gbeside1b  sibling groups beside their base products (the default): the group GPU tests, then static cache 1B
-#            lean against groups after their base products (PEFT_CSGMV_GROUPS=after) and with the q/k/v group beside
-#            too (a 10 MiB floor) (~5 min) -> gpu_gbeside.log, static_1b_gbeside.*
-#   gbeside8b  static cache 8B lean against groups after (~5 min) -> static_8b_gbeside.*
+#   gbeside1b  sibling groups beside their base products (PEFT_CSGMV_GROUPS=beside): the group GPU tests, then
+#            compiled-block GPU time three times (rows in order, reversed, in order), then static cache 1B full with
+#            them (10 MiB floor) and without (~6 min) -> gpu_gbeside.log, beside_groups_order.log, static_1b_gbeside.*
+#   gbeside8b  static cache 8B full, groups beside (10 MiB floor) against the default (~5 min) -> static_8b_gbeside.*
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
@@ -163,11 +163,14 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 -m pytest tests/test_group.py tests/test_gpu.py -k "group" -q -p no:cacheprovider -rf --tb=short \
         > "$OUT/gpu_gbeside.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_gbeside.log" | tail -5
-      python3 benchmarks/bench_static.py --model 1b --lean --groups-after --beside-min-mib 10 --repeats 3 \
+      for o in "" --reverse ""; do
+        python3 benchmarks/bench_beside.py --models 1b --blocks 8 --groups $o 2>&1 | grep "^| 1b" | grep csgmv; echo
+      done | tee "$OUT/beside_groups_order.log"
+      PEFT_CSGMV_BESIDE_MIN_MIB=10 python3 benchmarks/bench_static.py --model 1b --repeats 3 --groups-beside \
         --out "$OUT/static_1b_gbeside.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/static_1b_gbeside.log"
       grep -E "^\| 1b|identical" "$OUT/static_1b_gbeside.log" || tail -25 "$OUT/static_1b_gbeside.log" ;;
     gbeside8b)
-      python3 benchmarks/bench_static.py --model 8b --lean --groups-after --repeats 2 \
+      PEFT_CSGMV_BESIDE_MIN_MIB=10 python3 benchmarks/bench_static.py --model 8b --repeats 2 --groups-beside \
         --out "$OUT/static_8b_gbeside.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/static_8b_gbeside.log"
       grep -E "^\| 8b|identical" "$OUT/static_8b_gbeside.log" || tail -25 "$OUT/static_8b_gbeside.log" ;;
     multi)

@@ -211,11 +211,13 @@ class Executor:
         # enabled turns them off.
         groups = os.environ.get("PEFT_CSGMV_GROUPS", "1")
         self.groups_on = groups != "0"
-        # A group whose members' base weights hold at least beside_min_bytes together runs beside its base products
+        # PEFT_CSGMV_GROUPS=beside: layers that run beside their base product join groups too, and a group whose
+        # members' base weights hold at least beside_min_bytes together runs beside its base products
         # (ops.lora_group_linear: one fork and join for the group) where the executor's beside switch is on for the
-        # device; PEFT_CSGMV_GROUPS=after keeps every group after its base products and leaves layers that run beside
-        # out of groups (the measured alternative: docs/benchmarks.md).
-        self.groups_beside = groups != "after"
+        # device. Off by default: on the H200 it lowered the GPU time of compiled blocks (1B layout, 10 MiB floor)
+        # but varied more from run to run than the default, and full static-cache generates did not show it faster
+        # (docs/benchmarks.md).
+        self.groups_beside = groups == "beside"
         self.groups_learned = not self.groups_on
         self._seen: list = []  # this call's layers that read the tensor _seen_x, in order
         self._seen_x = None
@@ -279,11 +281,11 @@ class Executor:
 
     def _group(self, run: list) -> None:
         """``run``'s layers (siblings, in call order) as groups of up to three layers with a stack and a base weight
-        (with ``PEFT_CSGMV_GROUPS=after``, leaving out layers that compiled code runs beside their base product): each
-        group's first member holds its key, the other members' stack handles and their base layers' ``(weight,
+        (unless ``PEFT_CSGMV_GROUPS=beside``, leaving out layers that compiled code runs beside their base product):
+        each group's first member holds its key, the other members' stack handles and their base layers' ``(weight,
         bias)`` (``_csgmv_siblings``; a group that runs beside computes its members' base products too), and the other
         members hold the key and their place (``_csgmv_member``). No module holds another: compiled code would guard
-        each such reference at every step (a member checks that the weight the group used is its own)."""
+        each such reference in Python at every step (a replaced base parameter: :meth:`check_groups`)."""
         from .kernels.group import MAX_MEMBERS
 
         def joins(layer) -> bool:

@@ -317,8 +317,8 @@ def test_compiled_step_checks_no_python_guard_per_layer(groups, monkeypatch):
         def emit(self, record):
             self.lines.append(record.getMessage())
 
-    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "0" if groups == "off" else "1")  # groups: each leader holds handles only
-    if groups == "beside":
+    monkeypatch.setenv("PEFT_CSGMV_GROUPS", {"off": "0", "on": "1", "beside": "beside"}[groups])
+    if groups == "beside":  # groups beside their base products: the leader reads the members' weights
         monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
     model = _model()
     enable_csgmv(model, backend="torch")

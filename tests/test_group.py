@@ -169,15 +169,15 @@ def test_a_failed_first_call_learns_no_groups(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_groups_beside_their_base_products(backend, monkeypatch):
-    """Where the executor runs LoRA beside base products (the default on CUDA for base weights of 16 MiB or more,
-    ``PEFT_CSGMV_BESIDE=1`` forces it here), a group whose members' base weights reach the floor together runs as one
-    ``peft_csgmv::lora_group_linear`` (the members' base products and the group's LoRA, which on CUDA runs beside
-    them): eager's tokens for three id lists, one graph. With a floor between the q/k/v and gate/up groups' bytes
-    (18432 and 30720 here), q/k/v run as ``lora_group`` after their base products and gate/up beside them;
-    ``PEFT_CSGMV_GROUPS=after`` leaves the layers that run beside out of groups. A member whose base weight is replaced
-    by another parameter after the groups were learned (the group's leader holds the old one) makes the next call
-    learn the groups again: eager's tokens with the new weight."""
-    monkeypatch.delenv("PEFT_CSGMV_GROUPS", raising=False)
+    """With ``PEFT_CSGMV_GROUPS=beside``, where the executor runs LoRA beside base products (the default on CUDA for
+    base weights of 16 MiB or more, ``PEFT_CSGMV_BESIDE=1`` forces it here), a group whose members' base weights reach
+    the floor together runs as one ``peft_csgmv::lora_group_linear`` (the members' base products and the group's LoRA,
+    which on CUDA runs beside them): eager's tokens for three id lists, one graph. With a floor between the q/k/v and
+    gate/up groups' bytes (18432 and 30720 here), q/k/v run as ``lora_group`` after their base products and gate/up
+    beside them; by default (``PEFT_CSGMV_GROUPS=1``) the layers that run beside stay out of groups. A member whose
+    base weight is replaced by another parameter after the groups were learned (the group's leader holds the old one)
+    makes the next call learn the groups again: eager's tokens with the new weight."""
+    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "beside")
     monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
     input_ids, mask = make_batch(3, 5)
     kw = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
@@ -215,7 +215,7 @@ def test_groups_beside_their_base_products(backend, monkeypatch):
     torch._dynamo.reset()
 
     monkeypatch.delenv("PEFT_CSGMV_BESIDE_MIN_MIB")
-    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "after")
+    monkeypatch.delenv("PEFT_CSGMV_GROUPS")
     model = _model()
     enable_csgmv(model, backend=backend)
     _, _, ops = run(model, ID_LISTS[:2])
