@@ -312,7 +312,7 @@ class Executor:
                     continue
                 key = id(chunk[0])
                 handles = tuple(m.__dict__["_csgmv_stack"].handle for m in chunk[1:])
-                bases = tuple((m.base_layer.weight, m.base_layer.bias) for m in chunk[1:])
+                bases = tuple((m.base_layer.weight, getattr(m.base_layer, "bias", None)) for m in chunk[1:])
                 self._groups.append((chunk, bases))
                 chunk[0].__dict__["_csgmv_siblings"] = (key, handles, bases)
                 for index, member in enumerate(chunk[1:], start=1):
