@@ -129,6 +129,7 @@ def weights_device(layer: nn.Module) -> torch.device:
 # guards on: it recompiles instead of reading freed memory or launching stale tiles.
 _TENSORS = frozenset(("data", "a_off", "b_off", "ranks", "scalings", "mag", "bias", "lora_bias"))
 _VECTORS = (("ranks", torch.int32), ("scalings", torch.float32), ("a_off", torch.int64), ("b_off", torch.int64))
+_VECTOR_NAMES = frozenset(name for name, _ in _VECTORS)
 _handles = itertools.count()
 _STACKS: "weakref.WeakValueDictionary[int, LoraStack]" = weakref.WeakValueDictionary()
 
@@ -151,6 +152,8 @@ class LoraStack:
             self._bump()
             if name == "data":  # the views :meth:`place` keeps are of the old storage
                 self.__dict__.pop("_page_views", None)
+            elif name in _VECTOR_NAMES and self.__dict__.get("pages") is not None:
+                self.pages.dirty = True  # another tensor than its row of the group's table: rebuilt on upload
         elif name == "_views" and value is None and self.__dict__.get("pages") is not None:
             self.pages.dirty = True  # a slot changed: the group's tables are uploaded again
         object.__setattr__(self, name, value)
@@ -251,7 +254,7 @@ class LoraStack:
         tensors (their addresses are static: compiled graphs and bound launches keep reading them). With
         :attr:`pages`, the group's tables, once for all its stacks."""
         if self.pages is not None:
-            if self.pages.dirty:
+            if self.pages.dirty or self.pages.dirty_slots:
                 self.pages.upload()
             return
         for name, dtype in _VECTORS:
@@ -502,7 +505,7 @@ class LoraStack:
         self.scalings_host[slot] = float(scaling)
         self.sources[slot] = lora_a
         self.__dict__["_views"] = None  # (set directly: this runs for each layer of every adapter brought in)
-        self.pages.dirty = True
+        self.pages.dirty_slots.add(slot)  # only this slot's column of the group's tables changed
         # The slot's two views of the page, made once per place and rank while the storage holds: a view costs the
         # host ~2 µs, re-pointing a parameter at one ~0.3 (two views per layer of every adapter brought in).
         views = self.__dict__.setdefault("_page_views", {})
@@ -574,8 +577,10 @@ class LoraStack:
     def _empty(self, slot: int) -> None:
         """Slot ``slot`` (within capacity) at rank 0, its storage freed, its extras neutral."""
         self._free(slot)
-        if self.ranks_host[slot]:
-            self._views = None  # the device copies follow on refresh
+        if self.ranks_host[slot]:  # the device copies follow on refresh (with pages: this slot's column of the tables)
+            self.__dict__["_views"] = None
+            if self.pages is not None:
+                self.pages.dirty_slots.add(slot)
         if self.mag is not None or self.lora_bias is not None:
             self.set_extras(slot, None, None)
         self.ranks_host[slot] = 0
@@ -615,10 +620,15 @@ class DevicePages:
         self.data = torch.empty(0, dtype=dtype, device=self.device)
         self.stacks: "weakref.WeakSet[LoraStack]" = weakref.WeakSet()
         # Every stack's per-slot vectors as rows of one table each (a row per stack, :attr:`LoraStack.row`): a call
-        # that moves adapters uploads four tables, not four vectors per layer. ``dirty``: a row changed since.
+        # that moves adapters uploads four tables, not four vectors per layer. ``dirty``: anything may have changed
+        # since (the tables are built again from every stack's host lists); ``dirty_slots``: only these slots' columns
+        # (the tier's moves: :meth:`LoraStack.place`, :meth:`LoraStack.vacate`), written into the host mirror of
+        # each table before it is copied.
         self.rows = 0
         self.table: dict[str, torch.Tensor] = {}
+        self.mirror: dict[str, torch.Tensor] = {}
         self.dirty = True
+        self.dirty_slots: set[int] = set()
 
     def join(self, stack: "LoraStack") -> int:
         """Take ``stack`` into the group: its storage is :attr:`data`, its per-slot vectors a row of the tables."""
@@ -630,20 +640,44 @@ class DevicePages:
     def upload(self) -> None:
         """Every stack's per-slot vectors (ranks, scalings, offsets) from the host's lists to the device: one copy per
         table, into the same tensors while their shape holds (compiled graphs and bound launches keep reading them);
-        each stack's vectors are views of its row."""
+        each stack's vectors are views of its row. Where only :attr:`dirty_slots` changed, only their columns are read
+        from the stacks into the tables' host mirrors (a move of one adapter reads one column, not every slot of every
+        stack), and the stacks' vectors are their rows already (replacing one marks the group :attr:`dirty`)."""
         stacks = list(self.stacks)
         width = max((s.capacity for s in stacks), default=1)
         shape = (self.rows, width)
+        slots = sorted(self.dirty_slots)
+        full = self.dirty or len(slots) * 4 > width or any(
+            tuple(getattr(self.mirror.get(name), "shape", ())) != shape for name, _ in _VECTORS
+        )  # fmt: skip
+        if not full:  # the dirty slots' columns, every table's in one pass over the stacks
+            columns = {name: [[0] * self.rows for _ in slots] for name, _ in _VECTORS}
+            hosts = [(columns[name], name + "_host") for name, _ in _VECTORS]
+            for s in stacks:
+                state, row = s.__dict__, s.row
+                for cols, host in hosts:
+                    values = state[host]
+                    for col, slot in zip(cols, slots):
+                        if slot < len(values):
+                            col[row] = values[slot]
         for name, dtype in _VECTORS:
             table = self.table.get(name)
-            if table is None or tuple(table.shape) != shape or table.device != self.device:
+            fresh = table is None or tuple(table.shape) != shape or table.device != self.device
+            if fresh:
                 table = self.table[name] = torch.zeros(shape, dtype=dtype, device=self.device)
-            rows = [[0] * width for _ in range(self.rows)]
-            for s in stacks:
-                values = getattr(s, name + "_host")
-                rows[s.row][: len(values)] = values
-            host = torch.tensor(rows, dtype=dtype)
-            table.copy_(host.pin_memory() if table.is_cuda else host, non_blocking=True)
+            if full:
+                rows = [[0] * width for _ in range(self.rows)]
+                for s in stacks:
+                    values = getattr(s, name + "_host")
+                    rows[s.row][: len(values)] = values
+                mirror = self.mirror[name] = torch.tensor(rows, dtype=dtype)
+            else:
+                mirror = self.mirror[name]
+                mirror[:, slots] = torch.tensor(columns[name], dtype=dtype).t()
+            # (pinned: a copy of the mirror, which the next upload may change while this copy is in flight)
+            table.copy_(mirror.pin_memory() if table.is_cuda else mirror, non_blocking=True)
+            if not (full or fresh):
+                continue
             # Each stack's vector is its row of the table: made only where it is not already (a view per stack and
             # table would cost the host a microsecond each at every upload).
             start, row_bytes = table.data_ptr(), table.stride(0) * table.element_size()
@@ -652,6 +686,7 @@ class DevicePages:
                 if vector.data_ptr() != start + s.row * row_bytes or vector.numel() != width:
                     setattr(s, name, table[s.row])
         self.dirty = False
+        self.dirty_slots = set()
 
     def start(self, slot: int) -> int:
         """Where slot ``slot``'s page starts in :attr:`data`."""

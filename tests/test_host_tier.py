@@ -402,6 +402,17 @@ def test_pages_rebuilt_in_place_give_new_bring_ins_views_of_the_new_memory(tiere
             assert {_storage(p) for p in _weights(model, name)} == {_storage(pages.data)}, f"{name} after {names}"
 
 
+def _tables_hold_the_host_lists(model, pages) -> None:
+    """Every stack's device vectors are its rows of the group's tables and hold its host lists."""
+    for layer in model._csgmv.layers.values():
+        stack = layer._csgmv_stack
+        for name in ("ranks", "scalings", "a_off", "b_off"):
+            vector = getattr(stack, name)
+            assert vector.data_ptr() == pages.table[name][stack.row].data_ptr(), f"{name} is not its table row"
+            host = torch.tensor(getattr(stack, name + "_host"), dtype=vector.dtype)
+            assert torch.equal(vector[: stack.capacity].cpu(), host), f"{name} of a stack differs from its host list"
+
+
 def test_a_call_that_moves_adapters_uploads_the_slot_vectors_once(tiered, monkeypatch):
     """Every layer's per-slot vectors (ranks, scalings, offsets) are rows of one table per vector: a call that moves
     adapters uploads each table once, not four vectors per layer, and each layer's row holds its values."""
@@ -419,13 +430,7 @@ def test_a_call_that_moves_adapters_uploads_the_slot_vectors_once(tiered, monkey
     _call(model, input_ids, mask, outs, ["a3", "a4", BASE, "a3"])  # two out, two in
     assert len(uploads) == 1, f"{len(uploads)} uploads in one call"
     (pages,) = model._csgmv.tier.pages.values()
-    for layer in model._csgmv.layers.values():
-        stack = layer._csgmv_stack
-        for name in ("ranks", "scalings", "a_off", "b_off"):
-            vector = getattr(stack, name)
-            assert vector.data_ptr() == pages.table[name][stack.row].data_ptr(), f"{name} is not its table row"
-            host = torch.tensor(getattr(stack, name + "_host"), dtype=vector.dtype)
-            assert torch.equal(vector[: stack.capacity].cpu(), host)
+    _tables_hold_the_host_lists(model, pages)
     _call(model, input_ids, mask, outs, ["a3", "a4", "a3", "a4"])  # nothing moves: nothing uploaded
     assert len(uploads) == 1
 
@@ -454,3 +459,41 @@ def test_adapters_of_another_dtype_through_evictions():
         model.set_adapter(name)
         with torch.no_grad():
             close(model(input_ids, attention_mask=mask).logits, outs[name], f"stock {name} through the tier")
+
+
+def test_moves_of_a_few_adapters_upload_only_their_columns(monkeypatch):
+    """A call that moves one or two adapters among many slots reads only those slots' columns of the stacks into the
+    tables' host mirrors (not every slot of every stack), and the device tables then hold exactly every stack's host
+    lists (ranks, scalings, offsets): stock PEFT's per-adapter logits through a run of moves, with mixed ranks and an
+    adapter on the embedding (whose layers the others do not all have)."""
+    from peft_csgmv.slots import DevicePages
+
+    names = [f"b{i}" for i in range(10)]
+    model, _ = tiny_model("llama")
+    specs = {
+        name: dict(
+            r=2 + 2 * (i % 4), lora_alpha=4 + i, target_modules=(["embed_tokens"] if i % 3 == 0 else []) + ALL_LINEAR
+        )
+        for i, name in enumerate(names)
+    }
+    model = add_adapters(model, specs).to(DEVICE)
+    input_ids, mask = make_batch(4, 6)
+    outs = per_adapter(model, [*names, BASE], lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="torch", max_resident_adapters=8)
+    seen = []
+    real = DevicePages.upload
+
+    def upload(self):
+        seen.append((self.dirty, sorted(self.dirty_slots)))
+        real(self)
+
+    monkeypatch.setattr(DevicePages, "upload", upload)
+    (pages,) = model._csgmv.tier.pages.values()
+    calls = [names[:4], names[4:8], [names[8], names[0], BASE, names[1]], [names[9], names[2], names[8], BASE],
+             [names[3], names[4], names[5], names[6]], [names[7], names[0], names[9], names[1]]]  # fmt: skip
+    for ids in calls:
+        _call(model, input_ids, mask, outs, ids)
+        assert not pages.dirty and not pages.dirty_slots
+        _tables_hold_the_host_lists(model, pages)
+    columns = [slots for dirty, slots in seen if not dirty]
+    assert columns and all(0 < len(slots) <= 2 for slots in columns), f"no call uploaded only its columns: {seen}"
