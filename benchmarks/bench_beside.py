@@ -161,11 +161,10 @@ def main(argv=None) -> int:
         inner = pm.base_model.model
         row("PEFT one adapter", torch.compile(inner, mode="reduce-overhead", dynamic=False))
         ids = [f"a{i % args.adapters}" for i in range(args.rows)]
-        variants = [("LoRA after the base", {"PEFT_CSGMV_BESIDE": "0"}), ("beside", {"PEFT_CSGMV_BESIDE": "1"})]
+        variants = [(label, {"PEFT_CSGMV_BESIDE": beside, "PEFT_CSGMV_PDL": "1"})
+                    for label, beside in (("LoRA after the base", "0"), ("beside", "1"))]  # fmt: skip
         if args.pdl_off:  # does programmatic dependent launch across the graph's fork cost or hide idle time?
-            no_pdl = {"PEFT_CSGMV_PDL": "0"}
-            variants += [("LoRA after the base, no PDL", {"PEFT_CSGMV_BESIDE": "0", **no_pdl}),
-                         ("beside, no PDL", {"PEFT_CSGMV_BESIDE": "1", **no_pdl})]  # fmt: skip
+            variants += [(f"{label}, no PDL", {**env, "PEFT_CSGMV_PDL": "0"}) for label, env in variants]
         if args.groups:
             variants = [
                 ("groups beside (16 MiB)", {"PEFT_CSGMV_GROUPS": "beside"}),

@@ -221,8 +221,7 @@ class Executor:
         self.groups_learned = not self.groups_on
         self._seen: list = []  # this call's layers that read the tensor _seen_x, in order
         self._seen_x = None
-        # The groups given to layers: (the group's layers, the members' base (weight, bias) the leader holds).
-        self._groups: list[tuple[list, tuple]] = []
+        self._groups: list[list] = []  # the groups given to layers, each its layers in call order
         # A group's members' outputs, computed by its first member in compiled code, for the others: (group leader's
         # id, member index) -> (input, output). Emptied as they are taken, and at the end of every call.
         self.stash: dict = {}
@@ -282,10 +281,11 @@ class Executor:
     def _group(self, run: list) -> None:
         """``run``'s layers (siblings, in call order) as groups of up to three layers with a stack and a base weight
         (unless ``PEFT_CSGMV_GROUPS=beside``, leaving out layers that compiled code runs beside their base product):
-        each group's first member holds its key, the other members' stack handles and their base layers' ``(weight,
-        bias)`` (``_csgmv_siblings``; a group that runs beside computes its members' base products too), and the other
-        members hold the key and their place (``_csgmv_member``). No module holds another: compiled code would guard
-        each such reference in Python at every step (a replaced base parameter: :meth:`check_groups`)."""
+        each group's first member holds its key, the other members' stack handles and (``PEFT_CSGMV_GROUPS=beside``)
+        their base layers' ``(weight, bias)`` (``_csgmv_siblings``; a group that runs beside computes its members' base
+        products too), and the other members hold the key and their place (``_csgmv_member``). No module holds
+        another: compiled code would guard each such reference in Python at every step (a replaced base parameter:
+        :meth:`check_groups`)."""
         from .kernels.group import MAX_MEMBERS
 
         def joins(layer) -> bool:
@@ -312,8 +312,13 @@ class Executor:
                     continue
                 key = id(chunk[0])
                 handles = tuple(m.__dict__["_csgmv_stack"].handle for m in chunk[1:])
-                bases = tuple((m.base_layer.weight, getattr(m.base_layer, "bias", None)) for m in chunk[1:])
-                self._groups.append((chunk, bases))
+                # (only groups that may run beside their base products read the members' weights)
+                bases = (
+                    tuple((m.base_layer.weight, getattr(m.base_layer, "bias", None)) for m in chunk[1:])
+                    if self.groups_beside
+                    else ()
+                )
+                self._groups.append(chunk)
                 chunk[0].__dict__["_csgmv_siblings"] = (key, handles, bases)
                 for index, member in enumerate(chunk[1:], start=1):
                     member.__dict__["_csgmv_member"] = (key, index)
@@ -321,19 +326,20 @@ class Executor:
     def forget_groups(self, layers) -> None:
         """A layer got a new stack (another handle), or a call failed while learning: the groups (of ``layers`` and
         those given so far) are learned again from the next eager call."""
-        for layer in itertools.chain(layers, *(chunk for chunk, _ in self._groups)):
+        for layer in itertools.chain(layers, *self._groups):
             layer.__dict__.pop("_csgmv_siblings", None)
             layer.__dict__.pop("_csgmv_member", None)
         self._seen, self._seen_x, self._groups = [], None, []
         self.groups_learned = not self.groups_on
 
     def check_groups(self) -> None:
-        """Before a call: a member whose base layer's weight or bias is another tensor than its group's leader holds
-        (a parameter replaced since the groups were learned) makes the groups be learned again (compiled code then
-        traces again: it guards the layers' group entries). The weights' values may change in place (merging,
-        loading a state dict): the leader reads the same tensors."""
-        for chunk, bases in self._groups:
-            for member, (weight, bias) in zip(chunk[1:], bases):
+        """Before a call (``PEFT_CSGMV_GROUPS=beside``, where leaders hold their members' base tensors): a member
+        whose base layer's weight or bias is another tensor than its group's leader holds (a parameter replaced since
+        the groups were learned) makes the groups be learned again (compiled code then traces again: it guards the
+        layers' group entries). The weights' values may change in place (merging, loading a state dict): the leader
+        reads the same tensors."""
+        for chunk in self._groups:
+            for member, (weight, bias) in zip(chunk[1:], chunk[0].__dict__["_csgmv_siblings"][2]):
                 base = member._modules.get("base_layer")
                 if getattr(base, "weight", None) is not weight or getattr(base, "bias", None) is not bias:
                     self.forget_groups(())

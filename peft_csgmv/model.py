@@ -658,20 +658,27 @@ def _close_call(executor: Executor, failed: bool = False) -> None:
     executor.end(failed)
 
 
+@contextlib.contextmanager
+def _closing(executor: Executor) -> Iterator[None]:
+    """Close the call opened on ``executor`` when the block ends (as failed, where the block raised)."""
+    try:
+        yield
+    except BaseException:
+        _close_call(executor, failed=True)
+        raise
+    _close_call(executor)
+
+
 def _run(model, method, args: tuple, kwargs: dict, generate: bool):
     executor = _open_call(model, args, kwargs, generate)
     if executor is None:
         return method(model, *args, **kwargs)
     kept = model._csgmv.static_cache if generate else None
-    try:
+    with _closing(executor):
         with torch.no_grad(), kept.lend(model.get_base_model()) if kept is not None else contextlib.nullcontext():
             out = method(model, *args, **kwargs)
         if kept is not None:
             kept.returned(out)
-    except BaseException:
-        _close_call(executor, failed=True)
-        raise
-    _close_call(executor)
     return out
 
 
@@ -680,15 +687,8 @@ def adapter_ids_scope(model, adapter_ids: Sequence[str | None]) -> Iterator[None
     """Apply ``adapter_ids`` to every patched layer called inside the block, as a call of the model with those ids
     does (validated the same way; for calling layers directly: benchmarks, tests, a compiled layer)."""
     executor = _open_call(model, (), {"adapter_ids": adapter_ids}, generate=False)
-    if executor is None:
+    with _closing(executor) if executor is not None else contextlib.nullcontext():
         yield
-        return
-    try:
-        yield
-    except BaseException:
-        _close_call(executor, failed=True)
-        raise
-    _close_call(executor)
 
 
 # The wrappers run eagerly under torch.compile (validation and the ids are host work, in the disabled helpers above);
