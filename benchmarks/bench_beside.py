@@ -35,6 +35,8 @@ from peft_csgmv.bench import (  # noqa: E402
     run_meta,
     write_results,
 )
+from peft_csgmv.kernels.expand import expand_tiles  # noqa: E402
+from peft_csgmv.kernels.shrink import shrink_tiles  # noqa: E402
 from peft_csgmv.model import adapter_ids_scope  # noqa: E402
 
 
@@ -124,6 +126,13 @@ def main(argv=None) -> int:
         "base products where their base weights hold >= 16 MiB together (PEFT_CSGMV_GROUPS=beside), the default "
         "(groups after them, layers that run beside out of groups), beside with a 10 MiB floor, no groups",
     )
+    p.add_argument(
+        "--tiles",
+        default=None,
+        help="the default csgmv rows instead, one per ';'-separated decode-tile override (PEFT_CSGMV_DECODE_TILES, "
+        "e.g. 'default;shrink_per_sm=1;expand_block_n=256'; 'default' is no override), each after an eager call "
+        "that learns the sibling groups",
+    )
     p.add_argument("--reverse", action="store_true", help="the csgmv rows in reverse order (to see the order's effect)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -172,10 +181,16 @@ def main(argv=None) -> int:
                 ("groups beside, 10 MiB floor", {"PEFT_CSGMV_GROUPS": "beside", "PEFT_CSGMV_BESIDE_MIN_MIB": "10"}),
                 ("no groups", {"PEFT_CSGMV_GROUPS": "0"}),
             ]
+        if args.tiles is not None:
+            variants = [
+                (f"tiles {spec}", {"PEFT_CSGMV_DECODE_TILES": "" if spec == "default" else spec})
+                for spec in args.tiles.split(";")
+            ]
         for label, env in variants[::-1] if args.reverse else variants:
             with developer_switches(env):
+                shrink_tiles.cache_clear(), expand_tiles.cache_clear()  # the tile choices read the switch again
                 enable_csgmv(pm)
-                if args.groups:  # an eager call learns the groups
+                if args.groups or args.tiles is not None:  # an eager call learns the groups
                     with torch.no_grad(), adapter_ids_scope(pm, ids):
                         inner(x)
                 compiled = torch.compile(inner, mode="reduce-overhead", dynamic=False)
@@ -186,6 +201,7 @@ def main(argv=None) -> int:
 
                 row(f"csgmv 32 distinct, {label}", call)
                 disable_csgmv(pm)
+            shrink_tiles.cache_clear(), expand_tiles.cache_clear()
         for r in results:
             if r["model"] == name:
                 base = next(b["ms"] for b in results if b["model"] == name and b["row"].startswith("base"))

@@ -11,6 +11,8 @@ computes some kernels wrongly under its interpreter and fails to compile others 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 import os
@@ -82,6 +84,61 @@ def output_cache(output):
     if dataclasses.is_dataclass(output) and any(f.name == "cache" for f in dataclasses.fields(output)):
         return output.cache
     return output.past_key_values
+
+
+_DEFER_STOP = contextvars.ContextVar("peft_csgmv_defer_stop_check", default=False)
+
+
+def _defer_on_cuda(original):
+    """transformers' ``DeferredStopCheck.is_supported`` that also says yes on CUDA inside :func:`deferred_stop_check`,
+    with the conditions it sets for the devices it defers on (not for an assistant model; a cache that is returned to
+    the caller must be croppable, so that the extra step can be taken back)."""
+    signature = inspect.signature(original)
+
+    def is_supported(*args, **kwargs):
+        if _DEFER_STOP.get():
+            bound = signature.bind(*args, **kwargs)
+            device, cache = bound.arguments["device"], bound.arguments["cache"]
+            if device.type == "cuda" and not bound.arguments["is_assistant"]:
+                return cache is None or cache.is_croppable or not bound.arguments["cache_is_returned"]
+        return original(*args, **kwargs)
+
+    is_supported.__wrapped__ = original
+    return is_supported
+
+
+def _install_deferred_stop_check() -> bool:
+    """Put :func:`_defer_on_cuda` in place of transformers' ``DeferredStopCheck.is_supported`` once per process (it
+    answers as transformers does outside :func:`deferred_stop_check`); ``False`` where this transformers has no
+    ``DeferredStopCheck`` of that signature."""
+    try:
+        from transformers.generation.utils import DeferredStopCheck
+    except ImportError:
+        return False
+    current = inspect.getattr_static(DeferredStopCheck, "is_supported", None)
+    if not isinstance(current, staticmethod):
+        return False
+    if hasattr(current.__func__, "__wrapped__"):
+        return True
+    names = set(inspect.signature(current.__func__).parameters)
+    if not {"device", "cache", "cache_is_returned", "is_assistant"} <= names:
+        return False
+    DeferredStopCheck.is_supported = staticmethod(_defer_on_cuda(current.__func__))
+    return True
+
+
+@contextlib.contextmanager
+def deferred_stop_check(enabled: bool = True):
+    """Inside the block, transformers' decoding loop on CUDA reads its stop flag one step late (its
+    ``DeferredStopCheck``, which it uses on Apple GPUs): the host queues the next step while the GPU runs this one,
+    instead of waiting for the GPU at every step. Same sequences (a loop that stops on EOS takes back its extra step);
+    a no-op where this transformers has no deferred check. ``enabled=False``: not deferred inside the block, whatever
+    an enclosing block says."""
+    token = _DEFER_STOP.set(bool(enabled) and _install_deferred_stop_check())
+    try:
+        yield
+    finally:
+        _DEFER_STOP.reset(token)
 
 
 def _interrupted_while_importing(signum, frame) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
+from ._compat import deferred_stop_check
 from .executor import CallContext, Executor
 from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer, unpatched_type
 from .slots import LoraStack, SlotRegistry, layer_adapter, layer_adapters, module_param, weights_device
@@ -131,12 +132,19 @@ class CsgmvState:
     """Everything ``enable_csgmv`` attached to one model: the slot registry, the patched layers and their stacks."""
 
     def __init__(
-        self, backend: str, dtype: torch.dtype | None, max_resident: int | None = None, keep_static_cache: bool = True
+        self,
+        backend: str,
+        dtype: torch.dtype | None,
+        max_resident: int | None = None,
+        keep_static_cache: bool = True,
+        defer_stop_check: bool | None = None,
     ) -> None:
         self.dtype = dtype
         # The static cache of the last generate call with ids, for the next one that fits it (None: transformers'
         # own, a new one per call).
         self.static_cache = KeptStaticCache() if keep_static_cache else None
+        # enable_csgmv's defer_stop_check: None (calls that do not sample), True or False.
+        self.defer_stop_check = defer_stop_check
         # The host tier: at most this many adapters have slots (on the layers' device); the others' kernel-layer
         # weights wait in (pinned) host memory and are brought into a slot when a call needs them, least recently
         # used out. None: every adapter has a slot.
@@ -669,14 +677,29 @@ def _closing(executor: Executor) -> Iterator[None]:
     _close_call(executor)
 
 
+def _defers_stop_check(model, kwargs: dict) -> bool:
+    """Whether this ``generate`` call with ids reads transformers' stop flag one step late (``enable_csgmv``'s
+    ``defer_stop_check``: by default for calls that do not sample, whose results and random state stay exactly
+    transformers'; ``True`` for sampling calls too)."""
+    policy = model._csgmv.defer_stop_check
+    if policy is not None:
+        return policy
+    if "do_sample" in kwargs:
+        return not kwargs["do_sample"]
+    config = kwargs.get("generation_config") or getattr(model.get_base_model(), "generation_config", None)
+    return not getattr(config, "do_sample", False)
+
+
 def _run(model, method, args: tuple, kwargs: dict, generate: bool):
     executor = _open_call(model, args, kwargs, generate)
     if executor is None:
         return method(model, *args, **kwargs)
     kept = model._csgmv.static_cache if generate else None
+    defer = generate and _defers_stop_check(model, kwargs)
     with _closing(executor):
         with torch.no_grad(), kept.lend(model.get_base_model()) if kept is not None else contextlib.nullcontext():
-            out = method(model, *args, **kwargs)
+            with deferred_stop_check(defer):
+                out = method(model, *args, **kwargs)
         if kept is not None:
             kept.returned(out)
     return out
@@ -710,6 +733,7 @@ def enable_csgmv(
     dtype: torch.dtype | None = None,
     max_resident_adapters: int | None = None,
     keep_static_cache: bool = True,
+    defer_stop_check: bool | None = None,
 ):
     """Patch ``model`` (a ``peft.PeftModel``) in place for fast mixed-adapter batches.
 
@@ -734,6 +758,14 @@ def enable_csgmv(
             did), so the compiled decode step replays its CUDA graph instead of recording it again per call; the last
             call's cache stays allocated until then (``csgmv_stats(model)["static_cache_bytes"]``). ``False``:
             transformers' own, a new cache per call. See :mod:`peft_csgmv.static_cache`.
+        defer_stop_check: ``generate`` calls with ids on CUDA read transformers' stop flag one step late (its
+            ``DeferredStopCheck``, which it uses on Apple GPUs), so the host queues each decode step while the GPU
+            runs the one before instead of waiting for it: the same sequences, the GPU no longer idle while the host
+            prepares a step (the static cache's compiled steps gain most). A call that stops on EOS runs one more
+            step, which transformers takes back. ``None`` (default): for calls that do not sample (greedy, beams),
+            whose random state is then exactly transformers'; ``True``: sampling calls too (the same samples, but a
+            call that stops on EOS draws one more step's samples from the random generator); ``False``: never. A no-op
+            on transformers releases without ``DeferredStopCheck``. See :func:`peft_csgmv._compat.deferred_stop_check`.
 
     Calling it again on an enabled model restacks every adapter (use it after editing adapter weights in place).
     Adding, loading and deleting adapters through PEFT is picked up on the next call without it.
@@ -748,6 +780,8 @@ def enable_csgmv(
         raise ValueError(f"max_resident_adapters must be a positive int or None; got {max_resident_adapters!r}")
     if not isinstance(keep_static_cache, bool):
         raise ValueError(f"keep_static_cache must be True or False; got {keep_static_cache!r}")
+    if defer_stop_check is not None and not isinstance(defer_stop_check, bool):
+        raise ValueError(f"defer_stop_check must be None, True or False; got {defer_stop_check!r}")
     _check_model(model)
     state = model.__dict__.get("_csgmv")
     if state is not None:
@@ -755,11 +789,12 @@ def enable_csgmv(
             state.executor.set_backend(backend)
             if keep_static_cache != (state.static_cache is not None):
                 state.static_cache = KeptStaticCache() if keep_static_cache else None
+            state.defer_stop_check = defer_stop_check
             state.sync(model, force=True)
             return model
         # A restack copies into the existing stacks, which keep their dtype and size: build them afresh.
         disable_csgmv(model)
-    state = CsgmvState(backend, dtype, max_resident_adapters, keep_static_cache)
+    state = CsgmvState(backend, dtype, max_resident_adapters, keep_static_cache, defer_stop_check)
     try:
         state.sync(model, force=True)
     except BaseException:

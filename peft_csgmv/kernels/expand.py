@@ -38,7 +38,7 @@ from ..plan import BatchPlan
 from . import launch
 from .launch import Launcher
 from .pool import ALIGN, pool_offsets, pool_strides
-from .shrink import _a_product, _block, _dense, _segment_rows, _tiles
+from .shrink import _a_product, _block, _dense, _segment_rows, _tiles, decode_tiles
 
 
 @triton.jit
@@ -176,7 +176,9 @@ def expand_tiles(block_m: int, num_segments: int, r: int) -> tuple[int, tuple]:
         return 128, (("num_warps", 8 if r <= 32 else 4),)
     if block_m == 64:
         return 128, (("num_warps", 4 if r <= 32 else 8),)
-    return (128 if num_segments >= 8 else 64), (("num_warps", 4),)
+    tune = decode_tiles()
+    block_n = tune.get("expand_block_n", 128 if num_segments >= 8 else 64)
+    return block_n, (("num_warps", tune.get("expand_warps", 4)),)
 
 
 def expand_launch_args(

@@ -18,6 +18,7 @@ the expand kernel sums the planes (``t = Σ_p t[p]``). No atomics and no zero-fi
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -181,12 +182,25 @@ def shrink_tiles(block_m: int, num_segments: int, k: int, device: torch.device) 
         block_k = 128 if k >= 4096 else 64
         target, options = sms * 6 // 5, (("num_warps", 4), ("num_stages", 3))
     else:
-        block_k = 64
-        target, options = sms * 4, (("num_warps", 2 if num_segments >= 8 else 4), ("num_stages", 3))
+        tune = decode_tiles()
+        block_k = tune.get("shrink_block_k", 64)
+        warps = tune.get("shrink_warps", 2 if num_segments >= 8 else 4)
+        target, options = int(sms * tune.get("shrink_per_sm", 4)), (("num_warps", warps), ("num_stages", 3))
     want = max(1, min(16, target // max(num_segments, 1), k // 128))
     split = 1 << (want.bit_length() - 1)  # a power of two, rounded down
     k_per_split = -(-(-(-k // split)) // block_k) * block_k
     return block_k, -(-k // k_per_split), k_per_split, options
+
+
+def decode_tiles() -> dict:
+    """A developer switch for tuning decode tiles inside compiled graphs, where kernels share the GPU with the base
+    products: ``PEFT_CSGMV_DECODE_TILES="shrink_per_sm=2,expand_block_n=256"`` overrides the decode tiles' choices
+    (keys ``shrink_per_sm`` (programs per SM the split-K aims at), ``shrink_block_k``, ``shrink_warps``,
+    ``expand_block_n``, ``expand_warps``). Read when a tile is first chosen for a shape (the choices are cached:
+    ``shrink_tiles.cache_clear()`` and ``expand_tiles.cache_clear()`` read it again)."""
+    spec = os.environ.get("PEFT_CSGMV_DECODE_TILES", "")
+    items = (item.split("=") for item in spec.split(",") if item.strip())
+    return {key.strip(): (float if key.strip() == "shrink_per_sm" else int)(value) for key, value in items}
 
 
 _SM_COUNT: dict = {}
