@@ -33,7 +33,7 @@ from torch import nn
 from ._compat import deferred_stop_check
 from .executor import CallContext, Executor
 from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer, unpatched_type
-from .slots import LoraStack, SlotRegistry, layer_adapter, layer_adapters, module_param, weights_device
+from .slots import LoraStack, SlotRegistry, layer_adapter, layer_adapters, module_param, vacate, weights_device
 from .static_cache import KeptStaticCache
 from .tier import HostTier, host_copies_done, move_adapter, no_gc_pauses
 
@@ -458,8 +458,8 @@ class CsgmvState:
             if slot is None:
                 continue
             tier.park(name)  # from wherever each weight got to: its page, its host region, the device
+            vacate(slot, [layer._csgmv_stack for layer in layers])
             for layer in layers:
-                layer._csgmv_stack.vacate(slot)
                 if name in layer._csgmv_peft:
                     layer._csgmv_peft = layer._csgmv_peft - {name}
             self.registry.remove(name)

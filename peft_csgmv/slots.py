@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -150,7 +151,7 @@ class LoraStack:
     def __setattr__(self, name: str, value) -> None:
         if name in _TENSORS:
             self._bump()
-            if name == "data":  # the views :meth:`place` keeps are of the old storage
+            if name == "data":  # the views :meth:`DevicePages.place` keeps are of the old storage
                 self.__dict__.pop("_page_views", None)
             elif name in _VECTOR_NAMES and self.__dict__.get("pages") is not None:
                 self.pages.dirty = True  # another tensor than its row of the group's table: rebuilt on upload
@@ -478,63 +479,6 @@ class LoraStack:
                 else:
                     self.lora_bias[slot] = lora_bias.detach().to(device=self.device, dtype=torch.float32)
 
-    def place(
-        self,
-        slot: int,
-        start: int,
-        lora_a: torch.Tensor,
-        lora_b: torch.Tensor,
-        scaling: float,
-        share: bool,
-        lora_bias: torch.Tensor | None = None,
-    ) -> None:
-        """The host tier's bring-in: slot ``slot`` at ``start`` of :attr:`pages`, where one copy of the adapter's page
-        put its weights already (``share``: ``lora_a`` / ``lora_b`` are PEFT's parameters, which become views of the
-        slot, as :meth:`set_slot`'s; else, weights of another dtype, they are copied in). Only this slot is touched.
-        Called for each of an adapter's layers on every bring-in: plain writes, no helper calls on the way."""
-        r, k = lora_a.shape
-        out = self.out_features
-        if slot >= len(self.ranks_host):
-            self.ensure_capacity(slot + 1)
-        b_start = start + _up(r * k)  # (b_start, inlined: this runs for each layer of every adapter brought in)
-        self.reserved[slot] = start
-        self.extents[slot] = (start, b_start - start + _up(out * r))
-        self.a_off_host[slot] = start
-        self.b_off_host[slot] = b_start
-        self.ranks_host[slot] = r
-        self.scalings_host[slot] = float(scaling)
-        self.sources[slot] = lora_a
-        self.__dict__["_views"] = None  # (set directly: this runs for each layer of every adapter brought in)
-        self.pages.dirty_slots.add(slot)  # only this slot's column of the group's tables changed
-        # The slot's two views of the page, made once per place and rank while the storage holds: a view costs the
-        # host ~2 µs, re-pointing a parameter at one ~0.3 (two views per layer of every adapter brought in).
-        views = self.__dict__.setdefault("_page_views", {})
-        dst = views.get((start, r))
-        if dst is None:
-            data = self.data
-            base = data.storage_offset()
-            dst = views[(start, r)] = (
-                data.as_strided((r, k), (k, 1), base + start),
-                data.as_strided((out, r), (r, 1), base + b_start),
-            )
-        dst_a, dst_b = dst
-        if share:
-            lora_a.data, lora_b.data = dst_a, dst_b
-            self.shared[slot] = (lora_a, lora_b)
-        else:
-            dst_a.copy_(lora_a.detach(), non_blocking=True)
-            dst_b.copy_(lora_b.detach(), non_blocking=True)
-        if lora_bias is not None or self.mag is not None or self.lora_bias is not None:
-            self.set_extras(slot, None, lora_bias)
-
-    def vacate(self, slot: int) -> None:
-        """The host tier moved the slot's adapter out: the slot is empty (rank 0), and PEFT's parameters that viewed
-        it are left as they are (the tier has pointed them at host memory). Called for each layer of every adapter
-        moved out: no copies to make, so :meth:`clear_slot` without its release."""
-        self.shared.pop(slot, None)  # no longer this slot's: they keep the host views the tier gave them
-        if slot < len(self.ranks_host):
-            self._empty(slot)
-
     def _aliases(self, *tensors: torch.Tensor) -> bool:
         """Whether any of ``tensors`` lives in this stack's storage."""
         mine = self.data.untyped_storage().data_ptr()
@@ -604,6 +548,31 @@ class LoraStack:
         return self
 
 
+def vacate(slot: int, stacks) -> None:
+    """The host tier moved slot ``slot``'s adapter out of ``stacks``: the slot is empty in each (rank 0), and PEFT's
+    parameters that viewed it are left as they are (the tier has pointed them at host memory). No copies to make, so
+    :meth:`LoraStack.clear_slot` without its release; one loop over the layers, not a call per layer."""
+    for stack in stacks:
+        stack.shared.pop(slot, None)  # no longer this slot's: they keep the host views the tier gave them
+        if slot < len(stack.ranks_host):
+            stack._empty(slot)
+
+
+class PagePart(NamedTuple):
+    """One layer's part of an adapter's page, as :meth:`DevicePages.place` reads it. Its place in the page and its
+    rank are fixed once the host tier has laid the adapter out, so they are worked out then, not on every bring-in."""
+
+    stack: "LoraStack"
+    rel: int  # where its A starts, in elements from the page's start
+    b_rel: int  # where its B starts (after the aligned A)
+    rank: int
+    length: int  # the elements it takes (:meth:`LoraStack.slot_elements`)
+    a: torch.Tensor  # PEFT's lora_A / lora_B weights
+    b: torch.Tensor
+    share: bool  # PEFT's parameters, of the stack's dtype: views of the page (else copied into it)
+    bias: torch.Tensor | None  # lora_B's bias (PEFT's lora_bias=True)
+
+
 class DevicePages:
     """The host tier's device memory for the stacks of one device and dtype: one page per slot, each holding the
     resident adapter of that slot in every stack of the group, laid out as the adapter's host region (its layers in
@@ -622,7 +591,7 @@ class DevicePages:
         # Every stack's per-slot vectors as rows of one table each (a row per stack, :attr:`LoraStack.row`): a call
         # that moves adapters uploads four tables, not four vectors per layer. ``dirty``: anything may have changed
         # since (the tables are built again from every stack's host lists); ``dirty_slots``: only these slots' columns
-        # (the tier's moves: :meth:`LoraStack.place`, :meth:`LoraStack.vacate`), written into the host mirror of
+        # (the tier's moves: :meth:`place`, :func:`vacate`), written into the host mirror of
         # each table before it is copied.
         self.rows = 0
         self.table: dict[str, torch.Tensor] = {}
@@ -687,6 +656,45 @@ class DevicePages:
                     setattr(s, name, table[s.row])
         self.dirty = False
         self.dirty_slots = set()
+
+    def place(self, slot: int, parts: "list[PagePart]", scalings) -> None:
+        """The host tier's bring-in: an adapter's ``parts`` in this group (one per layer, PEFT's scaling of each in
+        ``scalings``) set as slot ``slot`` of their stacks, at their places in the slot's page, where one copy of the
+        adapter's region put its weights already. PEFT's weights become views of the slot (``share``, as
+        :meth:`LoraStack.set_slot`'s) or, weights of another dtype, are copied in. Only this slot is touched: only
+        its column of the tables is uploaded. One pass over the layers with plain writes and no calls on the way
+        (this runs for each layer of every adapter brought in): re-pointing PEFT's two weights is most of it."""
+        base = slot * self.page_numel
+        self.dirty_slots.add(slot)
+        for (stack, rel, b_rel, rank, length, a, b, share, bias), scaling in zip(parts, scalings):
+            state = stack.__dict__
+            if slot >= len(state["ranks_host"]):
+                stack.ensure_capacity(slot + 1)
+            start = base + rel
+            stack.reserved[slot] = start
+            stack.extents[slot] = (start, length)
+            stack.a_off_host[slot] = start
+            stack.b_off_host[slot] = base + b_rel
+            stack.ranks_host[slot] = rank
+            stack.scalings_host[slot] = float(scaling)
+            stack.sources[slot] = a
+            state["_views"] = None  # (set directly: the stack's __setattr__ would mark the whole group dirty)
+            # The slot's two views of the page, made once per place and rank while the storage holds: a view costs
+            # the host ~2 µs, re-pointing a parameter at one ~0.3.
+            views = state.get("_page_views")
+            if views is None:
+                views = state["_page_views"] = {}
+            dst = views.get((start, rank))
+            if dst is None:
+                dst = views[(start, rank)] = (stack.slot_a(slot), stack.slot_b(slot))
+            if share:
+                a.data, b.data = dst
+                stack.shared[slot] = (a, b)
+            else:
+                dst[0].copy_(a.detach(), non_blocking=True)
+                dst[1].copy_(b.detach(), non_blocking=True)
+            if bias is not None or stack.mag is not None or stack.lora_bias is not None:
+                stack.set_extras(slot, None, bias)
 
     def start(self, slot: int) -> int:
         """Where slot ``slot``'s page starts in :attr:`data`."""

@@ -23,43 +23,37 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .slots import DevicePages, HostArena, LoraStack, layer_adapter, module_param
-
-
-@dataclass
-class Entry:
-    """One layer's part of an adapter's page: its weights (PEFT's parameters) at ``rel`` elements into the page."""
-
-    layer: nn.Module
-    stack: LoraStack
-    rel: int
-    a: torch.Tensor
-    b: torch.Tensor
-    share: bool  # PEFT's parameters, of the stack's dtype: views of the page (else copied into it)
-    dora: bool
-    bias: torch.Tensor | None  # lora_B's bias (PEFT's lora_bias=True)
+from .slots import DevicePages, HostArena, LoraStack, PagePart, layer_adapter, module_param, vacate
 
 
 @dataclass
 class Placement:
-    """Where one adapter's kernel-layer weights go: its :class:`Entry` per kernel layer that serves it, the elements
-    its page takes in each group's pages, the parameters that move on their own (``rest``, with their layer's device),
-    and the layers where PEFT's path serves its rows."""
+    """Where one adapter's kernel-layer weights go: its :class:`~peft_csgmv.slots.PagePart` per kernel layer that
+    serves it, by group of pages and in layer order, with each part's layer (``layers``: PEFT's scaling is read from
+    it at every bring-in), those layers' DoRA entries (``dora``: layer, stack, ``lora_B`` bias), the elements its page
+    takes in each group's pages, the parameters that move on their own (``rest``, with their layer's device), and the
+    layers where PEFT's path serves its rows."""
 
-    entries: list[Entry] = field(default_factory=list)
+    parts: dict[DevicePages, list[PagePart]] = field(default_factory=dict)
+    layers: dict[DevicePages, list[nn.Module]] = field(default_factory=dict)
+    dora: list[tuple[nn.Module, LoraStack, torch.Tensor | None]] = field(default_factory=list)
     numel: dict[DevicePages, int] = field(default_factory=dict)
     rest: list[tuple[torch.Tensor, torch.device]] = field(default_factory=list)
     peft_layers: list[nn.Module] = field(default_factory=list)
     views: dict = field(default_factory=dict)  # region key -> HostTier.regions' tuple for that region
 
+    def all_parts(self) -> Iterator[PagePart]:
+        """Every part, group by group."""
+        for parts in self.parts.values():
+            yield from parts
+
     def shared(self, pages: DevicePages) -> tuple[list[torch.Tensor], list[int]]:
         """The parameters of group ``pages`` that are views of the page, and their element offsets in it."""
         params, offsets = [], []
-        for e in self.entries:
-            if e.share and e.stack.pages is pages:
-                r, k = e.a.shape
-                params += (e.a, e.b)
-                offsets += (e.rel, e.rel + LoraStack.b_start(r, k))
+        for part in self.parts.get(pages, ()):
+            if part.share:
+                params += (part.a, part.b)
+                offsets += (part.rel, part.b_rel)
         return params, offsets
 
 
@@ -79,10 +73,16 @@ def placement_of(layers, name: str, kernel_reason: Callable[[nn.Module, str], st
         a, b = weights
         pages = stack.pages
         rel = placement.numel.get(pages, 0)
-        placement.numel[pages] = rel + LoraStack.slot_elements(a.shape[0], stack.in_features, stack.out_features)
+        r, k = a.shape
+        length = LoraStack.slot_elements(r, k, stack.out_features)
+        placement.numel[pages] = rel + length
         share = isinstance(a, nn.Parameter) and a.dtype == b.dtype == stack.dtype
         bias = None if stack.embedding else module_param(layer._modules["lora_B"][name], "bias")
-        placement.entries.append(Entry(layer, stack, rel, a, b, share, layer.use_dora.get(name, False), bias))
+        part = PagePart(stack, rel, rel + LoraStack.b_start(r, k), r, length, a, b, share, bias)
+        placement.parts.setdefault(pages, []).append(part)
+        placement.layers.setdefault(pages, []).append(layer)
+        if layer.use_dora.get(name, False):
+            placement.dora.append((layer, stack, bias))
         placement.rest += [(p, stack.device) for p in params if not (share and (p is a or p is b))]
     return placement
 
@@ -121,17 +121,17 @@ class HostTier:
             pages.fit(max(registry.capacity, 1), need.get(pages, 0))
         held: dict[LoraStack, set[int]] = {}
         for placement in self.placements.values():
-            for e in placement.entries:
-                held.setdefault(e.stack, set()).add(e.a.shape[0])
+            for part in placement.all_parts():
+                held.setdefault(part.stack, set()).add(part.rank)
         for layer in layers:
             layer._csgmv_stack.hold_ranks(held.get(layer._csgmv_stack, ()))
         moved = set()
         for slot, name in enumerate(registry.names):
-            for e in self.placements[name].entries if name is not None else ():
-                start = e.stack.pages.start(slot) + e.rel
-                if e.stack.reserved.get(slot, start) != start:
+            for part in self.placements[name].all_parts() if name is not None else ():
+                start = part.stack.pages.start(slot) + part.rel
+                if part.stack.reserved.get(slot, start) != start:
                     moved.add(slot)
-                e.stack.reserved[slot] = start
+                part.stack.reserved[slot] = start
         for slot in moved:
             for layer in layers:
                 layer._csgmv_stack.release_slot(slot)
@@ -165,7 +165,7 @@ class HostTier:
 
     def hosted(self, name: str) -> bool:
         """Whether adapter ``name``'s page weights wait in host memory (not on their stacks' devices)."""
-        return any(e.share and e.a.device != e.stack.device for e in self.placements[name].entries)
+        return any(part.share and part.a.device != part.stack.device for part in self.placements[name].all_parts())
 
     def park(self, name: str, slot: int | None = None) -> None:
         """Adapter ``name``'s weights into its host regions, PEFT's parameters re-pointed at them (weights there
@@ -193,11 +193,10 @@ class HostTier:
         for p, device in placement.rest:
             if p.device != device:
                 p.data = p.data.to(device, copy=True, non_blocking=True)
-        starts = {pages: pages.start(slot) for pages in placement.numel}
-        for e in placement.entries:
-            e.stack.place(slot, starts[e.stack.pages] + e.rel, e.a, e.b, e.layer.scaling[name], e.share, e.bias)
-            if e.dora:
-                e.stack.set_extras(slot, dora_scale(e.layer, name), e.bias)
+        for pages, parts in placement.parts.items():
+            pages.place(slot, parts, [layer.scaling[name] for layer in placement.layers[pages]])
+        for layer, stack, bias in placement.dora:
+            stack.set_extras(slot, dora_scale(layer, name), bias)
         for layer in placement.peft_layers:
             layer._csgmv_peft = layer._csgmv_peft | {name}
             if layer.use_dora.get(name, False):
@@ -208,8 +207,7 @@ class HostTier:
         resident as it was), its slot emptied in every layer."""
         placement = self.placements[name]
         self.park(name, slot)
-        for e in placement.entries:
-            e.stack.vacate(slot)
+        vacate(slot, [part.stack for part in placement.all_parts()])
         for layer in placement.peft_layers:
             layer._csgmv_peft = layer._csgmv_peft - {name}
 

@@ -269,7 +269,7 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
     enable_csgmv(model, backend="torch", max_resident_adapters=2)
     calls = []
     owner, attr, nth = {
-        "place": (csgmv_slots.LoraStack, "place", 5),
+        "place": (csgmv_slots.DevicePages, "place", 1),  # a2's layers: the fifth fails, four slots set before it
         "page": (csgmv_slots.DevicePages, "page", 4),  # two pages out (a0, a1), then a2's in, then a3's
         "evict": (csgmv_tier.HostTier, "evict", 2),
     }[where]
@@ -278,6 +278,9 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
     def failing(*args, **kwargs):
         calls.append(1)
         if len(calls) == nth:
+            if where == "place":  # part way through the group's layers
+                pages, slot, parts, scalings = args
+                real(pages, slot, parts[:4], scalings)
             raise RuntimeError("out of memory (injected)")
         return real(*args, **kwargs)
 
