@@ -41,6 +41,7 @@ then the pages' memory, and its offsets point into its slots' pages.
 
 from __future__ import annotations
 
+import array
 import itertools
 import weakref
 from typing import NamedTuple
@@ -131,6 +132,7 @@ def weights_device(layer: nn.Module) -> torch.device:
 _TENSORS = frozenset(("data", "a_off", "b_off", "ranks", "scalings", "mag", "bias", "lora_bias"))
 _VECTORS = (("ranks", torch.int32), ("scalings", torch.float32), ("a_off", torch.int64), ("b_off", torch.int64))
 _VECTOR_NAMES = frozenset(name for name, _ in _VECTORS)
+_TYPECODES = {torch.int32: "i", torch.int64: "q", torch.float32: "f"}  # the host mirrors' array types (DevicePages)
 _handles = itertools.count()
 _STACKS: "weakref.WeakValueDictionary[int, LoraStack]" = weakref.WeakValueDictionary()
 
@@ -523,8 +525,13 @@ class LoraStack:
         self._free(slot)
         if self.ranks_host[slot]:  # the device copies follow on refresh (with pages: this slot's column of the tables)
             self.__dict__["_views"] = None
-            if self.pages is not None:
-                self.pages.dirty_slots.add(slot)
+            pages = self.pages
+            if pages is not None:
+                pages.dirty_slots.add(slot)
+                if slot < pages.width:  # (see DevicePages.cells)
+                    cell = self.row * pages.width + slot
+                    pages.cells[0][cell] = 0
+                    pages.cells[1][cell] = 0.0
         if self.mag is not None or self.lora_bias is not None:
             self.set_extras(slot, None, None)
         self.ranks_host[slot] = 0
@@ -589,13 +596,17 @@ class DevicePages:
         self.data = torch.empty(0, dtype=dtype, device=self.device)
         self.stacks: "weakref.WeakSet[LoraStack]" = weakref.WeakSet()
         # Every stack's per-slot vectors as rows of one table each (a row per stack, :attr:`LoraStack.row`): a call
-        # that moves adapters uploads four tables, not four vectors per layer. ``dirty``: anything may have changed
-        # since (the tables are built again from every stack's host lists); ``dirty_slots``: only these slots' columns
-        # (the tier's moves: :meth:`place`, :func:`vacate`), written into the host mirror of
-        # each table before it is copied.
+        # that moves adapters uploads four tables, not four vectors per layer. Each table has a host mirror, whose
+        # memory is a flat array (``cells``, in :data:`_VECTORS` order, ``width`` slots a row) that the tier's moves
+        # (:meth:`place`, :func:`vacate`) write as they write the stacks' host lists: element writes cost the host
+        # what a list's do, and an upload is then only the copies. ``dirty``: anything else may have changed since
+        # (the mirrors are built again from every stack's host lists); ``dirty_slots``: only these slots' columns,
+        # written into the mirrors already.
         self.rows = 0
+        self.width = 0
         self.table: dict[str, torch.Tensor] = {}
         self.mirror: dict[str, torch.Tensor] = {}
+        self.cells: list[array.array] = []
         self.dirty = True
         self.dirty_slots: set[int] = set()
 
@@ -607,43 +618,33 @@ class DevicePages:
         return self.rows - 1
 
     def upload(self) -> None:
-        """Every stack's per-slot vectors (ranks, scalings, offsets) from the host's lists to the device: one copy per
-        table, into the same tensors while their shape holds (compiled graphs and bound launches keep reading them);
-        each stack's vectors are views of its row. Where only :attr:`dirty_slots` changed, only their columns are read
-        from the stacks into the tables' host mirrors (a move of one adapter reads one column, not every slot of every
-        stack), and the stacks' vectors are their rows already (replacing one marks the group :attr:`dirty`)."""
+        """Every stack's per-slot vectors (ranks, scalings, offsets) from the host to the device: one copy per table,
+        into the same tensors while their shape holds (compiled graphs and bound launches keep reading them); each
+        stack's vectors are views of its row. Where only :attr:`dirty_slots` changed, the mirrors hold them already
+        (the moves wrote their columns) and the stacks' vectors are their rows already (replacing one marks the group
+        :attr:`dirty`): the copies are all there is to do. Else the mirrors are built from every stack's host lists."""
         stacks = list(self.stacks)
         width = max((s.capacity for s in stacks), default=1)
         shape = (self.rows, width)
-        slots = sorted(self.dirty_slots)
-        full = self.dirty or len(slots) * 4 > width or any(
-            tuple(getattr(self.mirror.get(name), "shape", ())) != shape for name, _ in _VECTORS
-        )  # fmt: skip
-        if not full:  # the dirty slots' columns, every table's in one pass over the stacks
-            columns = {name: [[0] * self.rows for _ in slots] for name, _ in _VECTORS}
-            hosts = [(columns[name], name + "_host") for name, _ in _VECTORS]
-            for s in stacks:
-                state, row = s.__dict__, s.row
-                for cols, host in hosts:
-                    values = state[host]
-                    for col, slot in zip(cols, slots):
-                        if slot < len(values):
-                            col[row] = values[slot]
+        full = self.dirty or any(tuple(getattr(self.mirror.get(name), "shape", ())) != shape for name, _ in _VECTORS)
+        cells_made = []
         for name, dtype in _VECTORS:
             table = self.table.get(name)
             fresh = table is None or tuple(table.shape) != shape or table.device != self.device
             if fresh:
                 table = self.table[name] = torch.zeros(shape, dtype=dtype, device=self.device)
             if full:
-                rows = [[0] * width for _ in range(self.rows)]
+                flat = [0] * (self.rows * width)
                 for s in stacks:
                     values = getattr(s, name + "_host")
-                    rows[s.row][: len(values)] = values
-                mirror = self.mirror[name] = torch.tensor(rows, dtype=dtype)
+                    flat[s.row * width : s.row * width + len(values)] = values
+                cells = array.array(_TYPECODES[dtype], flat)
+                cells_made.append(cells)
+                mirror = torch.frombuffer(cells, dtype=dtype) if cells else torch.zeros(0, dtype=dtype)
+                mirror = self.mirror[name] = mirror.view(shape)  # the cells' memory
             else:
                 mirror = self.mirror[name]
-                mirror[:, slots] = torch.tensor(columns[name], dtype=dtype).t()
-            # (pinned: a copy of the mirror, which the next upload may change while this copy is in flight)
+            # (pinned: a copy of the mirror, which the next moves change while this copy may be in flight)
             table.copy_(mirror.pin_memory() if table.is_cuda else mirror, non_blocking=True)
             if not (full or fresh):
                 continue
@@ -654,6 +655,8 @@ class DevicePages:
                 vector = getattr(s, name)
                 if vector.data_ptr() != start + s.row * row_bytes or vector.numel() != width:
                     setattr(s, name, table[s.row])
+        if full:
+            self.width, self.cells = width, cells_made
         self.dirty = False
         self.dirty_slots = set()
 
@@ -664,20 +667,25 @@ class DevicePages:
         :meth:`LoraStack.set_slot`'s) or, weights of another dtype, are copied in. Only this slot is touched: only
         its column of the tables is uploaded. One pass over the layers with plain writes and no calls on the way
         (this runs for each layer of every adapter brought in): re-pointing PEFT's two weights is most of it."""
-        base = slot * self.page_numel
+        base, width = slot * self.page_numel, self.width
         self.dirty_slots.add(slot)
+        # The mirrors' cells, where this slot has a column (else the group is dirty: they are built again anyway).
+        ranks_m, scalings_m, a_off_m, b_off_m = self.cells if slot < width else (None,) * 4
         for (stack, rel, b_rel, rank, length, a, b, share, bias), scaling in zip(parts, scalings):
             state = stack.__dict__
             if slot >= len(state["ranks_host"]):
                 stack.ensure_capacity(slot + 1)
-            start = base + rel
+            start, b_start, scaling = base + rel, base + b_rel, float(scaling)
             stack.reserved[slot] = start
             stack.extents[slot] = (start, length)
             stack.a_off_host[slot] = start
-            stack.b_off_host[slot] = base + b_rel
+            stack.b_off_host[slot] = b_start
             stack.ranks_host[slot] = rank
-            stack.scalings_host[slot] = float(scaling)
+            stack.scalings_host[slot] = scaling
             stack.sources[slot] = a
+            if ranks_m is not None:
+                cell = stack.row * width + slot
+                ranks_m[cell], scalings_m[cell], a_off_m[cell], b_off_m[cell] = rank, scaling, start, b_start
             state["_views"] = None  # (set directly: the stack's __setattr__ would mark the whole group dirty)
             # The slot's two views of the page, made once per place and rank while the storage holds: a view costs
             # the host ~2 µs, re-pointing a parameter at one ~0.3.

@@ -465,8 +465,8 @@ def test_adapters_of_another_dtype_through_evictions():
 
 
 def test_moves_of_a_few_adapters_upload_only_their_columns(monkeypatch):
-    """A call that moves one or two adapters among many slots reads only those slots' columns of the stacks into the
-    tables' host mirrors (not every slot of every stack), and the device tables then hold exactly every stack's host
+    """A call that moves one or two adapters among many slots updates only those slots' columns of the tables' host
+    mirrors (not every slot of every stack), and the device tables then hold exactly every stack's host
     lists (ranks, scalings, offsets): stock PEFT's per-adapter logits through a run of moves, with mixed ranks and an
     adapter on the embedding (whose layers the others do not all have)."""
     from peft_csgmv.slots import DevicePages
@@ -500,3 +500,36 @@ def test_moves_of_a_few_adapters_upload_only_their_columns(monkeypatch):
         _tables_hold_the_host_lists(model, pages)
     columns = [slots for dirty, slots in seen if not dirty]
     assert columns and all(0 < len(slots) <= 2 for slots in columns), f"no call uploaded only its columns: {seen}"
+
+
+def test_moves_into_every_slot_write_the_mirrors_as_they_go(monkeypatch):
+    """A call that brings an adapter into every slot uploads those columns from the tables' host mirrors, which the
+    moves wrote as they set the stacks' host lists (the lists are not read again): the device tables then hold exactly
+    every stack's host lists, and every row its adapter's stock PEFT result (mixed ranks, some adapters on the
+    embedding, whose layers the others do not have)."""
+    from peft_csgmv.slots import DevicePages
+
+    names = [f"c{i}" for i in range(9)]
+    model, _ = tiny_model("llama")
+    specs = {
+        name: dict(r=2 + 2 * (i % 3), lora_alpha=3 + i, target_modules=(["embed_tokens"] if i % 2 else []) + ALL_LINEAR)
+        for i, name in enumerate(names)
+    }
+    model = add_adapters(model, specs).to(DEVICE)
+    input_ids, mask = make_batch(4, 6)
+    outs = per_adapter(model, [*names, BASE], lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="torch", max_resident_adapters=3)
+    seen = []
+    real = DevicePages.upload
+
+    def upload(self):
+        seen.append((self.dirty, sorted(self.dirty_slots)))
+        real(self)
+
+    monkeypatch.setattr(DevicePages, "upload", upload)
+    (pages,) = model._csgmv.tier.pages.values()
+    for ids in ([*names[3:6], BASE], [*names[6:9], names[6]], [*names[:3], BASE], [names[4], BASE, *names[7:9]]):
+        seen.clear()
+        _call(model, input_ids, mask, outs, ids)
+        assert seen == [(False, [0, 1, 2])], f"{ids}: {seen}"
+        _tables_hold_the_host_lists(model, pages)
