@@ -665,7 +665,7 @@ class DevicePages:
         ``scalings``) set as slot ``slot`` of their stacks, at their places in the slot's page, where one copy of the
         adapter's region put its weights already. PEFT's weights become views of the slot (``share``, as
         :meth:`LoraStack.set_slot`'s) or, weights of another dtype, are copied in. Only this slot is touched: only
-        its column of the tables is uploaded. One pass over the layers with plain writes and no calls on the way
+        its column of the tables is uploaded. One pass over the layers with plain writes, no method call per layer
         (this runs for each layer of every adapter brought in): re-pointing PEFT's two weights is most of it."""
         base, width = slot * self.page_numel, self.width
         self.dirty_slots.add(slot)
