@@ -83,13 +83,14 @@ def main(argv=None) -> int:
         nxt += args.per_call
     totals: collections.Counter = collections.Counter()
     if args.phases:
-        from peft_csgmv.slots import LoraStack
-        from peft_csgmv.tier import HostTier
+        from peft_csgmv import tier
+        from peft_csgmv.slots import DevicePages, LoraStack
 
         for name in ("evict", "bring_in", "park"):
-            _timed(HostTier, name, totals)
-        for name in ("place", "vacate", "refresh"):
-            _timed(LoraStack, name, totals)
+            _timed(tier.HostTier, name, totals)
+        _timed(DevicePages, "place", totals)  # an adapter's slot set in a group's layers
+        _timed(tier, "vacate", totals)  # emptied in its layers
+        _timed(LoraStack, "refresh", totals)
     times = []
     profiler = None
     if args.cprofile:
