@@ -289,6 +289,12 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
         model(input_ids, attention_mask=mask, adapter_ids=["a2", "a3", BASE, "a2"])
     monkeypatch.setattr(owner, attr, real)
     assert active_calls() == 0 and "a2" not in csgmv_stats(model)["resident"]
+    state = model._csgmv
+    held = set(state.registry.index.values())
+    for name, layer in state.layers.items():
+        stack = layer._csgmv_stack
+        stale = [slot for slot, rank in enumerate(stack.ranks_host) if rank and slot not in held]
+        assert not stale, f"{name}: slots {stale} hold no adapter but keep a rank (a half-done bring-in's)"
     for names in (["a2", "a3", BASE, "a2"], ["a0", "a2", "a0", BASE], ["a3", "a1", BASE, "a3"]):
         _call(model, input_ids, mask, outs, names)
 
