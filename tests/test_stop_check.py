@@ -18,7 +18,7 @@ from peft_csgmv._compat import deferred_stop_check
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 CUDA = torch.device("cuda")  # a device object only: nothing runs there
-AVAILABLE = _compat._install_deferred_stop_check()  # this transformers has the check (5.17 on)
+AVAILABLE = _compat._install_deferred_stop_check()  # this transformers has the check (5.17 and 5.24 do)
 if AVAILABLE:
     from transformers.generation.utils import DeferredStopCheck
 
