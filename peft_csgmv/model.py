@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 from ._compat import deferred_stop_check
 from .executor import CallContext, Executor
@@ -677,16 +678,21 @@ def _closing(executor: Executor) -> Iterator[None]:
     _close_call(executor)
 
 
-def _defers_stop_check(model, kwargs: dict) -> bool:
+def _defers_stop_check(model, args: tuple, kwargs: dict) -> bool:
     """Whether this ``generate`` call with ids reads transformers' stop flag one step late (``enable_csgmv``'s
     ``defer_stop_check``: by default for calls that do not sample, whose results and random state stay exactly
-    transformers'; ``True`` for sampling calls too)."""
+    transformers'; ``True`` for sampling calls too). Whether it samples: its ``do_sample``, else that of the
+    generation config it passes (by keyword or by position), else the model's."""
     policy = model._csgmv.defer_stop_check
     if policy is not None:
         return policy
     if "do_sample" in kwargs:
         return not kwargs["do_sample"]
-    config = kwargs.get("generation_config") or getattr(model.get_base_model(), "generation_config", None)
+    config = kwargs.get("generation_config")
+    if config is None:
+        config = next((a for a in args if isinstance(a, GenerationConfig)), None)
+    if config is None:
+        config = getattr(model.get_base_model(), "generation_config", None)
     return not getattr(config, "do_sample", False)
 
 
@@ -695,7 +701,7 @@ def _run(model, method, args: tuple, kwargs: dict, generate: bool):
     if executor is None:
         return method(model, *args, **kwargs)
     kept = model._csgmv.static_cache if generate else None
-    defer = generate and _defers_stop_check(model, kwargs)
+    defer = generate and _defers_stop_check(model, args, kwargs)
     with _closing(executor):
         with torch.no_grad(), kept.lend(model.get_base_model()) if kept is not None else contextlib.nullcontext():
             with deferred_stop_check(defer):

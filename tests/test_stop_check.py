@@ -78,11 +78,12 @@ class _Spy(transformers.StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def _deferred(model, **kwargs) -> bool:
-    """Whether a 3-token ``generate`` of ``model`` with ``kwargs`` ran with its stop check deferred (every step)."""
+def _deferred(model, *args, **kwargs) -> bool:
+    """Whether a 3-token ``generate`` of ``model`` with ``args`` (after the prompt) and ``kwargs`` ran with its stop
+    check deferred (every step)."""
     spy = _Spy()
     input_ids, mask = make_batch(3, 5)
-    model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=3, stopping_criteria=[spy], **kwargs)
+    model.generate(input_ids, *args, attention_mask=mask, max_new_tokens=3, stopping_criteria=[spy], **kwargs)
     assert len(set(spy.seen)) == 1 and len(spy.seen) >= 3, spy.seen
     assert not _compat._DEFER_STOP.get(), "the switch outlived the call"
     return spy.seen[0]
@@ -102,6 +103,7 @@ def test_which_generate_calls_defer_their_stop_check():
     assert _deferred(model, adapter_ids=ids, num_beams=2, do_sample=False) is AVAILABLE
     assert _deferred(model, adapter_ids=ids, **sample) is False
     assert _deferred(model, adapter_ids=ids, generation_config=transformers.GenerationConfig(**sample)) is False
+    assert _deferred(model, transformers.GenerationConfig(**sample), adapter_ids=ids) is False  # by position
     assert _deferred(model) is False  # no ids: PEFT's own call
     assert _deferred(model, adapter_names=["a0", "__base__", "a1"]) is AVAILABLE  # PEFT's spelling, on the kernels
     enable_csgmv(model, defer_stop_check=True)
