@@ -470,25 +470,17 @@ def test_adapters_of_another_dtype_through_evictions():
             close(model(input_ids, attention_mask=mask).logits, outs[name], f"stock {name} through the tier")
 
 
-def test_moves_of_a_few_adapters_upload_only_their_columns(monkeypatch):
-    """A call that moves one or two adapters among many slots updates only those slots' columns of the tables' host
-    mirrors (not every slot of every stack), and the device tables then hold exactly every stack's host
-    lists (ranks, scalings, offsets): stock PEFT's per-adapter logits through a run of moves, with mixed ranks and an
-    adapter on the embedding (whose layers the others do not all have)."""
+def _tiered_with_upload_spy(monkeypatch, specs: dict, resident: int):
+    """``specs``' adapters on a tiny Llama, stock PEFT's logits of each (and the base model's) on a batch of 4 × 6, then
+    the host tier with ``resident`` slots; every upload of the group's tables records ``(dirty, sorted dirty
+    slots)`` in ``seen``. Returns ``(model, input_ids, mask, outs, pages, seen)``."""
     from peft_csgmv.slots import DevicePages
 
-    names = [f"b{i}" for i in range(10)]
     model, _ = tiny_model("llama")
-    specs = {
-        name: dict(
-            r=2 + 2 * (i % 4), lora_alpha=4 + i, target_modules=(["embed_tokens"] if i % 3 == 0 else []) + ALL_LINEAR
-        )
-        for i, name in enumerate(names)
-    }
     model = add_adapters(model, specs).to(DEVICE)
     input_ids, mask = make_batch(4, 6)
-    outs = per_adapter(model, [*names, BASE], lambda: model(input_ids, attention_mask=mask).logits)
-    enable_csgmv(model, backend="torch", max_resident_adapters=8)
+    outs = per_adapter(model, [*specs, BASE], lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="torch", max_resident_adapters=resident)
     seen = []
     real = DevicePages.upload
 
@@ -498,6 +490,22 @@ def test_moves_of_a_few_adapters_upload_only_their_columns(monkeypatch):
 
     monkeypatch.setattr(DevicePages, "upload", upload)
     (pages,) = model._csgmv.tier.pages.values()
+    return model, input_ids, mask, outs, pages, seen
+
+
+def test_moves_of_a_few_adapters_upload_only_their_columns(monkeypatch):
+    """A call that moves one or two adapters among many slots updates only those slots' columns of the tables' host
+    mirrors (not every slot of every stack), and the device tables then hold exactly every stack's host
+    lists (ranks, scalings, offsets): stock PEFT's per-adapter logits through a run of moves, with mixed ranks and an
+    adapter on the embedding (whose layers the others do not all have)."""
+    names = [f"b{i}" for i in range(10)]
+    specs = {
+        name: dict(
+            r=2 + 2 * (i % 4), lora_alpha=4 + i, target_modules=(["embed_tokens"] if i % 3 == 0 else []) + ALL_LINEAR
+        )
+        for i, name in enumerate(names)
+    }
+    model, input_ids, mask, outs, pages, seen = _tiered_with_upload_spy(monkeypatch, specs, 8)
     calls = [names[:4], names[4:8], [names[8], names[0], BASE, names[1]], [names[9], names[2], names[8], BASE],
              [names[3], names[4], names[5], names[6]], [names[7], names[0], names[9], names[1]]]  # fmt: skip
     for ids in calls:
@@ -513,27 +521,12 @@ def test_moves_into_every_slot_write_the_mirrors_as_they_go(monkeypatch):
     moves wrote as they set the stacks' host lists (the lists are not read again): the device tables then hold exactly
     every stack's host lists, and every row its adapter's stock PEFT result (mixed ranks, some adapters on the
     embedding, whose layers the others do not have)."""
-    from peft_csgmv.slots import DevicePages
-
     names = [f"c{i}" for i in range(9)]
-    model, _ = tiny_model("llama")
     specs = {
         name: dict(r=2 + 2 * (i % 3), lora_alpha=3 + i, target_modules=(["embed_tokens"] if i % 2 else []) + ALL_LINEAR)
         for i, name in enumerate(names)
     }
-    model = add_adapters(model, specs).to(DEVICE)
-    input_ids, mask = make_batch(4, 6)
-    outs = per_adapter(model, [*names, BASE], lambda: model(input_ids, attention_mask=mask).logits)
-    enable_csgmv(model, backend="torch", max_resident_adapters=3)
-    seen = []
-    real = DevicePages.upload
-
-    def upload(self):
-        seen.append((self.dirty, sorted(self.dirty_slots)))
-        real(self)
-
-    monkeypatch.setattr(DevicePages, "upload", upload)
-    (pages,) = model._csgmv.tier.pages.values()
+    model, input_ids, mask, outs, pages, seen = _tiered_with_upload_spy(monkeypatch, specs, 3)
     for ids in ([*names[3:6], BASE], [*names[6:9], names[6]], [*names[:3], BASE], [names[4], BASE, *names[7:9]]):
         seen.clear()
         _call(model, input_ids, mask, outs, ids)
