@@ -1,0 +1,172 @@
+"""Where the first static-cache ``generate`` spends its time: the base model against peft_csgmv, each row in a process
+of its own with empty compile caches (inductor's and Triton's), so no row inherits another's compiled kernels.
+
+    python benchmarks/compile_time.py --model 1b --rounds 2 --out results/compile_1b.json
+
+Per row: the first ``generate(..., cache_implementation="static")`` (transformers compiles the decode step, inductor
+and CUDA graphs), the median of ``--repeats`` more, and the first call's share by phase: dynamo (tracing),
+``call_user_compiler`` (AOT autograd and inductor, which compiles its own Triton kernels in worker processes), the
+compiles of peft_csgmv's own Triton kernels (``@triton.jit`` kernels compiled at their first launch in the process:
+counted and timed by kernel), and the rest (the first eager prefill, CUDA-graph capture, the first steps). Rows
+alternate (base, csgmv, base, csgmv, ...) over ``--rounds``. The table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def child(args) -> dict:
+    import torch
+    import triton.runtime.jit as jit
+
+    from peft_csgmv import enable_csgmv
+    from peft_csgmv.bench import _clock_up, add_adapters, build_model, device_and_dtype
+
+    compiles: dict[str, list[float]] = {}
+    what: list[str] = []
+    do_compile = jit.JITFunction._do_compile
+
+    def timed(self, key, signature, device, constexprs, options, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return do_compile(self, key, signature, device, constexprs, options, *a, **k)
+        finally:
+            compiles.setdefault(self.fn.__name__, []).append(time.perf_counter() - t0)
+            values = [v for v in constexprs.values() if isinstance(v, (int, str))]
+            what.append(f"{self.fn.__name__} {values} warps {getattr(options, 'num_warps', '?')}")
+
+    jit.JITFunction._do_compile = timed
+    device, dtype = device_and_dtype(args.device)
+    model = build_model(args.model, device, dtype)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    input_ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
+    kw = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+              max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+              cache_implementation="static")  # fmt: skip
+    target = model
+    t_enable = 0.0
+    if args.row == "csgmv":
+        target = add_adapters(model, args.adapters, [args.rank], device)
+        t0 = time.perf_counter()
+        enable_csgmv(target)
+        t_enable = time.perf_counter() - t0
+        kw["adapter_ids"] = [f"a{i % args.adapters}" for i in range(args.batch)]
+    # Triton kernels the library compiled before the first generate (none expected): not the first call's.
+    before = {k: len(v) for k, v in compiles.items()}
+    from torch._dynamo.utils import compile_times
+
+    times = []
+    with torch.no_grad():
+        for i in range(args.repeats + 1):
+            _clock_up(device)
+            sync(device)
+            t0 = time.perf_counter()
+            target.generate(**kw)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            if i == 0:
+                phases = compile_times(repr="csv", aggregate=True)
+    names, values = phases
+    phase = dict(zip(names, [float(v) if v not in ("", None) else 0.0 for v in values]))
+    ours = {k: sum(v[before.get(k, 0) :]) for k, v in compiles.items() if len(v) > before.get(k, 0)}
+    counts = {k: len(v) - before.get(k, 0) for k, v in compiles.items() if len(v) > before.get(k, 0)}
+    return dict(
+        row=args.row, first_s=times[0], median_s=statistics.median(times[1:]), enable_s=t_enable,
+        dynamo_s=phase.get("_compile.compile_inner", 0.0),
+        user_compiler_s=phase.get("OutputGraph.call_user_compiler", 0.0),
+        triton_s=sum(ours.values()), triton_n=sum(counts.values()), triton_by_kernel=ours, triton_counts=counts,
+        triton_compiled=what, phases=phase,
+    )  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1b")
+    p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rows", default="base,csgmv")
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="each row twice over one cache folder: the second process finds the first's compiled artifacts (as a "
+        "user's second run does); both are reported",
+    )
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # a child's row
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.row:
+        with open(args.result, "w") as f:
+            json.dump(child(args), f)
+        return 0
+    results = []
+    for r in range(args.rounds):
+        for row in args.rows.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
+                           TRITON_CACHE_DIR=os.path.join(tmp, "triton"))  # fmt: skip
+                out = os.path.join(tmp, "result.json")
+                cmd = [sys.executable, __file__, "--row", row, "--result", out, "--model", args.model,
+                       "--adapters", str(args.adapters), "--rank", str(args.rank), "--batch", str(args.batch),
+                       "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+                       "--repeats", str(args.repeats)] + (["--device", args.device] if args.device else [])  # fmt: skip
+                for caches in ("empty", "warm") if args.warm else ("empty",):
+                    subprocess.run(cmd, env=env, check=True)
+                    with open(out) as f:
+                        res = json.load(f)
+                    res.update(round=r, caches=caches)
+                    results.append(res)
+                    rest = res["first_s"] - res["median_s"] - res["dynamo_s"] - res["triton_s"]
+                    print(
+                        f"{args.model} {row:<6} round {r}, {caches} caches: first {res['first_s']:.1f} s, median "
+                        f"{res['median_s']:.2f} s, dynamo {res['dynamo_s']:.1f} "
+                        f"(inductor {res['user_compiler_s']:.1f}), own Triton {res['triton_s']:.1f} s "
+                        f"/ {res['triton_n']} kernels, rest {rest:.1f}",
+                        flush=True,
+                    )
+                    for line in res["triton_compiled"]:
+                        print("    " + line)
+    print()
+    print("| model | row | round | caches | first call s | compile s (first − median) | dynamo s | "
+          "of which inductor s | own Triton s (kernels) | rest s |")  # fmt: skip
+    print("|" + "---|" * 10)
+    for res in results:
+        c = res["first_s"] - res["median_s"]
+        rest = c - res["dynamo_s"] - res["triton_s"]
+        print(
+            f"| {args.model} | {res['row']} | {res['round']} | {res['caches']} | {res['first_s']:.1f} | {c:.1f} | "
+            f"{res['dynamo_s']:.1f} | {res['user_compiler_s']:.1f} | {res['triton_s']:.1f} ({res['triton_n']}) | "
+            f"{rest:.1f} |"
+        )
+    if args.out:
+        from peft_csgmv.bench import device_and_dtype, run_meta, write_results
+
+        write_results(args.out, run_meta(device_and_dtype(args.device)[0], args=vars(args)), results=results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
