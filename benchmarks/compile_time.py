@@ -50,7 +50,12 @@ def child(args) -> dict:
         finally:
             compiles.setdefault(self.fn.__name__, []).append(time.perf_counter() - t0)
             values = [v for v in constexprs.values() if isinstance(v, (int, str))]
-            what.append(f"{self.fn.__name__} {values} warps {getattr(options, 'num_warps', '?')}")
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            what.append(
+                f"{self.fn.__name__} {values} warps {getattr(options, 'num_warps', '?')}"
+                + (" (in a CUDA graph's capture)" if capturing else "")
+                + (f" key {key}" if os.environ.get("COMPILE_TIME_KEYS") else "")
+            )
 
     jit.JITFunction._do_compile = timed
     device, dtype = device_and_dtype(args.device)

@@ -61,6 +61,16 @@ def chunk_size_for(num_tokens: int, run_lengths: Sequence[int] = ()) -> int:
     return chunk
 
 
+def aligned_parts(num_tokens: int, num_segments: int) -> tuple[int, int, int]:
+    """``(seg_indptr's start, seg_slot's start, length)`` in int32 elements of a plan's one buffer ``[permutation
+    (num_tokens) | seg_indptr (num_segments + 1) | seg_slot (num_segments)]``, each part starting on 16 bytes. Triton
+    compiles a kernel per alignment of its pointer arguments: a plan whose parts sit at 16-byte boundaries, as a
+    CUDA graph's copies of them do, keeps one compiled kernel for both (and lets it load them aligned)."""
+    indptr_at = -(-num_tokens // 4) * 4
+    slot_at = -(-(indptr_at + num_segments + 1) // 4) * 4
+    return indptr_at, slot_at, slot_at + num_segments
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class BatchPlan:
     """Token grouping shared by every patched layer that sees the same ``(rows, tokens_per_row)`` shape.
@@ -144,16 +154,18 @@ class BatchPlan:
             seg_slot.extend([slot] * (full + (1 if rest else 0)))
 
         num_segments = len(seg_slot)
-        # One host buffer, one transfer: [permutation | seg_indptr | seg_slot]. Built from Python lists (a tensor op
-        # costs microseconds of overhead; a plan is built on every call with new ids); only a long permutation is
-        # expanded with tensor ops.
-        tail = [*itertools.accumulate(seg_lens, initial=0), *seg_slot]
+        # One host buffer, one transfer: [permutation | seg_indptr | seg_slot], each part 16-byte aligned (see
+        # aligned_parts). Built from Python lists (a tensor op costs microseconds of overhead; a plan is built on every
+        # call with new ids); only a long permutation is expanded with tensor ops.
+        indptr_at, slot_at, _ = aligned_parts(num_tokens, num_segments)
+        tail = [*itertools.accumulate(seg_lens, initial=0), *[0] * (slot_at - indptr_at - num_segments - 1), *seg_slot]
+        gap = [0] * (indptr_at - num_tokens)
         if tokens_per_row == 1:
-            host = torch.tensor(order + tail, dtype=torch.int32)
+            host = torch.tensor(order + gap + tail, dtype=torch.int32)
         else:
             order_t = torch.tensor(order, dtype=torch.int32)[:, None] * tokens_per_row
             perm = (order_t + torch.arange(tokens_per_row, dtype=torch.int32)).view(-1)
-            host = torch.cat([perm, torch.tensor(tail, dtype=torch.int32)])
+            host = torch.cat([perm, torch.tensor(gap + tail, dtype=torch.int32)])
 
         device = torch.device(device)
         if device.type == "cuda":
@@ -166,7 +178,7 @@ class BatchPlan:
             chunk_size=chunk,
             num_segments=num_segments,
             permutation=dev[:num_tokens],
-            seg_indptr=dev[num_tokens : num_tokens + num_segments + 1],
-            seg_slot=dev[num_tokens + num_segments + 1 :],
+            seg_indptr=dev[indptr_at : indptr_at + num_segments + 1],
+            seg_slot=dev[slot_at:],
             runs=tuple(runs),
         )

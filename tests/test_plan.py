@@ -329,6 +329,30 @@ def test_plan_tensors_do_not_alias_the_input_list():
     assert plan.permutation.tolist() == [2, 3, 0, 1, 4, 5]
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5, 32])
+@pytest.mark.parametrize("tokens_per_row", [1, 3])
+def test_plan_parts_start_on_16_bytes(rows, tokens_per_row):
+    """Every plan tensor, of a host-built plan and of a compiled shape's static plan, starts on a 16-byte boundary
+    of its buffer: Triton compiles a kernel per pointer alignment, and a CUDA graph's copies of the plan are aligned,
+    so unaligned parts made the decode kernels compile twice (once for the graph's warm-up, once for its recording)."""
+    from peft_csgmv.executor import StaticPlan
+
+    slots = [i % 3 - 1 for i in range(rows)]
+    static = StaticPlan(rows, rows, tokens_per_row, torch.device("cpu"))
+    static.fill(tuple(slots))
+    plan = BatchPlan.build(slots, tokens_per_row=tokens_per_row, chunk_size=static.chunk)
+    for which, p in (("host-built", plan), ("static", static)):
+        for name in ("permutation", "seg_indptr", "seg_slot"):
+            tensor = getattr(p, name)
+            assert tensor.storage_offset() * tensor.element_size() % 16 == 0, f"{which} plan's {name} unaligned"
+    # The static plan holds the same plan (with the same row tile; its extra segments are the base rows' and empty
+    # ones).
+    n = plan.num_segments
+    assert static.permutation.tolist() == plan.permutation.tolist()
+    assert static.seg_indptr[: n + 1].tolist() == plan.seg_indptr.tolist()
+    assert static.seg_slot[:n].tolist() == plan.seg_slot.tolist()
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Errors
 # ----------------------------------------------------------------------------------------------------------------------
