@@ -8,7 +8,9 @@ and CUDA graphs), the median of ``--repeats`` more, and the first call's share b
 ``call_user_compiler`` (AOT autograd and inductor, which compiles its own Triton kernels in worker processes), the
 compiles of peft_csgmv's own Triton kernels (``@triton.jit`` kernels compiled at their first launch in the process:
 counted and timed by kernel), and the rest (the first eager prefill, CUDA-graph capture, the first steps). Rows
-alternate (base, csgmv, base, csgmv, ...) over ``--rounds``. The table is printed last.
+alternate (base, csgmv, base, csgmv, ...) over ``--rounds``; ``--warm`` runs each row once more over the caches its
+first process left (a user's second run). ``COMPILE_TIME_KEYS=1`` prints Triton's key of each kernel compiled (its
+arguments' types and alignments), which says why a kernel compiled twice. The table is printed last.
 """
 
 from __future__ import annotations
