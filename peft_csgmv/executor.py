@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .plan import BatchPlan, aligned_parts, chunk_size_for
+from .plan import BatchPlan, aligned_parts, aligned_tail, chunk_size_for
 
 if TYPE_CHECKING:
     from .slots import LoraStack
@@ -133,12 +133,12 @@ class StaticPlan:
         self.chunk = chunk_size_for(self.num_tokens)
         self.max_segments = max_segments(rows, self.num_tokens, self.chunk)
         t, s = self.num_tokens, self.max_segments
-        self._indptr_at, self._slot_at, length = aligned_parts(t, s)
+        indptr_at, slot_at, length = aligned_parts(t, s)  # (fill lays its contents out the same: aligned_tail)
         self.buf = torch.zeros(length, dtype=torch.int32, device=device)
         torch._dynamo.mark_static_address(self.buf)  # a CUDA graph reads it in place: each call's fill is seen
         self.permutation = self.buf[:t]
-        self.seg_indptr = self.buf[self._indptr_at : self._indptr_at + s + 1]
-        self.seg_slot = self.buf[self._slot_at :]
+        self.seg_indptr = self.buf[indptr_at : indptr_at + s + 1]
+        self.seg_slot = self.buf[slot_at:]
 
     def fill(self, row_slots: tuple[int, ...]) -> None:
         repeat = self.rows // self.n
@@ -151,12 +151,8 @@ class StaticPlan:
         bounds += [min(p + self.chunk, self.num_tokens) for p in base]
         seg_slot = plan.seg_slot.tolist() + [-1] * len(base)
         pad = self.max_segments - len(seg_slot)  # segments past the live ones: empty, at the end of the tokens
-        indptr = bounds + [self.num_tokens] * pad
-        host = torch.tensor(
-            plan.permutation.tolist() + [0] * (self._indptr_at - self.num_tokens) + indptr
-            + [0] * (self._slot_at - self._indptr_at - len(indptr)) + seg_slot + [0] * pad,
-            dtype=torch.int32,
-        )  # fmt: skip
+        tail = aligned_tail(self.num_tokens, bounds + [self.num_tokens] * pad, seg_slot + [0] * pad)
+        host = torch.tensor(plan.permutation.tolist() + tail, dtype=torch.int32)
         if self.device.type == "cuda":
             self.buf.copy_(host.pin_memory(), non_blocking=True)
         else:

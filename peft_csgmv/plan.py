@@ -71,6 +71,13 @@ def aligned_parts(num_tokens: int, num_segments: int) -> tuple[int, int, int]:
     return indptr_at, slot_at, slot_at + num_segments
 
 
+def aligned_tail(num_tokens: int, seg_indptr: list[int], seg_slot: list[int]) -> list[int]:
+    """What follows the permutation in a plan's one buffer, laid out as :func:`aligned_parts` says: zeros up to
+    ``seg_indptr``'s start, ``seg_indptr``, zeros up to ``seg_slot``'s start, ``seg_slot``."""
+    indptr_at, slot_at, _ = aligned_parts(num_tokens, len(seg_slot))
+    return [0] * (indptr_at - num_tokens) + seg_indptr + [0] * (slot_at - indptr_at - len(seg_indptr)) + seg_slot
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class BatchPlan:
     """Token grouping shared by every patched layer that sees the same ``(rows, tokens_per_row)`` shape.
@@ -158,14 +165,13 @@ class BatchPlan:
         # aligned_parts). Built from Python lists (a tensor op costs microseconds of overhead; a plan is built on every
         # call with new ids); only a long permutation is expanded with tensor ops.
         indptr_at, slot_at, _ = aligned_parts(num_tokens, num_segments)
-        tail = [*itertools.accumulate(seg_lens, initial=0), *[0] * (slot_at - indptr_at - num_segments - 1), *seg_slot]
-        gap = [0] * (indptr_at - num_tokens)
+        tail = aligned_tail(num_tokens, list(itertools.accumulate(seg_lens, initial=0)), seg_slot)
         if tokens_per_row == 1:
-            host = torch.tensor(order + gap + tail, dtype=torch.int32)
+            host = torch.tensor(order + tail, dtype=torch.int32)
         else:
             order_t = torch.tensor(order, dtype=torch.int32)[:, None] * tokens_per_row
             perm = (order_t + torch.arange(tokens_per_row, dtype=torch.int32)).view(-1)
-            host = torch.cat([perm, torch.tensor(gap + tail, dtype=torch.int32)])
+            host = torch.cat([perm, torch.tensor(tail, dtype=torch.int32)])
 
         device = torch.device(device)
         if device.type == "cuda":
