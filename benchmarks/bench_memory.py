@@ -200,7 +200,7 @@ def main(argv=None) -> int:
                   min_new_tokens=32, cache_implementation="static")  # fmt: skip
         with torch.no_grad():
             times = call_series(lambda: pm.generate(**kw), 4, lambda: torch.cuda.synchronize(device))["ms"]
-            kernels, _, _ = kernel_times(lambda: pm.generate(**kw), 20.0)
+            kernels, _, _, _ = kernel_times(lambda: pm.generate(**kw), 20.0)
         return statistics.median(times[1:]), sum(total for total, _ in kernels.values()) / 1e3
 
     scale = {}
