@@ -33,14 +33,16 @@ Semantics (as :mod:`peft_csgmv.kernels`)::
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import os
 from typing import Optional
 
 import torch
 
 from . import kernels
 from .kernels.group import expand_group, group_splits, shrink_group
-from .kernels.launch import without_pdl
+from .kernels.launch import _interpreting, without_pdl
 from .plan import BatchPlan
 from .slots import stack_by_handle
 
@@ -314,11 +316,123 @@ _SCHEMAS = {
 }
 
 
+# Compiled ahead: a compiled graph's first run compiles each Triton kernel variant its ops launch, one after another on
+# the host's main thread (~0.3 s each on an H200's host with empty caches, 6 variants for a 1B layout's decode step).
+# Tracing knows them long before: each op's fake implementation, which dynamo and AOT autograd run as they trace, hands
+# its arguments' shapes, strides and dtypes to a worker thread, which runs the op once over scratch tensors of that
+# description (a plan of empty segments: every program exits at once) and so leaves each variant compiled in Triton's
+# in-process cache while the tracing and inductor go on; the op's first real call waits for any still running (so
+# none runs beside a CUDA graph's capture). CUDA only; ``PEFT_CSGMV_COMPILE_AHEAD=0`` turns it off (read per trace),
+# ``=N`` runs it on N threads (read when the first job starts; one by default).
+AHEAD_DEVICES = ("cuda",)
+_ahead_seen: set = set()
+_ahead_jobs: list = []
+_ahead_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _describe(value):
+    """A hashable description of an op argument: a tensor's ``(shape, stride, dtype, device)``, lists item by item,
+    anything else as is. ``TypeError`` for a symbolic size (a dynamic-shape trace: nothing is compiled ahead)."""
+    if isinstance(value, torch.Tensor):
+        shape, stride = tuple(value.shape), tuple(value.stride())
+        if not all(type(d) is int for d in shape + stride):
+            raise TypeError
+        return ("tensor", shape, stride, value.dtype, value.device)
+    if isinstance(value, (list, tuple)):
+        return ("list", tuple(_describe(v) for v in value))
+    return ("value", value)
+
+
+def _scratch(description):
+    """An argument like the described one: integer tensors of zeros (a plan of empty segments; token 0), floating
+    ones uninitialised."""
+    kind, *rest = description
+    if kind == "list":
+        return [_scratch(d) for d in rest[0]]
+    if kind == "value":
+        return rest[0]
+    shape, stride, dtype, device = rest
+    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return t.zero_() if not dtype.is_floating_point else t
+
+
+def _run_ahead(impl, descriptions, names) -> None:
+    """On a worker thread: ``impl`` once over scratch arguments (positional, then ``names``' keyword ones)."""
+    try:
+        args = [_scratch(d) for d in descriptions]
+        kwargs = dict(zip(names, args[len(args) - len(names) :]))
+        with torch.no_grad():
+            impl(*args[: len(args) - len(names)], **kwargs)
+    except Exception:  # compiling ahead only saves time: the op's first real call compiles whatever did not here
+        pass
+
+
+def _compile_ahead(impl, args, kwargs) -> None:
+    """From an op's fake implementation: run ``impl`` once over scratch arguments like ``args`` on a worker thread, the
+    first time this description is seen (see above)."""
+    global _ahead_pool
+    x = args[0] if args else next(iter(kwargs.values()))
+    threads = os.environ.get("PEFT_CSGMV_COMPILE_AHEAD", "")
+    if x.device.type not in AHEAD_DEVICES or threads == "0":
+        return
+    try:
+        names = tuple(kwargs)
+        descriptions = tuple(_describe(a) for a in (*args, *kwargs.values()))
+    except TypeError:
+        return
+    key = (impl, descriptions, names)
+    if key in _ahead_seen:
+        return
+    _ahead_seen.add(key)
+    if _ahead_pool is None:
+        # One thread by default: ops of different shapes often launch the same kernel variant (Triton keys a variant by
+        # its arguments' types, alignments and constants, not their sizes), which jobs running side by side would each
+        # compile (1B, H200: 16 compiles of 9 variants on 8 threads, 6 of 6 on one, done well inside the tracing).
+        # Triton's CPU interpreter keeps its state in globals: one thread there whatever is asked.
+        workers = int(threads) if threads.isdigit() and not _interpreting() else 1
+        _ahead_pool = concurrent.futures.ThreadPoolExecutor(workers, "peft_csgmv_ahead")
+    _ahead_jobs.append(_ahead_pool.submit(_run_ahead, impl, descriptions, names))
+
+
+def _forget_ahead() -> None:
+    """In a forked child: the parent's worker threads do not exist there (a job left to them would never end)."""
+    global _ahead_pool
+    _ahead_pool = None
+    _ahead_jobs.clear()
+    _ahead_seen.clear()
+
+
+os.register_at_fork(after_in_child=_forget_ahead)
+
+
+def wait_ahead() -> None:
+    """Wait for the kernels being compiled ahead (an op's real call does, before it launches anything)."""
+    while _ahead_jobs:
+        _ahead_jobs.pop().result()
+
+
+def _with_ahead(impl, fake):
+    """The op's implementation (which first waits for the kernels compiled ahead) and its fake (which hands them
+    out)."""
+
+    def traced(*args, **kwargs):
+        _compile_ahead(impl, args, kwargs)
+        return fake(*args, **kwargs)
+
+    def run(*args, **kwargs):
+        if _ahead_jobs:
+            wait_ahead()
+        return impl(*args, **kwargs)
+
+    return run, traced
+
+
 def _register() -> None:
     for name, (schema, impl, fake) in _SCHEMAS.items():
+        run, traced = _with_ahead(impl, fake)
         _LIB.define(name + schema)
-        _LIB.impl(name, impl, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"peft_csgmv::{name}", fake, lib=_LIB)
+        _LIB.impl(name, run, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"peft_csgmv::{name}", traced, lib=_LIB)
 
 
 _register()

@@ -8,6 +8,8 @@ cheap, with stock PEFT's per-adapter runs."""
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -64,6 +66,57 @@ def test_static_cache_generate_matches_eager_without_recompiles(backend):
         outs.append(static)
     assert _graphs() == 1, f"{_graphs()} graphs compiled: the ids changed the graph"
     assert not torch.equal(outs[0], outs[1]), "the id lists generate the same tokens: the test proves nothing"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernels_compiled_ahead_while_tracing(backend, monkeypatch):
+    """While the decode step is traced, each op variant the trace meets (its arguments' description) goes once to a
+    worker thread, which runs the op over scratch arguments of that description without error (the Triton variants
+    then compiled before the graph runs; switched on for the CPU here, off by default there); the graph's first real
+    op call waits for the workers; the tokens are eager's."""
+    from peft_csgmv import ops
+
+    monkeypatch.setattr(ops, "AHEAD_DEVICES", ("cpu",))
+    monkeypatch.setattr(ops, "_ahead_seen", set())
+    monkeypatch.setattr(ops, "_ahead_pool", None)
+    events, errors = [], []
+    run_ahead, stack_at = ops._run_ahead, ops._stack_at
+
+    def slow_run_ahead(impl, descriptions, names):
+        def checked(*args, **kwargs):
+            try:
+                return impl(*args, **kwargs)
+            except Exception as e:  # (the library's runner swallows errors: the test records them)
+                errors.append(e)
+                raise
+
+        time.sleep(1.0)  # (a job still running when the graph first runs, unless its op call waits)
+        run_ahead(checked, descriptions, names)
+        events.append(("ahead", impl.__name__))
+
+    def main_stack_at(handle, version):
+        if threading.current_thread() is threading.main_thread():
+            events.append(("real",))
+        return stack_at(handle, version)
+
+    monkeypatch.setattr(ops, "_run_ahead", slow_run_ahead)
+    monkeypatch.setattr(ops, "_stack_at", main_stack_at)
+    model = _model()
+    enable_csgmv(model, backend=backend)
+    input_ids, mask = make_batch(3, 5)
+    static, eager = _static_and_eager(model, input_ids, mask, ID_LISTS[0])
+    assert torch.equal(static, eager)
+    assert not errors, errors
+    ahead = [i for i, e in enumerate(events) if e[0] == "ahead"]
+    real = [i for i, e in enumerate(events) if e[0] == "real"]
+    assert len(ahead) == len(ops._ahead_seen) >= 2, events
+    assert real and min(real) > max(ahead), f"an op ran before the kernels compiled ahead were done: {events}"
+    assert not ops._ahead_jobs
+    monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "0")
+    torch._dynamo.reset()
+    ops._ahead_seen.clear()
+    _static_and_eager(model, input_ids, mask, ID_LISTS[1])
+    assert not ops._ahead_seen, "PEFT_CSGMV_COMPILE_AHEAD=0 still compiled ahead"
 
 
 def test_static_generate_with_a_kept_cache_matches_eager_without_recompiles():
