@@ -407,8 +407,12 @@ os.register_at_fork(after_in_child=_forget_ahead)
 
 def wait_ahead() -> None:
     """Wait for the kernels being compiled ahead (an op's real call does, before it launches anything)."""
-    while _ahead_jobs:
-        _ahead_jobs.pop().result()
+    while True:
+        try:
+            job = _ahead_jobs.pop()
+        except IndexError:  # (none left, or another thread took the last)
+            return
+        job.result()
 
 
 def _with_ahead(impl, fake):
