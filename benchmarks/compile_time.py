@@ -11,8 +11,8 @@ counted and timed by kernel; compiles on the library's compile-ahead threads, wh
 and summed apart as "ahead"), and the rest (the first eager prefill, CUDA-graph capture, the first steps). Rows
 alternate (base, csgmv, base, csgmv, ...) over ``--rounds``; ``--rows base,peft,csgmv`` adds stock PEFT with one
 adapter active (no ids); ``--warm`` runs each row once more over the caches its first process left (a user's second
-run). ``COMPILE_TIME_KEYS=1`` prints Triton's key of each kernel compiled (its
-arguments' types and alignments), which says why a kernel compiled twice. The table is printed last.
+run). ``COMPILE_TIME_KEYS=1`` prints Triton's key of each kernel compiled (its arguments' types and alignments), which
+says why a kernel compiled twice. The table is printed last.
 """
 
 from __future__ import annotations

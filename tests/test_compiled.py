@@ -112,6 +112,7 @@ def test_kernels_compiled_ahead_while_tracing(backend, monkeypatch):
     assert len(ahead) == len(ops._ahead_seen) >= 2, events
     assert real and min(real) > max(ahead), f"an op ran before the kernels compiled ahead were done: {events}"
     assert not ops._ahead_jobs
+    ops._ahead_pool.shutdown()
     monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "0")
     torch._dynamo.reset()
     ops._ahead_seen.clear()
