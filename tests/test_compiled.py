@@ -738,3 +738,45 @@ def test_bf16_compiled_logits_within_peft_own_compile_difference():
         compiled = torch.compile(pm, dynamic=False)(input_ids, attention_mask=mask, adapter_ids=names).logits.float()
     gap = (compiled - eager).abs().max().item()
     assert gap <= 2 * max(peft_gap, 1e-2), f"csgmv compiled vs eager {gap:.3g}, PEFT's own {peft_gap:.3g}"
+
+
+@pytest.mark.gpu
+def test_static_decode_kernels_compile_ahead_on_cuda(monkeypatch):
+    """On CUDA, where compiling ahead is on by default: the static path's decode kernels compile on the ops' worker
+    thread while the step is traced, and the main thread compiles none of those again (Triton's in-process caches of
+    the library's kernels and their launchers' emptied first); the tokens are eager csgmv's (fp32)."""
+    import importlib
+    import pkgutil
+
+    import triton.runtime.jit as jit
+
+    import peft_csgmv.kernels as kernel_package
+    from peft_csgmv import ops
+    from peft_csgmv.kernels.launch import Launcher
+
+    for info in pkgutil.iter_modules(kernel_package.__path__):
+        module = importlib.import_module(f"{kernel_package.__name__}.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, jit.JITFunction):
+                value.device_caches.clear()
+            elif isinstance(value, Launcher):  # (its compiled kernels by exact arguments, from earlier tests)
+                value.compiled.clear()
+    monkeypatch.setattr(ops, "_ahead_seen", set())
+    monkeypatch.setattr(ops, "_ahead_pool", None)
+    compiled = []
+    do_compile = jit.JITFunction._do_compile
+
+    def recorded(self, key, *args, **kwargs):
+        compiled.append((self.fn.__name__, str(key), threading.current_thread() is threading.main_thread()))
+        return do_compile(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", recorded)
+    model = _model().to("cuda")
+    enable_csgmv(model)
+    input_ids, mask = (t.to("cuda") for t in make_batch(3, 5))
+    static, eager = _static_and_eager(model, input_ids, mask, ID_LISTS[0])
+    assert torch.equal(static, eager)
+    ahead = {(name, key) for name, key, main in compiled if not main}
+    again = [(name, key) for name, key, main in compiled if main and (name, key) in ahead]
+    assert ahead, f"no kernel compiled ahead: {compiled}"
+    assert not again, f"compiled ahead, then again on the main thread: {again}"
