@@ -76,6 +76,7 @@ def test_kernels_compiled_ahead_while_tracing(backend, monkeypatch):
     op call waits for the workers; the tokens are eager's."""
     from peft_csgmv import ops
 
+    monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "1")  # (the suite turns it off: conftest.py)
     monkeypatch.setattr(ops, "AHEAD_DEVICES", ("cpu",))
     monkeypatch.setattr(ops, "_ahead_seen", set())
     monkeypatch.setattr(ops, "_ahead_pool", None)
@@ -761,6 +762,7 @@ def test_static_decode_kernels_compile_ahead_on_cuda(monkeypatch):
                 value.device_caches.clear()
             elif isinstance(value, Launcher):  # (its compiled kernels by exact arguments, from earlier tests)
                 value.compiled.clear()
+    monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "1")  # (the suite turns it off: conftest.py)
     monkeypatch.setattr(ops, "_ahead_seen", set())
     monkeypatch.setattr(ops, "_ahead_pool", None)
     compiled = []
