@@ -166,19 +166,14 @@ def _lora_linear(
     dtype. While a CUDA graph is captured the LoRA runs on :func:`side_stream`, beside the base product (see the module
     docstring)."""
     s = _stack_at(stack, version)
-    a, b = s.a, s.b
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
-    num_tokens, n = x.shape[0], weight.shape[0]
     if not triton:
         return torch.nn.functional.linear(x, weight, bias), _delta_reference(x, s, plan)
     cuda = x.device.type == "cuda"
     with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
         # Everything the side stream writes is allocated here, on the caller's stream, before the fork (nothing is
         # allocated on the side stream, inside a CUDA graph's capture or out of it), and outlives the join below.
-        delta = torch.empty((num_tokens, n), dtype=torch.float32, device=x.device)
-        t = None if fused else torch.empty(
-            (kernels.shrink_splits(plan, x.shape[1]), num_tokens, b.shape[2]), dtype=torch.float32, device=x.device
-        )  # fmt: skip
+        delta, t = _linear_workspace(x, weight.shape[0], s, plan, fused)
         # The side stream only while a CUDA graph is captured, where the two branches then run side by side at every
         # replay; run eagerly (compiled code without CUDA graphs, a graph's warm-up), the fork and join would cost the
         # host two event waits per layer for an overlap the host-bound launches do not reach: one stream then.
@@ -187,20 +182,36 @@ def _lora_linear(
         side = side_stream(x.device) if fork else None
         if fork:
             side.wait_stream(main)
-        # Without PDL: on the side stream, its early start across the graph's fork and join idled the H200 longer
-        # than it hid (bench_beside.py, docs/benchmarks.md).
-        with torch.cuda.stream(side) if fork else contextlib.nullcontext(), without_pdl():
-            if fused:
-                kernels.expand(None, b, s.ranks, s.scalings, plan, None, lora_bias=s.lora_bias, out=delta, x=x, a=a,
-                               act_dtype=x.dtype)  # fmt: skip
-            else:
-                t = kernels.shrink(x, a, s.ranks, plan, t)
-                kernels.expand(t, b, s.ranks, s.scalings, plan, None, lora_bias=s.lora_bias, out=delta,
-                               act_dtype=x.dtype)  # fmt: skip
+        with torch.cuda.stream(side) if fork else contextlib.nullcontext():
+            _linear_delta(x, s, plan, fused, delta, t)
         y = torch.nn.functional.linear(x, weight, bias)
         if fork:
             main.wait_stream(side)
     return y, delta
+
+
+def _linear_workspace(x: torch.Tensor, n: int, s, plan: BatchPlan, fused: bool):
+    """:func:`_lora_linear`'s ``(delta, t)``: its fp32 output (T, n) and its shrink's workspace (``None`` when
+    ``fused``)."""
+    delta = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
+    t = None if fused else torch.empty(
+        (kernels.shrink_splits(plan, x.shape[1]), x.shape[0], s.b.shape[2]), dtype=torch.float32, device=x.device
+    )  # fmt: skip
+    return delta, t
+
+
+def _linear_delta(x: torch.Tensor, s, plan: BatchPlan, fused: bool, delta: torch.Tensor, t) -> None:
+    """:func:`_lora_linear`'s LoRA launches: ``delta`` (T, out) fp32 = the LoRA of every token (``t``: the shrink's
+    workspace; ``None`` when ``fused``). Without PDL: on the side stream, its early start across the graph's fork and
+    join idled the H200 longer than it hid (bench_beside.py, docs/benchmarks.md)."""
+    with without_pdl():
+        if fused:
+            kernels.expand(None, s.b, s.ranks, s.scalings, plan, None, lora_bias=s.lora_bias, out=delta, x=x, a=s.a,
+                           act_dtype=x.dtype)  # fmt: skip
+        else:
+            t = kernels.shrink(x, s.a, s.ranks, plan, t)
+            kernels.expand(t, s.b, s.ranks, s.scalings, plan, None, lora_bias=s.lora_bias, out=delta,
+                           act_dtype=x.dtype)  # fmt: skip
 
 
 def _lora_linear_fake(x, weight, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,6 +327,24 @@ _SCHEMAS = {
 }
 
 
+def _lora_linear_ahead(x, weight, bias, permutation, seg_indptr, seg_slot, stack, version, chunk, triton, fused=False):
+    """:func:`_lora_linear` compiled ahead: its LoRA launches alone (``weight`` and ``bias`` by shape only: no base
+    product, no scratch copy of the base weight)."""
+    if not triton:
+        return
+    s = _stack_at(stack, version)
+    plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=False)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        delta, t = _linear_workspace(x, weight.shape[0], s, plan, fused)
+        _linear_delta(x, s, plan, fused, delta, t)
+
+
+def _lora_group_linear_ahead(x, weights, biases, *args) -> None:
+    """:func:`_lora_group_linear` compiled ahead: the group's LoRA launches alone, as :func:`_lora_group` runs them
+    (the base weights by shape only)."""
+    _group_run(x, None, None, *args)
+
+
 # Compiled ahead: a compiled graph's first run compiles each Triton kernel variant its ops launch, one after another on
 # the host's main thread (~0.3 s each on an H200's host with empty caches, 6 variants for a 1B layout's decode step).
 # Tracing knows them long before: each op's fake implementation, which dynamo and AOT autograd run as they trace, hands
@@ -325,21 +354,24 @@ _SCHEMAS = {
 # none runs beside a CUDA graph's capture). CUDA only; ``PEFT_CSGMV_COMPILE_AHEAD=0`` turns it off (read per trace),
 # ``=N`` runs it on N threads (read when the first job starts; one by default).
 AHEAD_DEVICES = ("cuda",)
+# What a job runs for an op with a base product, and which of its arguments it takes by shape only (meta tensors).
+_AHEAD_RUNS = {_lora_linear: (_lora_linear_ahead, (1, 2)), _lora_group_linear: (_lora_group_linear_ahead, (1, 2))}
 _ahead_seen: set = set()
 _ahead_jobs: list = []
 _ahead_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
 
-def _describe(value):
-    """A hashable description of an op argument: a tensor's ``(shape, stride, dtype, device)``, lists item by item,
-    anything else as is. ``TypeError`` for a symbolic size (a dynamic-shape trace: nothing is compiled ahead)."""
+def _describe(value, meta: bool = False):
+    """A hashable description of an op argument: a tensor's ``(shape, stride, dtype, device)`` (``meta``: its shape and
+    dtype only), lists item by item, anything else as is. ``TypeError`` for a symbolic size (a dynamic-shape trace:
+    nothing is compiled ahead)."""
     if isinstance(value, torch.Tensor):
         shape, stride = tuple(value.shape), tuple(value.stride())
         if not all(type(d) is int for d in shape + stride):
             raise TypeError
-        return ("tensor", shape, stride, value.dtype, value.device)
+        return ("meta", shape, value.dtype) if meta else ("tensor", shape, stride, value.dtype, value.device)
     if isinstance(value, (list, tuple)):
-        return ("list", tuple(_describe(v) for v in value))
+        return ("list", tuple(_describe(v, meta) for v in value))
     return ("value", value)
 
 
@@ -351,6 +383,8 @@ def _scratch(description):
         return [_scratch(d) for d in rest[0]]
     if kind == "value":
         return rest[0]
+    if kind == "meta":
+        return torch.empty(rest[0], dtype=rest[1], device="meta")
     shape, stride, dtype, device = rest
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     return t.zero_() if not dtype.is_floating_point else t
@@ -368,16 +402,17 @@ def _run_ahead(impl, descriptions, names) -> None:
 
 
 def _compile_ahead(impl, args, kwargs) -> None:
-    """From an op's fake implementation: run ``impl`` once over scratch arguments like ``args`` on a worker thread, the
-    first time this description is seen (see above)."""
+    """From an op's fake implementation: run ``impl`` (or its stand-in, :data:`_AHEAD_RUNS`) once over scratch
+    arguments like ``args`` on a worker thread, the first time this description is seen (see above)."""
     global _ahead_pool
     x = args[0] if args else next(iter(kwargs.values()))
     threads = os.environ.get("PEFT_CSGMV_COMPILE_AHEAD", "")
     if x.device.type not in AHEAD_DEVICES or threads == "0":
         return
+    run, by_shape = _AHEAD_RUNS.get(impl, (impl, ()))
     try:
         names = tuple(kwargs)
-        descriptions = tuple(_describe(a) for a in (*args, *kwargs.values()))
+        descriptions = tuple(_describe(a, i in by_shape) for i, a in enumerate((*args, *kwargs.values())))
     except TypeError:
         return
     key = (impl, descriptions, names)
@@ -391,7 +426,7 @@ def _compile_ahead(impl, args, kwargs) -> None:
         # Triton's CPU interpreter keeps its state in globals: one thread there whatever is asked.
         workers = int(threads) if threads.isdigit() and not _interpreting() else 1
         _ahead_pool = concurrent.futures.ThreadPoolExecutor(workers, "peft_csgmv_ahead")
-    _ahead_jobs.append(_ahead_pool.submit(_run_ahead, impl, descriptions, names))
+    _ahead_jobs.append(_ahead_pool.submit(_run_ahead, run, descriptions, names))
 
 
 def _forget_ahead() -> None:

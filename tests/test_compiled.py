@@ -68,14 +68,19 @@ def test_static_cache_generate_matches_eager_without_recompiles(backend):
     assert not torch.equal(outs[0], outs[1]), "the id lists generate the same tokens: the test proves nothing"
 
 
+@pytest.mark.parametrize("layout", ["default", "beside"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_kernels_compiled_ahead_while_tracing(backend, monkeypatch):
+def test_kernels_compiled_ahead_while_tracing(backend, layout, monkeypatch):
     """While the decode step is traced, each op variant the trace meets (its arguments' description) goes once to a
     worker thread, which runs the op over scratch arguments of that description without error (the Triton variants
-    then compiled before the graph runs; switched on for the CPU here, off by default there); the graph's first real
-    op call waits for the workers; the tokens are eager's."""
+    then compiled before the graph runs; switched on for the CPU here, off by default there); the ops with a base
+    product (``beside``: every layer and group beside its base products) run their LoRA launches alone there, the base
+    weights taken by shape; the graph's first real op call waits for the workers; the tokens are eager's."""
     from peft_csgmv import ops
 
+    if layout == "beside":
+        monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
+        monkeypatch.setenv("PEFT_CSGMV_GROUPS", "beside")
     monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "1")  # (the suite turns it off: conftest.py)
     monkeypatch.setattr(ops, "AHEAD_DEVICES", ("cpu",))
     monkeypatch.setattr(ops, "_ahead_seen", set())
@@ -112,6 +117,9 @@ def test_kernels_compiled_ahead_while_tracing(backend, monkeypatch):
     real = [i for i, e in enumerate(events) if e[0] == "real"]
     assert len(ahead) == len(ops._ahead_seen) >= 2, events
     assert real and min(real) > max(ahead), f"an op ran before the kernels compiled ahead were done: {events}"
+    ran = {events[i][1] for i in ahead}
+    if layout == "beside":
+        assert {"_lora_linear_ahead", "_lora_group_linear_ahead"} <= ran, ran
     assert not ops._ahead_jobs
     ops._ahead_pool.shutdown()
     monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "0")
