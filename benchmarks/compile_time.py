@@ -74,11 +74,11 @@ def child(args) -> dict:
               cache_implementation="static")  # fmt: skip
     target = model
     t_enable = 0.0
-    if args.row == "peft":  # stock PEFT, one adapter active for every row
+    if args.row in ("peft", "csgmv"):
         target = add_adapters(model, args.adapters, [args.rank], device)
+    if args.row == "peft":  # stock PEFT, one adapter active for every row
         target.set_adapter("a0")
     if args.row == "csgmv":
-        target = add_adapters(model, args.adapters, [args.rank], device)
         t0 = time.perf_counter()
         enable_csgmv(target)
         t_enable = time.perf_counter() - t0
