@@ -10,9 +10,11 @@ compiles of peft_csgmv's own Triton kernels (``@triton.jit`` kernels compiled at
 counted and timed by kernel; compiles on the library's compile-ahead threads, which run beside tracing, are listed
 and summed apart as "ahead"), and the rest (the first eager prefill, CUDA-graph capture, the first steps). Rows
 alternate (base, csgmv, base, csgmv, ...) over ``--rounds``; ``--rows base,peft,csgmv`` adds stock PEFT with one
-adapter active (no ids); ``--warm`` runs each row once more over the caches its first process left (a user's second
-run). ``COMPILE_TIME_KEYS=1`` prints Triton's key of each kernel compiled (its arguments' types and alignments), which
-says why a kernel compiled twice. The table is printed last.
+adapter active (no ids), ``csgmv-noahead`` csgmv with compiling ahead off (``PEFT_CSGMV_COMPILE_AHEAD=0``: every
+kernel compiles on the main thread, none on a thread beside dynamo's tracing); ``--warm`` runs each row once more
+over the caches its first process left (a user's second run). ``COMPILE_TIME_KEYS=1`` prints Triton's key of each
+kernel compiled (its arguments' types and alignments), which says why a kernel compiled twice. The table is printed
+last; its "tracing" column is dynamo's own share (``bytecode_tracing``: stepping through the Python of every layer).
 """
 
 from __future__ import annotations
@@ -74,11 +76,11 @@ def child(args) -> dict:
               cache_implementation="static")  # fmt: skip
     target = model
     t_enable = 0.0
-    if args.row in ("peft", "csgmv"):
+    if args.row != "base":
         target = add_adapters(model, args.adapters, [args.rank], device)
     if args.row == "peft":  # stock PEFT, one adapter active for every row
         target.set_adapter("a0")
-    if args.row == "csgmv":
+    if args.row.startswith("csgmv"):
         t0 = time.perf_counter()
         enable_csgmv(target)
         t_enable = time.perf_counter() - t0
@@ -105,6 +107,7 @@ def child(args) -> dict:
     return dict(
         row=args.row, first_s=times[0], median_s=statistics.median(times[1:]), enable_s=t_enable,
         dynamo_s=phase.get("_compile.compile_inner", 0.0),
+        tracing_s=phase.get("bytecode_tracing", 0.0),
         user_compiler_s=phase.get("OutputGraph.call_user_compiler", 0.0),
         triton_s=sum(v for k, v in ours.items() if "(ahead)" not in k),
         triton_n=sum(v for k, v in counts.items() if "(ahead)" not in k),
@@ -147,6 +150,8 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                            TRITON_CACHE_DIR=os.path.join(tmp, "triton"))  # fmt: skip
+                if row == "csgmv-noahead":
+                    env["PEFT_CSGMV_COMPILE_AHEAD"] = "0"
                 out = os.path.join(tmp, "result.json")
                 cmd = [sys.executable, __file__, "--row", row, "--result", out, "--model", args.model,
                        "--adapters", str(args.adapters), "--rank", str(args.rank), "--batch", str(args.batch),
@@ -161,7 +166,7 @@ def main(argv=None) -> int:
                     rest = res["first_s"] - res["median_s"] - res["dynamo_s"] - res["triton_s"]
                     print(
                         f"{args.model} {row:<6} round {r}, {caches} caches: first {res['first_s']:.1f} s, median "
-                        f"{res['median_s']:.2f} s, dynamo {res['dynamo_s']:.1f} "
+                        f"{res['median_s']:.2f} s, dynamo {res['dynamo_s']:.1f} (tracing {res['tracing_s']:.1f}) "
                         f"(inductor {res['user_compiler_s']:.1f}), own Triton {res['triton_s']:.1f} s "
                         f"/ {res['triton_n']} kernels (ahead, on threads: {res['ahead_s']:.1f} s / "
                         f"{res['ahead_n']}), rest {rest:.1f}",
@@ -170,15 +175,16 @@ def main(argv=None) -> int:
                     for line in res["triton_compiled"]:
                         print("    " + line)
     print()
-    print("| model | row | round | caches | first call s | compile s (first − median) | dynamo s | "
-          "of which inductor s | own Triton s (kernels) | ahead s (kernels) | rest s |")  # fmt: skip
-    print("|" + "---|" * 11)
+    print("| model | row | round | caches | first call s | compile s (first − median) | dynamo s | of which tracing s "
+          "| of which inductor s | own Triton s (kernels) | ahead s (kernels) | rest s |")  # fmt: skip
+    print("|" + "---|" * 12)
     for res in results:
         c = res["first_s"] - res["median_s"]
         rest = c - res["dynamo_s"] - res["triton_s"]
         print(
             f"| {args.model} | {res['row']} | {res['round']} | {res['caches']} | {res['first_s']:.1f} | {c:.1f} | "
-            f"{res['dynamo_s']:.1f} | {res['user_compiler_s']:.1f} | {res['triton_s']:.1f} ({res['triton_n']}) | "
+            f"{res['dynamo_s']:.1f} | {res['tracing_s']:.1f} | {res['user_compiler_s']:.1f} | "
+            f"{res['triton_s']:.1f} ({res['triton_n']}) | "
             f"{res['ahead_s']:.1f} ({res['ahead_n']}) | {rest:.1f} |"
         )
     if args.out:

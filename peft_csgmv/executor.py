@@ -178,9 +178,10 @@ def active_calls() -> int:
 
 
 @torch._dynamo.assume_constant_result
-def _static_plan_attr(executor: int, n: int, rows: int, tokens_per_row: int, device: str) -> str:
+def static_plan_attr(executor: int, n: int, rows: int, tokens_per_row: int, device: str) -> str:
     """The executor attribute holding the :class:`StaticPlan` of a compiled shape, made (and filled for the call in
-    progress) on first use. It runs when a graph is traced, outside the graph, and its answer is a constant of it."""
+    progress) on first use. It runs when a graph is traced, outside the graph, and its answer is a constant of it: the
+    plan's buffers are graph inputs whose contents each call rewrites."""
     return executor_of(executor).register_static(n, rows, tokens_per_row, torch.device(device))
 
 
@@ -412,11 +413,6 @@ class Executor:
         return len(self.plans)
 
     # -- compiled plans ---------------------------------------------------------------------------------------------
-
-    def static_plan(self, rows: int, tokens_per_row: int, device: torch.device) -> StaticPlan:
-        """The :class:`StaticPlan` of a layer input of this shape, for compiled code: its attribute name is a constant
-        of the traced graph, its buffers are graph inputs whose contents each call rewrites."""
-        return getattr(self, _static_plan_attr(self.handle, self.num_ids, rows, tokens_per_row, str(device)))
 
     def register_static(self, n: int, rows: int, tokens_per_row: int, device: torch.device) -> str:
         for i, static in enumerate(self.statics):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import kernels, ops
-from .executor import Executor, PlanRun, executor_of, use_triton
+from .executor import _LIVE, Executor, PlanRun, executor_of, static_plan_attr
 from .slots import weights_device
 
 if TYPE_CHECKING:
@@ -98,15 +98,6 @@ def apply_lora(
 _module_globals = nn.modules.module
 
 
-def _global_hooks() -> bool:
-    """Whether any global module hook is registered (``torch.nn.modules.module.register_module_forward_*_hook``)."""
-    g = _module_globals
-    return bool(
-        g._global_forward_pre_hooks or g._global_forward_hooks or g._global_backward_hooks
-        or g._global_backward_pre_hooks
-    )  # fmt: skip
-
-
 def _embed_scale(layer: nn.Module) -> torch.Tensor | None:
     """A scaled embedding's factor (Gemma), read per call as PEFT reads it, in fp32; ``None`` for a plain one."""
     scale = layer._get_embed_scale() if hasattr(layer, "_get_embed_scale") else None
@@ -121,7 +112,7 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     # the class says): compiled code then guards one dict entry per layer, not the property's lookup through the
     # class hierarchy (a quarter of a compiled step's guard check on a 16-layer model).
     state = self.__dict__
-    ex: Executor = executor_of(state["_csgmv_exec"])
+    ex: Executor = _LIVE[state["_csgmv_exec"]]()  # (executor_of, written out: dynamo traces each layer's every call)
     if not ex.active or state.get("_disable_adapters", False) or "adapter_names" in kwargs:
         return self._csgmv_orig_forward(x, *args, **kwargs)
     if kwargs:
@@ -134,7 +125,8 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
     rows = x.shape[0]
     device = x.device
-    if not torch.compiler.is_compiling() and not ex.groups_learned:  # (compiled code reads no flag: no guard)
+    compiling = torch.compiler.is_compiling()
+    if not compiling and not ex.groups_learned:  # (compiled code reads no flag: no guard)
         ex.observe(self, x)
     if stack.device != device and not _follow_weights(self, stack, ex, device):
         # The input is not where the layer's weights are: PEFT's own path decides (its result, or its error), and
@@ -150,8 +142,12 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         result = self._csgmv_orig_forward(x, *args, adapter_names=names, **call.variant_kwargs(), **kwargs)
     else:
         base = self._modules["base_layer"]
-        hooked = base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or _global_hooks()
-        if not (hooked or args or kwargs) and torch.compiler.is_compiling():
+        g = _module_globals  # (any global module hook: torch.nn.modules.module.register_module_forward_*_hook)
+        hooked = (
+            base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or g._global_forward_pre_hooks
+            or g._global_forward_hooks or g._global_backward_hooks or g._global_backward_pre_hooks
+        )  # fmt: skip
+        if compiling and not (hooked or args or kwargs):
             if ex.groups_on:  # (off: the layer's dict is not read for groups, so no guard on it)
                 grouped = _compiled_group(self, ex, stack, base, x, rows, device)
                 if grouped is not None:
@@ -162,10 +158,10 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
             result = base(x, *args, **kwargs)
         else:  # nothing for Module.__call__ to run around forward: skip its few microseconds per layer
             result = base.forward(x, *args, **kwargs)
-    x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
     embed_scale = _embed_scale(self) if embedding else None
-    if torch.compiler.is_compiling():
-        return _compiled_lora(ex, stack, x2, result, rows, device, embed_scale)
+    if compiling:
+        return _compiled_lora(ex, stack, x, result, rows, device, embed_scale)
+    x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
     run = ex.plan_run(rows, x2.shape[0] // rows, device)
     if run.plan.is_empty:
         return result
@@ -198,39 +194,42 @@ def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor, min_bytes: int
     )
 
 
-def _compiled_plan(ex: Executor, stack: "LoraStack", x2, rows: int, device):
-    """``(static plan, triton, fused)`` of a layer inside compiled code: the shape's :class:`StaticPlan` (no Python
-    runs here when the graph runs; its buffers hold the call's ids), whether the Triton kernels run (on CUDA always:
-    the torch reference reads the plan on the host; on CPU the backend's choice), and whether in one fused launch."""
-    static = ex.static_plan(rows, x2.shape[0] // rows, device)
-    triton = device.type == "cuda" or use_triton(ex.backend, device)
-    fused = triton and ex.fused_decode and not stack.embedding and kernels.fused_fits(x2.shape[0], stack.in_features)
+def _compiled_plan(ex: Executor, stack: "LoraStack", x: torch.Tensor, rows: int, device):
+    """``(static plan, triton, fused)`` of a layer inside compiled code (``x``: its input, (rows, ..., in) activations
+    or (rows, ...) token ids): the shape's :class:`StaticPlan` (no Python runs here when the graph runs; its buffers
+    hold the call's ids; the attribute that holds it is a constant of the graph, :func:`static_plan_attr`), whether the
+    Triton kernels run (on CUDA always: the torch reference reads the plan on the host; on CPU the backend's choice, as
+    :func:`use_triton` says), and whether in one fused launch. Written out, not delegated: dynamo traces it for every
+    layer, at a millisecond or so per line."""
+    num_tokens = x.numel() if stack.embedding else x.numel() // x.shape[-1]
+    static = getattr(ex, static_plan_attr(ex.handle, ex.num_ids, rows, num_tokens // rows, str(device)))
+    triton = device.type == "cuda" or ex.backend == "triton"
+    fused = triton and ex.fused_decode and not stack.embedding and kernels.fused_fits(num_tokens, stack.in_features)
     return static, triton, fused
 
 
-def _compiled_lora(ex: Executor, stack: "LoraStack", x2, result, rows: int, device, embed_scale) -> torch.Tensor:
-    """The LoRA of a layer inside compiled code: the ``peft_csgmv::lora`` op over the shape's static plan. The stack
-    goes by handle, and its version becomes a guard of the graph (see :mod:`peft_csgmv.ops`)."""
-    static, triton, fused = _compiled_plan(ex, stack, x2, rows, device)
-    y = result.reshape(-1, result.shape[-1])
-    out = ops.lora_overload(
-        x2, y, static.permutation, static.seg_indptr, static.seg_slot, embed_scale, stack.handle, stack.version,
+def _compiled_lora(ex: Executor, stack: "LoraStack", x, result, rows: int, device, embed_scale) -> torch.Tensor:
+    """The LoRA of a layer inside compiled code: the ``peft_csgmv::lora`` op over the shape's static plan, on the
+    layer's input and base output as they are (the op flattens them). The stack goes by handle, and its version becomes
+    a guard of the graph (see :mod:`peft_csgmv.ops`)."""
+    static, triton, fused = _compiled_plan(ex, stack, x, rows, device)
+    return ops.lora_overload(
+        x, result, static.permutation, static.seg_indptr, static.seg_slot, embed_scale, stack.handle, stack.version,
         static.chunk, triton, fused,
     )  # fmt: skip
-    return out.view(result.shape)
 
 
 def _compiled_beside(ex: Executor, stack: "LoraStack", base: nn.Linear, x, rows: int, device) -> torch.Tensor:
     """A plain Linear layer inside compiled code: its base product and LoRA in one ``peft_csgmv::lora_linear`` (the
-    LoRA beside the base product on CUDA), then ``y + delta`` rounded once to ``y``'s dtype, which the compiler fuses
-    into whatever reads the output: the numbers of :func:`_compiled_lora`'s out-of-place sum."""
-    x2 = x.reshape(-1, x.shape[-1])
-    static, triton, fused = _compiled_plan(ex, stack, x2, rows, device)
+    LoRA beside the base product on CUDA), then ``y += delta``, computed in fp32 and rounded once to ``y``'s dtype,
+    which the compiler fuses into whatever reads the output: the numbers of :func:`_compiled_lora`'s out-of-place
+    sum."""
+    static, triton, fused = _compiled_plan(ex, stack, x, rows, device)
     y, delta = ops.lora_linear_overload(
-        x2, base.weight, base.bias, static.permutation, static.seg_indptr, static.seg_slot, stack.handle,
+        x, base.weight, base.bias, static.permutation, static.seg_indptr, static.seg_slot, stack.handle,
         stack.version, static.chunk, triton, fused,
     )  # fmt: skip
-    return (y + delta).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
+    return y.add_(delta)
 
 
 def _groupable(base: nn.Module, stack: "LoraStack", x: torch.Tensor) -> bool:
@@ -268,15 +267,12 @@ def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x,
         if stack.version < 0:  # never: a branch on it makes the graph guard this member's stack, which the op read
             return None
         _, _, delta, y = taken
-        if y is None:
-            y = base.forward(x)
     else:
         group = state.get("_csgmv_siblings")
         if group is None or not _groupable(base, stack, x):
             return None
         key, handles, bases = group
-        x2 = x.reshape(-1, x.shape[-1])
-        static, triton, _ = _compiled_plan(ex, stack, x2, rows, device)
+        static, triton, _ = _compiled_plan(ex, stack, x, rows, device)
         plan = (static.permutation, static.seg_indptr, static.seg_slot)
         stacks, versions = [stack.handle, *handles], [stack.version, *[-1] * len(handles)]
         # (the members' weights are read only for a group that may run beside: otherwise the graph guards none)
@@ -287,16 +283,16 @@ def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x,
             and all(w.device == device and w.shape[-1] == x.shape[-1] for w in weights)
         ):
             biases = [base.bias, *(b for _, b in bases)]
-            outs = ops.lora_group_linear(x2, weights, biases, *plan, stacks, versions, static.chunk, triton)
+            outs = ops.lora_group_linear(x, weights, biases, *plan, stacks, versions, static.chunk, triton)
             ys, deltas = outs[: len(weights)], outs[len(weights) :]
         else:
-            deltas = ops.lora_group(x2, *plan, stacks, versions, static.chunk, triton)
+            deltas = ops.lora_group(x, *plan, stacks, versions, static.chunk, triton)
             ys = [None] * len(deltas)
-        lead = x.shape[:-1]
         for index, (handle, delta, y) in enumerate(zip(handles, deltas[1:], ys[1:]), start=1):
-            ex.stash[(key, index)] = (x, handle, delta, None if y is None else y.view(*lead, -1))
-        delta, y = deltas[0], (base.forward(x) if ys[0] is None else ys[0].view(*lead, -1))
-    return (y + delta.view(*y.shape)).to(y.dtype)
+            ex.stash[(key, index)] = (x, handle, delta, y)
+        delta, y = deltas[0], ys[0]
+    # y += delta in fp32, rounded once to y's dtype (one traced call; the compiler fuses it into the output's reader)
+    return (base.forward(x) if y is None else y).add_(delta)
 
 
 def _follow_weights(layer: nn.Module, stack: "LoraStack", ex: Executor, device: torch.device) -> bool:

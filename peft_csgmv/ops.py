@@ -24,6 +24,10 @@ gate/up) in one shrink and one expand launch, one fp32 delta per member; ``peft_
 and the members' base products in one op, the group's LoRA on the side stream beside all of them (one fork and one
 join for the group) while a CUDA graph is captured.
 
+Each op takes the layer's input and output with their leading dimensions (rows, tokens) and flattens them itself, so a
+compiled graph holds the op alone, no reshape around it: each traced tensor call costs dynamo's tracing of every LoRA
+layer a few milliseconds.
+
 Semantics (as :mod:`peft_csgmv.kernels`)::
 
     for each segment s with slot = seg_slot[s], rows = permutation[seg_indptr[s]:seg_indptr[s+1]]:
@@ -90,40 +94,50 @@ def _lora(
     triton: bool,
     fused: bool = False,
 ) -> torch.Tensor:
-    """``x``: (T, in) activations or (T,) token ids (an embedding stack); ``y``: (T, out); ``permutation`` (T,),
+    """``x``: (..., in) activations or (...) token ids (an embedding stack) of T tokens; ``y``: (..., out), the same
+    leading dimensions; ``permutation`` (T,),
     ``seg_indptr`` (M + 1,), ``seg_slot`` (M,) int32: the plan (a :class:`~peft_csgmv.executor.StaticPlan`'s: base
     rows in segments of slot ``-1``, then empty segments); ``embed_scale``: a scaled embedding's factor (0-dim fp32);
     ``stack``: the layer's :class:`~peft_csgmv.slots.LoraStack` handle, whose tensors are read here (not graph inputs);
     ``version``: the stack's version the caller's graph was traced with; ``chunk``: the plan's row tile; ``triton``:
     the Triton kernels (else the torch reference, CPU); ``fused``: one launch for both products (the expand kernel
-    computes the A product itself; not for embeddings). Returns ``y`` plus the LoRA (``y`` untouched)."""
+    computes the A product itself; not for embeddings). Returns ``y`` plus the LoRA (``y`` untouched), contiguous, of
+    ``y``'s shape."""
     s = _stack_at(stack, version)
     a, b = s.a, s.b
+    shape = y.shape
+    x, y = _tokens(x, s.embedding), y.reshape(-1, shape[-1])
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
     if triton:
+        # Out of place over a plan whose segments cover every token: one launch writes all of the output.
+        out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
         with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
             if fused:
-                out = torch.empty_like(y)
-                return kernels.expand(
-                    None, b, s.ranks, s.scalings, plan, y, s.mag, s.bias, s.lora_bias, out=out, x=x, a=a
-                )
+                kernels.expand(None, b, s.ranks, s.scalings, plan, y, s.mag, s.bias, s.lora_bias, out=out, x=x, a=a)
+                return out.view(shape)
             t = kernels.embedding_shrink(x, a, s.ranks, plan) if s.embedding else kernels.shrink(x, a, s.ranks, plan)
             if embed_scale is not None:
                 t.mul_(embed_scale)
-            # Out of place over a plan whose segments cover every token: one launch writes all of the output.
-            out = torch.empty_like(y)
-            return kernels.expand(t, b, s.ranks, s.scalings, plan, y, s.mag, s.bias, s.lora_bias, out=out)
-    out = y.clone()
+            kernels.expand(t, b, s.ranks, s.scalings, plan, y, s.mag, s.bias, s.lora_bias, out=out)
+            return out.view(shape)
+    out = y.clone(memory_format=torch.contiguous_format)
     shrink = kernels.embedding_shrink_reference if s.embedding else kernels.shrink_reference
     t = shrink(x, a, s.ranks_host, plan)
     if embed_scale is not None:
         t.mul_(embed_scale)
     kernels.expand_reference(t, b, s.ranks_host, s.scalings_host, plan, out, s.mag, s.bias, s.lora_bias)
-    return out
+    return out.view(shape)
+
+
+def _tokens(x: torch.Tensor, embedding: bool = False) -> torch.Tensor:
+    """The ops' input as the kernels take it: ``(T, in)`` activations from ``(..., in)``, or ``(T,)`` token ids from any
+    shape (an embedding stack); a view where the strides allow one. The ops take the layer's input and output with their
+    leading dimensions, so a compiled graph holds no reshape around each op."""
+    return x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
 
 
 def _lora_fake(x, y, *args, **kwargs) -> torch.Tensor:
-    return torch.empty_like(y)
+    return y.new_empty(y.shape)
 
 
 _SIDE_STREAMS: dict = {}
@@ -159,16 +173,18 @@ def _lora_linear(
     triton: bool,
     fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x``: (T, in) activations; ``weight`` (out, in), ``bias`` (out,) or ``None``: the base ``nn.Linear``'s; the
+    """``x``: (..., in) activations; ``weight`` (out, in), ``bias`` (out,) or ``None``: the base ``nn.Linear``'s; the
     plan, ``stack``, ``version``, ``chunk``, ``triton`` and ``fused`` as :func:`lora` takes them (no DoRA, no
-    embedding). Returns ``(y, delta)``: ``y = F.linear(x, weight, bias)`` (T, out) in ``x``'s dtype, ``delta`` (T, out)
-    fp32, the LoRA of every token (0 on base rows and rank-0 slots); the layer's output is ``(y + delta)`` in ``y``'s
-    dtype. While a CUDA graph is captured the LoRA runs on :func:`side_stream`, beside the base product (see the module
-    docstring)."""
+    embedding). Returns ``(y, delta)``: ``y = F.linear(x, weight, bias)`` (..., out) in ``x``'s dtype, ``delta``
+    (..., out) fp32, the LoRA of every token (0 on base rows and rank-0 slots); the layer's output is ``(y + delta)``
+    in ``y``'s dtype. While a CUDA graph is captured the LoRA runs on :func:`side_stream`, beside the base product (see
+    the module docstring)."""
     s = _stack_at(stack, version)
+    shape = (*x.shape[:-1], weight.shape[0])
+    x = _tokens(x)
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
     if not triton:
-        return torch.nn.functional.linear(x, weight, bias), _delta_reference(x, s, plan)
+        return torch.nn.functional.linear(x, weight, bias).view(shape), _delta_reference(x, s, plan).view(shape)
     cuda = x.device.type == "cuda"
     with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
         # Everything the side stream writes is allocated here, on the caller's stream, before the fork (nothing is
@@ -187,7 +203,7 @@ def _lora_linear(
         y = torch.nn.functional.linear(x, weight, bias)
         if fork:
             main.wait_stream(side)
-    return y, delta
+    return y.view(shape), delta.view(shape)
 
 
 def _linear_workspace(x: torch.Tensor, n: int, s, plan: BatchPlan, fused: bool):
@@ -215,7 +231,7 @@ def _linear_delta(x: torch.Tensor, s, plan: BatchPlan, fused: bool, delta: torch
 
 
 def _lora_linear_fake(x, weight, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (x.shape[0], weight.shape[0])
+    shape = (*x.shape[:-1], weight.shape[0])
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.float32)
 
 
@@ -223,14 +239,16 @@ def _group_run(x, weights, biases, permutation, seg_indptr, seg_slot, stacks, ve
     """:func:`_lora_group` (``weights`` ``None``: the deltas) and :func:`_lora_group_linear` (the base products, then
     the deltas, the LoRA beside the base products while a CUDA graph is captured)."""
     ss = [stack_by_handle(h) if v < 0 else _stack_at(h, v) for h, v in zip(stacks, versions)]
+    lead = x.shape[:-1]
+    x = _tokens(x)
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=not triton)
     num_tokens, linear = x.shape[0], weights is not None
 
     def products() -> list[torch.Tensor]:
-        return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)] if linear else []
+        return [torch.nn.functional.linear(x, w, b).view(*lead, -1) for w, b in zip(weights, biases)] if linear else []
 
     if not triton:
-        return products() + [_delta_reference(x, s, plan) for s in ss]
+        return products() + [_delta_reference(x, s, plan).view(*lead, -1) for s in ss]
     cuda = x.device.type == "cuda"
     with torch.cuda.device(x.device) if cuda else contextlib.nullcontext():
         # As in lora_linear: what the side stream writes is allocated before the fork, on the caller's stream.
@@ -248,21 +266,22 @@ def _group_run(x, weights, biases, permutation, seg_indptr, seg_slot, stacks, ve
         ys = products()
         if fork:
             main.wait_stream(side)
-    return ys + deltas
+    return ys + [delta.view(*lead, -1) for delta in deltas]
 
 
 def _lora_group(x: torch.Tensor, *args) -> list[torch.Tensor]:
     """``(x, permutation, seg_indptr, seg_slot, stacks, versions, chunk, triton)``: the LoRA alone of a sibling group,
-    up to three layers that read the same ``x`` (their stack handles, in order), in one shrink and one expand launch
-    (:mod:`peft_csgmv.kernels.group`). Returns one ``(T, N_g)`` fp32 delta per member, as :func:`lora_linear` returns
-    its ``delta``: each member's output is ``(its base product + delta)`` in the base product's dtype. ``versions``:
-    each stack's version the caller's graph was traced with, or ``-1`` where the caller's graph guards it elsewhere
-    (each member's own call reads its stack's version, layers._compiled_group)."""
+    up to three layers that read the same ``x`` ((..., in)), their stack handles in order, in one shrink and one expand
+    launch (:mod:`peft_csgmv.kernels.group`). Returns one ``(..., N_g)`` fp32 delta per member, as :func:`lora_linear`
+    returns its ``delta``: each member's output is ``(its base product + delta)`` in the base product's dtype.
+    ``versions``: each stack's version the caller's graph was traced with, or ``-1`` where the caller's graph guards it
+    elsewhere (each member's own call reads its stack's version, layers._compiled_group)."""
     return _group_run(x, None, None, *args)
 
 
 def _lora_group_fake(x, permutation, seg_indptr, seg_slot, stacks, *args, **kwargs) -> list[torch.Tensor]:
-    return [x.new_empty((x.shape[0], stack_by_handle(h).out_features), dtype=torch.float32) for h in stacks]
+    lead = x.shape[:-1]
+    return [x.new_empty((*lead, stack_by_handle(h).out_features), dtype=torch.float32) for h in stacks]
 
 
 def _lora_group_linear(
@@ -287,8 +306,9 @@ def _lora_group_linear(
 
 
 def _lora_group_linear_fake(x, weights, biases, permutation, seg_indptr, seg_slot, stacks, *args, **kwargs):
-    ys = [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
-    return ys + [x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32) for w in weights]
+    lead = x.shape[:-1]
+    ys = [x.new_empty((*lead, w.shape[0])) for w in weights]
+    return ys + [x.new_empty((*lead, w.shape[0]), dtype=torch.float32) for w in weights]
 
 
 # Registered straight with the dispatcher (a ``torch.library.Library`` schema, one implementation for every device,
@@ -333,6 +353,7 @@ def _lora_linear_ahead(x, weight, bias, permutation, seg_indptr, seg_slot, stack
     if not triton:
         return
     s = _stack_at(stack, version)
+    x = _tokens(x)
     plan = _plan(permutation, seg_indptr, seg_slot, chunk, runs=False)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         delta, t = _linear_workspace(x, weight.shape[0], s, plan, fused)
