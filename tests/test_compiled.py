@@ -73,7 +73,7 @@ def test_static_cache_generate_matches_eager_without_recompiles(backend):
 def test_kernels_compiled_ahead_while_tracing(backend, layout, monkeypatch):
     """While the decode step is traced, each op variant the trace meets (its arguments' description) goes once to a
     worker thread, which runs the op over scratch arguments of that description without error (the Triton variants
-    then compiled before the graph runs; switched on for the CPU here, off by default there); the ops with a base
+    then compiled before the graph runs; switched on for the test's device, the CPU included); the ops with a base
     product (``beside``: every layer and group beside its base products) run their LoRA launches alone there, the base
     weights taken by shape; the graph's first real op call waits for the workers; the tokens are eager's."""
     from peft_csgmv import ops
@@ -82,7 +82,7 @@ def test_kernels_compiled_ahead_while_tracing(backend, layout, monkeypatch):
         monkeypatch.setenv("PEFT_CSGMV_BESIDE", "1")
         monkeypatch.setenv("PEFT_CSGMV_GROUPS", "beside")
     monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "1")  # (the suite turns it off: conftest.py)
-    monkeypatch.setattr(ops, "AHEAD_DEVICES", ("cpu",))
+    monkeypatch.setattr(ops, "AHEAD_DEVICES", (DEVICE.type,))
     monkeypatch.setattr(ops, "_ahead_seen", set())
     monkeypatch.setattr(ops, "_ahead_pool", None)
     events, errors = [], []
