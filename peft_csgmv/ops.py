@@ -95,14 +95,13 @@ def _lora(
     fused: bool = False,
 ) -> torch.Tensor:
     """``x``: (..., in) activations or (...) token ids (an embedding stack) of T tokens; ``y``: (..., out), the same
-    leading dimensions; ``permutation`` (T,),
-    ``seg_indptr`` (M + 1,), ``seg_slot`` (M,) int32: the plan (a :class:`~peft_csgmv.executor.StaticPlan`'s: base
-    rows in segments of slot ``-1``, then empty segments); ``embed_scale``: a scaled embedding's factor (0-dim fp32);
-    ``stack``: the layer's :class:`~peft_csgmv.slots.LoraStack` handle, whose tensors are read here (not graph inputs);
-    ``version``: the stack's version the caller's graph was traced with; ``chunk``: the plan's row tile; ``triton``:
-    the Triton kernels (else the torch reference, CPU); ``fused``: one launch for both products (the expand kernel
-    computes the A product itself; not for embeddings). Returns ``y`` plus the LoRA (``y`` untouched), contiguous, of
-    ``y``'s shape."""
+    leading dimensions; ``permutation`` (T,), ``seg_indptr`` (M + 1,), ``seg_slot`` (M,) int32: the plan (a
+    :class:`~peft_csgmv.executor.StaticPlan`'s: base rows in segments of slot ``-1``, then empty segments);
+    ``embed_scale``: a scaled embedding's factor (0-dim fp32); ``stack``: the layer's
+    :class:`~peft_csgmv.slots.LoraStack` handle, whose tensors are read here (not graph inputs); ``version``: the
+    stack's version the caller's graph was traced with; ``chunk``: the plan's row tile; ``triton``: the Triton kernels
+    (else the torch reference, CPU); ``fused``: one launch for both products (the expand kernel computes the A product
+    itself; not for embeddings). Returns ``y`` plus the LoRA (``y`` untouched), contiguous, of ``y``'s shape."""
     s = _stack_at(stack, version)
     a, b = s.a, s.b
     shape = y.shape
