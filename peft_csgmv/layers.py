@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import kernels, ops
-from .executor import _LIVE, Executor, PlanRun, executor_of, static_plan_attr
+from .executor import _LIVE, Executor, PlanRun, executor_of, static_plan_attr, use_triton
 from .slots import weights_device
 
 if TYPE_CHECKING:
@@ -198,12 +198,12 @@ def _compiled_plan(ex: Executor, stack: "LoraStack", x: torch.Tensor, rows: int,
     """``(static plan, triton, fused)`` of a layer inside compiled code (``x``: its input, (rows, ..., in) activations
     or (rows, ...) token ids): the shape's :class:`StaticPlan` (no Python runs here when the graph runs; its buffers
     hold the call's ids; the attribute that holds it is a constant of the graph, :func:`static_plan_attr`), whether the
-    Triton kernels run (on CUDA always: the torch reference reads the plan on the host; on CPU the backend's choice, as
-    :func:`use_triton` says), and whether in one fused launch. Written out, not delegated: dynamo traces it for every
+    Triton kernels run (on CUDA always: the torch reference reads the plan on the host; on CPU the backend's choice),
+    and whether in one fused launch. Written out, not delegated: dynamo traces it for every
     layer, at a millisecond or so per line."""
     num_tokens = x.numel() if stack.embedding else x.numel() // x.shape[-1]
     static = getattr(ex, static_plan_attr(ex.handle, ex.num_ids, rows, num_tokens // rows, str(device)))
-    triton = device.type == "cuda" or ex.backend == "triton"
+    triton = device.type == "cuda" or use_triton(ex.backend, device)
     fused = triton and ex.fused_decode and not stack.embedding and kernels.fused_fits(num_tokens, stack.in_features)
     return static, triton, fused
 
