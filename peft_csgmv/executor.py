@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .plan import BatchPlan, aligned_parts, aligned_tail, chunk_size_for
+from .slots import bump_routes
 
 if TYPE_CHECKING:
     from .slots import LoraStack
@@ -325,6 +326,7 @@ class Executor:
                 chunk[0].__dict__["_csgmv_siblings"] = (key, handles, bases)
                 for index, member in enumerate(chunk[1:], start=1):
                     member.__dict__["_csgmv_member"] = (key, index)
+                bump_routes()
 
     def forget_groups(self, layers) -> None:
         """A layer got a new stack (another handle), or a call failed while learning: the groups (of ``layers`` and
@@ -334,6 +336,7 @@ class Executor:
             layer.__dict__.pop("_csgmv_member", None)
         self._seen, self._seen_x, self._groups = [], None, []
         self.groups_learned = not self.groups_on
+        bump_routes()
 
     def check_groups(self) -> None:
         """Before a call (``PEFT_CSGMV_GROUPS=beside``, where leaders hold their members' base tensors): a member
@@ -372,6 +375,7 @@ class Executor:
         self.backend = backend
         self._triton.clear()
         self.clear_plans()
+        bump_routes()
 
     # -- eager plans ------------------------------------------------------------------------------------------------
 

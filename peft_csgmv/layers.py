@@ -17,15 +17,19 @@ modules only.
 
 from __future__ import annotations
 
+import itertools
+import math
 import types
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from . import kernels, ops
+from . import slots as _slots
 from .executor import _LIVE, Executor, PlanRun, executor_of, static_plan_attr, use_triton
-from .slots import weights_device
+from .slots import stack_by_handle, weights_device
 
 if TYPE_CHECKING:
     from .slots import LoraStack
@@ -119,6 +123,10 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         # PEFT's hooks may pass per-call variant arguments (aLoRA offsets computed for the *active* adapter when no
         # adapter_names reach PEFT): the call's own, computed from its ids, replace them.
         kwargs = {k: v for k, v in kwargs.items() if k not in VARIANT_KWARGS}
+    if torch.compiler.is_compiling() and not (args or kwargs or state["_csgmv_peft"]):
+        routed = _routed(self, state, ex, x)
+        if routed is not None:
+            return routed
     stack: LoraStack = state["_csgmv_stack"]
     embedding = stack.embedding
     if x.dim() < (1 if embedding else 2):
@@ -170,6 +178,108 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     y = result.view(-1, result.shape[-1])
     apply_lora(x2, y, stack, run, ex.triton_on(device), embed_scale=embed_scale, executor=ex)
     return result
+
+
+def _routed(layer: nn.Module, state: dict, ex: Executor, x: torch.Tensor) -> torch.Tensor | None:
+    """A kernel layer inside compiled code, on the path its :func:`compiled_route` chose when the graph was traced:
+    ``None`` where the route leaves the layer to the general path below (hooks, an embedding, groups beside their base
+    products, a member whose group's output is not there, ...). What the route read is guarded by one number,
+    :data:`~peft_csgmv.slots.ROUTE_EPOCH`; what it did not read is read here: the base layer's and the global hooks
+    (a user may add one at any time), the batch shape (``num_ids``, the input's shape and device)."""
+    base = layer._modules["base_layer"]
+    g = _module_globals
+    if (
+        base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or g._global_forward_pre_hooks
+        or g._global_forward_hooks or g._global_backward_hooks or g._global_backward_pre_hooks
+    ):  # fmt: skip
+        return None
+    route = compiled_route(
+        ex.handle, state["_csgmv_key"], _slots.ROUTE_EPOCH, ex.num_ids, tuple(x.shape), str(x.device)
+    )
+    if route is None:
+        return None
+    kind = route[0]
+    if kind == "member":
+        taken = ex.stash.pop(route[1], None)
+        if taken is None or taken[0] is not x or taken[1] != route[2]:
+            return None
+        _, _, delta, y = taken  # (y: the base product, where the group's op computed it beside the LoRA)
+        return (base.forward(x) if y is None else y).add_(delta)
+    static = getattr(ex, route[1])
+    plan = (static.permutation, static.seg_indptr, static.seg_slot)
+    if kind == "lora":
+        return ops.lora_overload(x, base.forward(x), *plan, None, *route[2:])
+    if kind == "beside":
+        # (the base product is the op's, not base.forward's: the graph guards that the base is still a plain Linear
+        # with the class's forward, as :func:`_beside` reads it; the other kinds call base.forward)
+        if type(base) is not nn.Linear or "forward" in base.__dict__:
+            return None
+        y, delta = ops.lora_linear_overload(x, base.weight, base.bias, *plan, *route[2:])
+        return y.add_(delta)
+    _, _, handles, versions, chunk, triton, key = route  # a sibling group's first member
+    deltas = ops.lora_group(x, *plan, list(handles), list(versions), chunk, triton)
+    for index, delta in enumerate(deltas[1:], start=1):
+        ex.stash[(key, index)] = (x, handles[index], delta, None)
+    return base.forward(x).add_(deltas[0])
+
+
+# Every patched kernel layer by its ``_csgmv_key`` (weakly): how :func:`compiled_route`, which takes constants only,
+# finds the layer it decides for.
+_KEYED: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+_keys = itertools.count()
+
+
+@torch._dynamo.assume_constant_result
+def compiled_route(ex_handle: int, key: int, epoch: int, n: int, shape: tuple, device: str) -> tuple | None:
+    """How compiled code runs kernel layer ``key`` on an input of ``shape`` on ``device`` (``n`` ids in the call):
+    decided when the graph is traced, outside it, from the layer's state; the answer is a constant of the graph, and
+    ``epoch`` (:data:`~peft_csgmv.slots.ROUTE_EPOCH`, which the graph guards) changes whenever that state does.
+    ``None``: the general path (:func:`_csgmv_forward`'s own, which reads and guards each fact itself). Else:
+
+    * ``("member", stash key, handle)``: a sibling group's later member, its delta left by the group's first;
+    * ``(kind, static plan attribute, *op arguments)``: ``"lora"`` (the LoRA after the base product),
+      ``"beside"`` (``peft_csgmv::lora_linear``), ``"group"`` (a group's first member: its handles, versions, chunk,
+      triton and the group's stash key).
+
+    The same choices as the general path: :func:`_compiled_group` (groups after their base products), :func:`_beside`
+    and :func:`_compiled_lora`, in that order."""
+    layer, ex = _KEYED.get(key), executor_of(ex_handle)
+    if layer is None:
+        return None
+    state, base = layer.__dict__, layer._modules.get("base_layer")
+    stack = state.get("_csgmv_stack")
+    dev = torch.device(device)
+    if stack is None or base is None or stack.embedding or stack.device != dev or len(shape) < 2:
+        return None
+    width = shape[-1]
+    num_tokens = math.prod(shape[:-1])
+    if stack.in_features != width or num_tokens % shape[0]:
+        return None
+    plain = type(base) is nn.Linear and "forward" not in base.__dict__ and stack.mag is None
+    small = num_tokens <= BESIDE_MAX_TOKENS
+
+    def op_args(s) -> tuple:
+        attr = static_plan_attr(ex_handle, n, shape[0], num_tokens // shape[0], device)
+        static = getattr(ex, attr)
+        triton = dev.type == "cuda" or use_triton(ex.backend, dev)
+        fused = triton and ex.fused_decode and kernels.fused_fits(num_tokens, s.in_features)
+        return attr, s.handle, s.version, static.chunk, triton, fused
+
+    if ex.groups_on:
+        groupable = plain and stack.lora_bias is None and small
+        member, group = state.get("_csgmv_member"), state.get("_csgmv_siblings")
+        if member is not None:
+            return ("member", member, stack.handle) if groupable else None
+        if group is not None:
+            if ex.groups_beside or not groupable:
+                return None
+            group_key, handles, _ = group
+            attr, handle, version, chunk, triton, _ = op_args(stack)
+            versions = (version, *(stack_by_handle(h).version for h in handles))
+            return ("group", attr, (handle, *handles), versions, chunk, triton, group_key)
+    if ex.beside_on(dev) and plain and small and base.weight.nbytes >= ex.beside_min_bytes:
+        return ("beside", *op_args(stack))
+    return ("lora", *op_args(stack))
 
 
 # Compiled code runs a plain Linear layer's LoRA beside its base product (ops.lora_linear) for inputs of at most this
@@ -375,6 +485,8 @@ def patch_layer(layer: nn.Module, stack: "LoraStack", executor: Executor) -> Non
     """Give a kernel layer the csgmv forward (see :func:`_patch`), and make its rescaling methods refresh the stack
     (instance attributes; :func:`unpatch_layer` undoes both)."""
     layer._csgmv_stack = stack
+    layer._csgmv_key = key = next(_keys)
+    _KEYED[key] = layer
     _patch(layer, _csgmv_forward, executor)
     for method in _RESCALING_METHODS:
         if hasattr(layer, method):
@@ -402,6 +514,7 @@ def unpatch_layer(layer: nn.Module) -> None:
         "_csgmv_peft",
         "_csgmv_siblings",
         "_csgmv_member",
+        "_csgmv_key",
         *_RESCALING_METHODS,
     ):
         layer.__dict__.pop(attr, None)

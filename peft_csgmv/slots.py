@@ -137,6 +137,19 @@ _handles = itertools.count()
 _STACKS: "weakref.WeakValueDictionary[int, LoraStack]" = weakref.WeakValueDictionary()
 
 
+# Compiled code decides each kernel layer's path once, when it is traced, from the layer's state (its stack's handle,
+# version and kind, its sibling group, its base layer's kind; layers.compiled_route), and guards this one number for
+# all of them in place of each fact it read: every change to such state (a stack's tensors or launch shape, groups
+# learned or forgotten, a backend switched) advances it, and graphs traced before then trace again.
+ROUTE_EPOCH = 0
+
+
+def bump_routes() -> None:
+    """Compiled graphs traced before now decide their layers' paths anew (see :data:`ROUTE_EPOCH`)."""
+    global ROUTE_EPOCH
+    ROUTE_EPOCH += 1
+
+
 def stack_by_handle(handle: int) -> "LoraStack":
     """The live stack with this :attr:`LoraStack.handle` (how the compiled path's op reaches a layer's stack)."""
     return _STACKS[handle]
@@ -164,6 +177,7 @@ class LoraStack:
     def _bump(self) -> None:
         """A compiled graph that read this stack is stale (see ``_TENSORS``)."""
         object.__setattr__(self, "version", self.__dict__.get("version", 0) + 1)
+        bump_routes()
 
     def __init__(
         self,

@@ -402,8 +402,9 @@ def test_compiled_step_checks_no_python_guard_per_layer(groups, monkeypatch):
     assert any(on_layers.search(g) for g in guards), "the patched layers' guards were not logged"
     python = [g for g in guards if "LAMBDA_GUARD" in g and (on_layers.search(g) or ".forward.__self__" in g)]
     assert not python, f"{len(python)} Python guards on patched modules, e.g. {python[0]}"
-    if groups != "off":
-        assert any("_csgmv_siblings" in g for g in guards), "no sibling group was traced"
+    if groups != "off":  # (groups after their base products: read by each layer's route, which the epoch guards)
+        read = "_csgmv_siblings" if groups == "beside" else "ROUTE_EPOCH"
+        assert any(read in g for g in guards), f"no guard on {read}: no sibling group was traced"
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -465,6 +466,50 @@ def test_compiled_model_follows_stack_changes(backend):
     model.to(DEVICE)
     check(["wide", "a0", None], "an adapter of a larger rank")
     assert _graphs() == 2
+
+
+def test_compiled_routes_and_the_epoch_that_guards_them():
+    """Compiled code decides each kernel layer's path once per trace (``layers.compiled_route``, run outside the graph):
+    a group's first member runs the group's op, a later member takes its part, a lone layer runs the LoRA after its
+    base product, an embedding takes the general path. The graph guards ``slots.ROUTE_EPOCH`` in place of what the
+    route read, so the epoch must advance with each such change: groups learned, a backend switched, a stack's launch
+    shape (an adapter of a larger rank)."""
+    from peft import LoraConfig
+
+    from peft_csgmv import layers, slots
+    from peft_csgmv.executor import executor_of
+
+    model = _model()
+    enable_csgmv(model, backend="torch")
+    attn = model.base_model.model.model.layers[0].self_attn
+    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    embed = model.base_model.model.model.embed_tokens
+    ex = executor_of(q._csgmv_exec)
+    input_ids, mask = make_batch(3, 5)
+
+    def route(layer, shape=(3, 1, 48)):
+        return layers.compiled_route(ex.handle, layer._csgmv_key, slots.ROUTE_EPOCH, 3, shape, str(DEVICE))
+
+    assert route(q)[0] == "lora", "before any eager call there are no groups"
+    epoch = slots.ROUTE_EPOCH
+    model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=ID_LISTS[0], max_new_tokens=1)
+    assert slots.ROUTE_EPOCH > epoch, "learning the groups did not advance the epoch"
+    lead, second, third = route(q), route(k), route(v)
+    assert lead[0] == "group" and lead[2] == tuple(m._csgmv_stack.handle for m in (q, k, v)), lead
+    assert lead[3] == tuple(m._csgmv_stack.version for m in (q, k, v)), lead
+    assert second == ("member", (lead[6], 1), k._csgmv_stack.handle) and third[:2] == ("member", (lead[6], 2))
+    assert route(o)[0] == "lora" and route(o)[2:4] == (o._csgmv_stack.handle, o._csgmv_stack.version)
+    assert route(embed, (3, 1)) is None, "an embedding takes the general path"
+    assert route(q, (3, 600, 48)) is None, "a prefill-sized input is no group member: the general path"
+    epoch = slots.ROUTE_EPOCH
+    ex.set_backend("torch")
+    assert slots.ROUTE_EPOCH > epoch, "a backend switch did not advance the epoch"
+    epoch, version = slots.ROUTE_EPOCH, q._csgmv_stack.version
+    model.add_adapter("wide", LoraConfig(r=16, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
+    model.to(DEVICE)
+    model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=["wide", "a0", None], max_new_tokens=1)
+    assert q._csgmv_stack.version > version and slots.ROUTE_EPOCH > epoch, "a new launch shape left the epoch"
+    assert route(q)[3][0] == q._csgmv_stack.version
 
 
 def test_compiled_fused_decode_one_launch_per_layer(monkeypatch):
