@@ -487,8 +487,10 @@ def test_compiled_routes_and_the_epoch_that_guards_them():
     ex = executor_of(q._csgmv_exec)
     input_ids, mask = make_batch(3, 5)
 
+    device = str(torch.empty(0, device=DEVICE).device)  # (as compiled code passes it: "cuda:0", not "cuda")
+
     def route(layer, shape=(3, 1, 48)):
-        return layers.compiled_route(ex.handle, layer._csgmv_key, slots.ROUTE_EPOCH, 3, shape, str(DEVICE))
+        return layers.compiled_route(ex.handle, layer._csgmv_key, slots.ROUTE_EPOCH, 3, shape, device)
 
     assert route(q)[0] == "lora", "before any eager call there are no groups"
     epoch = slots.ROUTE_EPOCH
