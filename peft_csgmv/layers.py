@@ -123,8 +123,15 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         # PEFT's hooks may pass per-call variant arguments (aLoRA offsets computed for the *active* adapter when no
         # adapter_names reach PEFT): the call's own, computed from its ids, replace them.
         kwargs = {k: v for k, v in kwargs.items() if k not in VARIANT_KWARGS}
-    if torch.compiler.is_compiling() and not (args or kwargs or state["_csgmv_peft"]):
-        routed = _routed(self, state, ex, x)
+    base = self._modules["base_layer"]
+    g = _module_globals  # (any global module hook: torch.nn.modules.module.register_module_forward_*_hook)
+    hooked = (
+        base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or g._global_forward_pre_hooks
+        or g._global_forward_hooks or g._global_backward_hooks or g._global_backward_pre_hooks
+    )  # fmt: skip
+    compiling = torch.compiler.is_compiling()
+    if compiling and not (hooked or args or kwargs or state["_csgmv_peft"]):
+        routed = _routed(state, ex, base, x)
         if routed is not None:
             return routed
     stack: LoraStack = state["_csgmv_stack"]
@@ -133,7 +140,6 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
     rows = x.shape[0]
     device = x.device
-    compiling = torch.compiler.is_compiling()
     if not compiling and not ex.groups_learned:  # (compiled code reads no flag: no guard)
         ex.observe(self, x)
     if stack.device != device and not _follow_weights(self, stack, ex, device):
@@ -149,12 +155,6 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         names = [n if n in peft_rows else "__base__" for n in call.names_for(rows)]
         result = self._csgmv_orig_forward(x, *args, adapter_names=names, **call.variant_kwargs(), **kwargs)
     else:
-        base = self._modules["base_layer"]
-        g = _module_globals  # (any global module hook: torch.nn.modules.module.register_module_forward_*_hook)
-        hooked = (
-            base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or g._global_forward_pre_hooks
-            or g._global_forward_hooks or g._global_backward_hooks or g._global_backward_pre_hooks
-        )  # fmt: skip
         if compiling and not (hooked or args or kwargs):
             if ex.groups_on:  # (off: the layer's dict is not read for groups, so no guard on it)
                 grouped = _compiled_group(self, ex, stack, base, x, rows, device)
@@ -180,19 +180,13 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     return result
 
 
-def _routed(layer: nn.Module, state: dict, ex: Executor, x: torch.Tensor) -> torch.Tensor | None:
-    """A kernel layer inside compiled code, on the path its :func:`compiled_route` chose when the graph was traced:
-    ``None`` where the route leaves the layer to the general path below (hooks, an embedding, groups beside their base
+def _routed(state: dict, ex: Executor, base: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """A kernel layer (its instance dict ``state``, its ``base`` layer, which has no hooks: the caller checked, as it
+    checked the global module hooks) inside compiled code, on the path its :func:`compiled_route` chose when the graph
+    was traced: ``None`` where the route leaves the layer to the general path (an embedding, groups beside their base
     products, a member whose group's output is not there, ...). What the route read is guarded by one number,
-    :data:`~peft_csgmv.slots.ROUTE_EPOCH`; what it did not read is read here: the base layer's and the global hooks
-    (a user may add one at any time), the batch shape (``num_ids``, the input's shape and device)."""
-    base = layer._modules["base_layer"]
-    g = _module_globals
-    if (
-        base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or g._global_forward_pre_hooks
-        or g._global_forward_hooks or g._global_backward_hooks or g._global_backward_pre_hooks
-    ):  # fmt: skip
-        return None
+    :data:`~peft_csgmv.slots.ROUTE_EPOCH`; what it did not read is read by the caller or here: the hooks (a user may
+    add one at any time), the batch shape (``num_ids``, the input's shape and device)."""
     route = compiled_route(
         ex.handle, state["_csgmv_key"], _slots.ROUTE_EPOCH, ex.num_ids, tuple(x.shape), str(x.device)
     )
@@ -259,11 +253,8 @@ def compiled_route(ex_handle: int, key: int, epoch: int, n: int, shape: tuple, d
     small = num_tokens <= BESIDE_MAX_TOKENS
 
     def op_args(s) -> tuple:
-        attr = static_plan_attr(ex_handle, n, shape[0], num_tokens // shape[0], device)
-        static = getattr(ex, attr)
-        triton = dev.type == "cuda" or use_triton(ex.backend, dev)
-        fused = triton and ex.fused_decode and kernels.fused_fits(num_tokens, s.in_features)
-        return attr, s.handle, s.version, static.chunk, triton, fused
+        attr, triton, fused = compiled_launch(ex_handle, epoch, n, shape[0], num_tokens // shape[0], device, s.handle)
+        return attr, s.handle, s.version, getattr(ex, attr).chunk, triton, fused
 
     if ex.groups_on:
         groupable = plain and stack.lora_bias is None and small
@@ -307,15 +298,29 @@ def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor, min_bytes: int
 def _compiled_plan(ex: Executor, stack: "LoraStack", x: torch.Tensor, rows: int, device):
     """``(static plan, triton, fused)`` of a layer inside compiled code (``x``: its input, (rows, ..., in) activations
     or (rows, ...) token ids): the shape's :class:`StaticPlan` (no Python runs here when the graph runs; its buffers
-    hold the call's ids; the attribute that holds it is a constant of the graph, :func:`static_plan_attr`), whether the
-    Triton kernels run (on CUDA always: the torch reference reads the plan on the host; on CPU the backend's choice),
-    and whether in one fused launch. Written out, not delegated: dynamo traces it for every
-    layer, at a millisecond or so per line."""
+    hold the call's ids) and the launch choice, both decided once when the graph is traced (:func:`compiled_launch`)."""
     num_tokens = x.numel() if stack.embedding else x.numel() // x.shape[-1]
-    static = getattr(ex, static_plan_attr(ex.handle, ex.num_ids, rows, num_tokens // rows, str(device)))
-    triton = device.type == "cuda" or use_triton(ex.backend, device)
-    fused = triton and ex.fused_decode and not stack.embedding and kernels.fused_fits(num_tokens, stack.in_features)
-    return static, triton, fused
+    attr, triton, fused = compiled_launch(
+        ex.handle, _slots.ROUTE_EPOCH, ex.num_ids, rows, num_tokens // rows, str(device), stack.handle
+    )
+    return getattr(ex, attr), triton, fused
+
+
+@torch._dynamo.assume_constant_result
+def compiled_launch(ex_handle: int, epoch: int, n: int, rows: int, tokens_per_row: int, device: str, stack: int):
+    """How compiled code launches the LoRA of stack handle ``stack`` for ``rows`` × ``tokens_per_row`` tokens on
+    ``device`` (``n`` ids in the call): ``(static plan attribute, triton, fused)``. The attribute holding the shape's
+    :class:`~peft_csgmv.executor.StaticPlan` (:func:`static_plan_attr`); whether the Triton kernels run (on CUDA
+    always: the torch reference reads the plan on the host; on the CPU the backend's choice); whether in one fused
+    launch (:attr:`Executor.fused_decode`, a shape that fits). Decided when the graph is traced, outside it: a
+    constant of the graph, which guards its arguments (``epoch``, :data:`~peft_csgmv.slots.ROUTE_EPOCH`, advances on
+    a backend switch) in place of the executor's attributes. One choice for :func:`_compiled_plan` (the general path)
+    and :func:`compiled_route`."""
+    ex, s, dev = executor_of(ex_handle), stack_by_handle(stack), torch.device(device)
+    attr = static_plan_attr(ex_handle, n, rows, tokens_per_row, device)
+    triton = dev.type == "cuda" or use_triton(ex.backend, dev)
+    fused = triton and ex.fused_decode and not s.embedding and kernels.fused_fits(rows * tokens_per_row, s.in_features)
+    return attr, triton, fused
 
 
 def _compiled_lora(ex: Executor, stack: "LoraStack", x, result, rows: int, device, embed_scale) -> torch.Tensor:
