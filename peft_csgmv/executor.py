@@ -90,12 +90,13 @@ class PlanRun:
     """A plan in use: the plan (plain data), its shrink workspaces, and each layer's launches bound to it (a
     :class:`~peft_csgmv.kernels.BoundLayer`, or a marker: used once / cannot bind)."""
 
-    __slots__ = ("plan", "workspaces", "bound")
+    __slots__ = ("plan", "workspaces", "bound", "ahead")
 
     def __init__(self, plan: BatchPlan) -> None:
         self.plan = plan
         self.workspaces: dict = {}
         self.bound: dict = {}
+        self.ahead = False  # its kernel variants handed to :func:`~peft_csgmv.layers.compile_ahead_eager` already
 
     def workspace(self, width: int, planes: int = 1) -> torch.Tensor:
         """A ``(num_tokens, width)`` fp32 buffer for the shrink output (``(planes, num_tokens, width)`` for split-K
@@ -140,6 +141,7 @@ class StaticPlan:
         self.permutation = self.buf[:t]
         self.seg_indptr = self.buf[indptr_at : indptr_at + s + 1]
         self.seg_slot = self.buf[slot_at:]
+        self.plan = (self.permutation, self.seg_indptr, self.seg_slot)  # (as the ops take them)
 
     def fill(self, row_slots: tuple[int, ...]) -> None:
         repeat = self.rows // self.n
@@ -196,6 +198,7 @@ class Executor:
         self.active = False  # a csgmv call is in progress (compiled code reads this: a guard with two values)
         self.num_ids = 0  # ids of the call in progress (compiled code reads this: a guard per batch shape)
         self.direct_launch = True  # the kernels' lean launch path; off for good once a Triton rejects it
+        self.ahead_stacks: dict = {}  # device -> (route epoch, a stack per kind of launch): layers._kernel_stacks
         # Compiled decode in one launch per layer (the expand computes the A product itself, kernels.fused_fits);
         # a developer switch until it is measured on the GPU: PEFT_CSGMV_FUSED_DECODE=1 when the model is enabled.
         self.fused_decode = os.environ.get("PEFT_CSGMV_FUSED_DECODE", "0") == "1"

@@ -17,8 +17,13 @@ modules only.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import contextvars
+import dataclasses
 import itertools
 import math
+import os
 import types
 import weakref
 from typing import TYPE_CHECKING
@@ -29,6 +34,8 @@ from torch import nn
 from . import kernels, ops
 from . import slots as _slots
 from .executor import _LIVE, Executor, PlanRun, executor_of, static_plan_attr, use_triton
+from .kernels.launch import _interpreting
+from .plan import BatchPlan, aligned_parts
 from .slots import stack_by_handle, weights_device
 
 if TYPE_CHECKING:
@@ -102,6 +109,123 @@ def apply_lora(
 _module_globals = nn.modules.module
 
 
+# Eager calls compile each Triton kernel variant at its first launch, layer after layer on the main thread (~0.3-0.6 s
+# each on an H200's host with empty caches; a 1B layout's first prefill needs 3). The first activation layer of each
+# new plan hands them all to worker threads at once instead, which compile them side by side (Triton's compiles
+# partly leave the interpreter lock) while the main thread waits: each job runs a kernel once over a plan of the same
+# shape whose segments are all empty (every program exits at once) and scratch tensors like the layers' own. CUDA only
+# (ops.AHEAD_DEVICES); ``PEFT_CSGMV_COMPILE_AHEAD=0`` turns it off; never while a CUDA graph is being captured.
+_EAGER_SEEN: set = set()
+_eager_pool: "concurrent.futures.ThreadPoolExecutor | None" = None
+EAGER_AHEAD_THREADS = 4
+
+
+def compile_ahead_eager(ex: Executor, plan: BatchPlan, x: torch.Tensor) -> None:
+    """Compile the kernel variants plan ``plan`` launches with activations like ``x`` ((T, in)) in the executor's
+    kernel layers on ``x``'s device, side by side on worker threads, and wait for them (see above). Jobs are told apart
+    by what picks a variant (the plan's row tile and segment count; the input width and launch shape for the shrink;
+    the split count, launch shape and extras for the expand), each description once per process."""
+    global _eager_pool
+    device = x.device
+    if (
+        device.type not in ops.AHEAD_DEVICES
+        or os.environ.get("PEFT_CSGMV_COMPILE_AHEAD", "") == "0"
+        or device.type == "cuda"
+        and torch.cuda.is_current_stream_capturing()
+    ):
+        return
+    shape = (plan.chunk_size, plan.num_segments, plan.num_tokens % 16, x.dtype, device)
+    jobs, empty = [], None
+    for stack in _kernel_stacks(ex, device):
+        a, b = stack.a, stack.b  # (the stack's launch views, brought up to date here, on the main thread)
+        splits = kernels.shrink_splits(plan, stack.in_features)
+        extras = (stack.mag is not None, stack.lora_bias is not None, stack.out_features % 16)
+        for key in (
+            ("shrink", shape, stack.dtype, stack.launch_shape, stack.in_features),
+            ("expand", shape, stack.dtype, stack.launch_shape, splits, extras),
+        ):
+            if key not in _EAGER_SEEN:
+                _EAGER_SEEN.add(key)
+                empty = empty or _empty_plan(plan)
+                jobs.append((key[0], stack, a, b, splits))
+    if not jobs:
+        return
+    if _eager_pool is None:
+        # (Triton's CPU interpreter keeps its state in globals: one thread there)
+        workers = 1 if _interpreting() else EAGER_AHEAD_THREADS
+        _eager_pool = concurrent.futures.ThreadPoolExecutor(workers, "peft_csgmv_eager_ahead")
+    futures = [
+        _eager_pool.submit(contextvars.copy_context().run, _run_eager_job, kind, stack, a, b, splits, empty, x)
+        for kind, stack, a, b, splits in jobs
+    ]
+    for future in futures:
+        future.result()
+
+
+def _kernel_stacks(ex: Executor, device: torch.device) -> list:
+    """One activation stack of the executor's layers on ``device`` per kind of launch (dtype, launch shape, widths,
+    extras), found again whenever the routes' epoch moved (any stack changed)."""
+    held = ex.ahead_stacks.get(device)
+    if held is None or held[0] != _slots.ROUTE_EPOCH:
+        kinds = {}
+        for layer in list(_KEYED.values()):
+            state = layer.__dict__
+            stack = state.get("_csgmv_stack")
+            if state.get("_csgmv_exec") == ex.handle and stack is not None and not stack.embedding:
+                if stack.device == device:
+                    kind = (stack.dtype, stack.launch_shape, stack.in_features, stack.out_features, stack.mag is None,
+                            stack.lora_bias is None)  # fmt: skip
+                    kinds.setdefault(kind, stack)
+        held = ex.ahead_stacks[device] = (_slots.ROUTE_EPOCH, list(kinds.values()))
+    return held[1]
+
+
+def _forget_eager_pool() -> None:
+    """In a forked child: the parent's worker threads do not exist there."""
+    global _eager_pool
+    _eager_pool = None
+
+
+os.register_at_fork(after_in_child=_forget_eager_pool)
+
+
+def _run_eager_job(*args) -> None:
+    """On a worker thread: :func:`_eager_job`, whose failure only means the layer's own launch compiles the variant."""
+    try:
+        _eager_job(*args)
+    except Exception:
+        pass
+
+
+def _eager_job(kind: str, stack: "LoraStack", a, b, splits: int, plan: BatchPlan, x: torch.Tensor) -> None:
+    """One kernel (``kind``: ``"shrink"`` or ``"expand"``) of ``stack`` launched once over ``plan`` (every segment
+    empty) and scratch tensors laid out as the layer's own (rows of ``x``'s width and dtype; the shrink's fp32 output
+    in ``splits`` planes)."""
+    num_tokens, device = plan.num_tokens, x.device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.no_grad():
+        if kind == "shrink":
+            xs = torch.empty((1, stack.in_features), dtype=x.dtype, device=device).expand(num_tokens, -1)
+            kernels.shrink(xs, a, stack.ranks, plan)
+            return
+        r = stack.r_max
+        t = torch.empty((num_tokens, r) if splits == 1 else (splits, num_tokens, r), dtype=torch.float32, device=device)
+        y = torch.empty((1, stack.out_features), dtype=x.dtype, device=device).expand(num_tokens, -1)
+        kernels.expand(t, b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
+
+
+def _empty_plan(plan: BatchPlan) -> BatchPlan:
+    """A plan of ``plan``'s shape (tokens, row tile, segment count, index layout) whose segments are all empty."""
+    indptr_at, slot_at, length = aligned_parts(plan.num_tokens, plan.num_segments)
+    buf = torch.zeros(length, dtype=torch.int32, device=plan.permutation.device)
+    return dataclasses.replace(
+        plan,
+        permutation=buf[: plan.num_tokens],
+        seg_indptr=buf[indptr_at : indptr_at + plan.num_segments + 1],
+        seg_slot=buf[slot_at:],
+        runs=(),
+    )
+
+
 def _embed_scale(layer: nn.Module) -> torch.Tensor | None:
     """A scaled embedding's factor (Gemma), read per call as PEFT reads it, in fp32; ``None`` for a plain one."""
     scale = layer._get_embed_scale() if hasattr(layer, "_get_embed_scale") else None
@@ -123,17 +247,36 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         # PEFT's hooks may pass per-call variant arguments (aLoRA offsets computed for the *active* adapter when no
         # adapter_names reach PEFT): the call's own, computed from its ids, replace them.
         kwargs = {k: v for k, v in kwargs.items() if k not in VARIANT_KWARGS}
+    compiling = torch.compiler.is_compiling()
+    if compiling and not (args or kwargs):
+        # Compiled code: the path :func:`compiled_route` chose for this layer when the graph was traced, written out
+        # here (dynamo steps through every line of it for each layer of the model: each line, each call, costs the
+        # trace ~0.1-0.2 ms). ``None``: the general path below.
+        route = compiled_route(state["_csgmv_key"], _slots.ROUTE_EPOCH, ex.num_ids, x.shape, x.device)
+        if route is not None:
+            kind, base = route[0], self._modules["base_layer"]
+            if kind == "member":  # a sibling group's later member: its delta from the group's first
+                taken = ex.stash.pop(route[1], None)
+                if taken is not None and taken[0] is x and taken[1] == route[2]:
+                    # (taken[3]: the base product, where the group's op computed it beside the LoRA)
+                    return (base.forward(x) if taken[3] is None else taken[3]).add_(taken[2])
+            elif kind == "lora":
+                return ops.lora_overload(x, base.forward(x), *getattr(ex, route[1]).plan, None, *route[2:])
+            elif kind == "beside":  # (the base product is the op's: the route saw a plain Linear, no hooks)
+                y, delta = ops.lora_linear_overload(x, base.weight, base.bias, *getattr(ex, route[1]).plan, *route[2:])
+                return y.add_(delta)
+            else:  # a sibling group's first member: the group's op, the others' deltas left for them
+                _, attr, handles, versions, chunk, triton, keys = route
+                deltas = ops.lora_group(x, *getattr(ex, attr).plan, list(handles), list(versions), chunk, triton)
+                for i in range(1, len(deltas)):
+                    ex.stash[keys[i]] = (x, handles[i], deltas[i], None)
+                return base.forward(x).add_(deltas[0])
     base = self._modules["base_layer"]
     g = _module_globals  # (any global module hook: torch.nn.modules.module.register_module_forward_*_hook)
     hooked = (
         base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or g._global_forward_pre_hooks
         or g._global_forward_hooks or g._global_backward_hooks or g._global_backward_pre_hooks
     )  # fmt: skip
-    compiling = torch.compiler.is_compiling()
-    if compiling and not (hooked or args or kwargs or state["_csgmv_peft"]):
-        routed = _routed(state, ex, base, x)
-        if routed is not None:
-            return routed
     stack: LoraStack = state["_csgmv_stack"]
     embedding = stack.embedding
     if x.dim() < (1 if embedding else 2):
@@ -173,48 +316,15 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     run = ex.plan_run(rows, x2.shape[0] // rows, device)
     if run.plan.is_empty:
         return result
+    if not run.ahead and not embedding:  # (the first activation layer of a new plan: once per plan)
+        run.ahead = True
+        if ex.triton_on(device):
+            compile_ahead_eager(ex, run.plan, x2)
     if not result.is_contiguous():
         result = result.contiguous()
     y = result.view(-1, result.shape[-1])
     apply_lora(x2, y, stack, run, ex.triton_on(device), embed_scale=embed_scale, executor=ex)
     return result
-
-
-def _routed(state: dict, ex: Executor, base: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """A kernel layer (its instance dict ``state``, its ``base`` layer, which has no hooks: the caller checked, as it
-    checked the global module hooks) inside compiled code, on the path its :func:`compiled_route` chose when the graph
-    was traced: ``None`` where the route leaves the layer to the general path (an embedding, groups beside their base
-    products, a member whose group's output is not there, ...). What the route read is guarded by one number,
-    :data:`~peft_csgmv.slots.ROUTE_EPOCH`; what it did not read is read by the caller or here: the hooks (a user may
-    add one at any time), the batch shape (``num_ids``, the input's shape and device)."""
-    route = compiled_route(
-        ex.handle, state["_csgmv_key"], _slots.ROUTE_EPOCH, ex.num_ids, tuple(x.shape), str(x.device)
-    )
-    if route is None:
-        return None
-    kind = route[0]
-    if kind == "member":
-        taken = ex.stash.pop(route[1], None)
-        if taken is None or taken[0] is not x or taken[1] != route[2]:
-            return None
-        _, _, delta, y = taken  # (y: the base product, where the group's op computed it beside the LoRA)
-        return (base.forward(x) if y is None else y).add_(delta)
-    static = getattr(ex, route[1])
-    plan = (static.permutation, static.seg_indptr, static.seg_slot)
-    if kind == "lora":
-        return ops.lora_overload(x, base.forward(x), *plan, None, *route[2:])
-    if kind == "beside":
-        # (the base product is the op's, not base.forward's: the graph guards that the base is still a plain Linear
-        # with the class's forward, as :func:`_beside` reads it; the other kinds call base.forward)
-        if type(base) is not nn.Linear or "forward" in base.__dict__:
-            return None
-        y, delta = ops.lora_linear_overload(x, base.weight, base.bias, *plan, *route[2:])
-        return y.add_(delta)
-    _, _, handles, versions, chunk, triton, key = route  # a sibling group's first member
-    deltas = ops.lora_group(x, *plan, list(handles), list(versions), chunk, triton)
-    for index, delta in enumerate(deltas[1:], start=1):
-        ex.stash[(key, index)] = (x, handles[index], delta, None)
-    return base.forward(x).add_(deltas[0])
 
 
 # Every patched kernel layer by its ``_csgmv_key`` (weakly): how :func:`compiled_route`, which takes constants only,
@@ -224,26 +334,37 @@ _keys = itertools.count()
 
 
 @torch._dynamo.assume_constant_result
-def compiled_route(ex_handle: int, key: int, epoch: int, n: int, shape: tuple, device: str) -> tuple | None:
+def compiled_route(key: int, epoch: int, n: int, shape: torch.Size, device: torch.device) -> tuple | None:
     """How compiled code runs kernel layer ``key`` on an input of ``shape`` on ``device`` (``n`` ids in the call):
     decided when the graph is traced, outside it, from the layer's state; the answer is a constant of the graph, and
-    ``epoch`` (:data:`~peft_csgmv.slots.ROUTE_EPOCH`, which the graph guards) changes whenever that state does.
+    ``epoch`` (:data:`~peft_csgmv.slots.ROUTE_EPOCH`, which the graph guards) changes whenever that state does: its
+    stack (a new version), its sibling group, the executor's backend, the adapters PEFT's own path serves in it.
     ``None``: the general path (:func:`_csgmv_forward`'s own, which reads and guards each fact itself). Else:
 
     * ``("member", stash key, handle)``: a sibling group's later member, its delta left by the group's first;
     * ``(kind, static plan attribute, *op arguments)``: ``"lora"`` (the LoRA after the base product),
       ``"beside"`` (``peft_csgmv::lora_linear``), ``"group"`` (a group's first member: its handles, versions, chunk,
-      triton and the group's stash key).
+      triton and the members' stash keys).
 
     The same choices as the general path: :func:`_compiled_group` (groups after their base products), :func:`_beside`
-    and :func:`_compiled_lora`, in that order."""
-    layer, ex = _KEYED.get(key), executor_of(ex_handle)
-    if layer is None:
+    and :func:`_compiled_lora`, in that order. The base layer's hooks (and the global module hooks) are read here, as
+    torch.compile reads a module's own: hooks present when the graph is traced run in it (the general path, which
+    calls the base layer as a module); hooks added later are not seen by that graph, as torch.compile does not see
+    them for any module (``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default; off, the general path
+    reads and guards them). Likewise a forward set on the base layer's instance (accelerate's hooks)."""
+    layer = _KEYED.get(key)
+    if layer is None or not torch._dynamo.config.skip_nnmodule_hook_guards:
         return None
     state, base = layer.__dict__, layer._modules.get("base_layer")
-    stack = state.get("_csgmv_stack")
-    dev = torch.device(device)
-    if stack is None or base is None or stack.embedding or stack.device != dev or len(shape) < 2:
+    stack, ex = state.get("_csgmv_stack"), executor_of(state["_csgmv_exec"])
+    if stack is None or base is None or stack.embedding or stack.device != device or len(shape) < 2:
+        return None
+    g = _module_globals
+    if (
+        state.get("_csgmv_peft") or base._forward_pre_hooks or base._forward_hooks or base._backward_hooks
+        or g._global_forward_pre_hooks or g._global_forward_hooks or g._global_backward_hooks
+        or g._global_backward_pre_hooks
+    ):  # fmt: skip
         return None
     width = shape[-1]
     num_tokens = math.prod(shape[:-1])
@@ -251,9 +372,10 @@ def compiled_route(ex_handle: int, key: int, epoch: int, n: int, shape: tuple, d
         return None
     plain = type(base) is nn.Linear and "forward" not in base.__dict__ and stack.mag is None
     small = num_tokens <= BESIDE_MAX_TOKENS
+    where = str(device)
 
     def op_args(s) -> tuple:
-        attr, triton, fused = compiled_launch(ex_handle, epoch, n, shape[0], num_tokens // shape[0], device, s.handle)
+        attr, triton, fused = compiled_launch(ex.handle, epoch, n, shape[0], num_tokens // shape[0], where, s.handle)
         return attr, s.handle, s.version, getattr(ex, attr).chunk, triton, fused
 
     if ex.groups_on:
@@ -267,8 +389,9 @@ def compiled_route(ex_handle: int, key: int, epoch: int, n: int, shape: tuple, d
             group_key, handles, _ = group
             attr, handle, version, chunk, triton, _ = op_args(stack)
             versions = (version, *(stack_by_handle(h).version for h in handles))
-            return ("group", attr, (handle, *handles), versions, chunk, triton, group_key)
-    if ex.beside_on(dev) and plain and small and base.weight.nbytes >= ex.beside_min_bytes:
+            keys = tuple((group_key, i) for i in range(len(handles) + 1))
+            return ("group", attr, (handle, *handles), versions, chunk, triton, keys)
+    if ex.beside_on(device) and plain and small and base.weight.nbytes >= ex.beside_min_bytes:
         return ("beside", *op_args(stack))
     return ("lora", *op_args(stack))
 

@@ -34,7 +34,16 @@ from transformers import GenerationConfig
 from ._compat import deferred_stop_check
 from .executor import CallContext, Executor
 from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer, unpatched_type
-from .slots import LoraStack, SlotRegistry, layer_adapter, layer_adapters, module_param, vacate, weights_device
+from .slots import (
+    LoraStack,
+    SlotRegistry,
+    layer_adapter,
+    layer_adapters,
+    module_param,
+    set_peft_rows,
+    vacate,
+    weights_device,
+)
 from .static_cache import KeptStaticCache
 from .tier import HostTier, host_copies_done, move_adapter, no_gc_pauses
 
@@ -347,7 +356,7 @@ class CsgmvState:
         if force:
             stack.compact()
         stack.refresh()
-        layer._csgmv_peft = frozenset(peft_rows)
+        set_peft_rows(layer, peft_rows)
 
     def stack_dtype(self, layer: nn.Module) -> torch.dtype:
         """The dtype of a layer's stack: ``enable_csgmv``'s ``dtype`` where given, else the adapters' own (PEFT's
@@ -462,7 +471,7 @@ class CsgmvState:
             vacate(slot, [layer._csgmv_stack for layer in layers])
             for layer in layers:
                 if name in layer._csgmv_peft:
-                    layer._csgmv_peft = layer._csgmv_peft - {name}
+                    set_peft_rows(layer, layer._csgmv_peft - {name})
             self.registry.remove(name)
             tier.lru.pop(name, None)
         for layer in layers:

@@ -150,6 +150,15 @@ def bump_routes() -> None:
     ROUTE_EPOCH += 1
 
 
+def set_peft_rows(layer: nn.Module, names) -> None:
+    """The adapters PEFT's own path serves in kernel layer ``layer`` (``_csgmv_peft``), which compiled code's routes
+    read: a change advances :data:`ROUTE_EPOCH`."""
+    names = frozenset(names)
+    if layer.__dict__.get("_csgmv_peft") != names:
+        layer._csgmv_peft = names
+        bump_routes()
+
+
 def stack_by_handle(handle: int) -> "LoraStack":
     """The live stack with this :attr:`LoraStack.handle` (how the compiled path's op reaches a layer's stack)."""
     return _STACKS[handle]

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .slots import DevicePages, HostArena, LoraStack, PagePart, layer_adapter, module_param, vacate
+from .slots import DevicePages, HostArena, LoraStack, PagePart, layer_adapter, module_param, set_peft_rows, vacate
 
 
 @dataclass
@@ -198,7 +198,7 @@ class HostTier:
         for layer, stack, bias in placement.dora:
             stack.set_extras(slot, dora_scale(layer, name), bias)
         for layer in placement.peft_layers:
-            layer._csgmv_peft = layer._csgmv_peft | {name}
+            set_peft_rows(layer, layer._csgmv_peft | {name})
             if layer.use_dora.get(name, False):
                 dora_refused.add(name)
 
@@ -209,7 +209,7 @@ class HostTier:
         self.park(name, slot)
         vacate(slot, [part.stack for part in placement.all_parts()])
         for layer in placement.peft_layers:
-            layer._csgmv_peft = layer._csgmv_peft - {name}
+            set_peft_rows(layer, layer._csgmv_peft - {name})
 
 
 def _gather(region: torch.Tensor, params: list[torch.Tensor], views: list[torch.Tensor]) -> None:

@@ -68,6 +68,58 @@ def test_static_cache_generate_matches_eager_without_recompiles(backend):
     assert not torch.equal(outs[0], outs[1]), "the id lists generate the same tokens: the test proves nothing"
 
 
+def test_eager_first_call_compiles_its_kernel_variants_ahead(monkeypatch):
+    """An eager call's first activation layer of each new plan hands the kernel variants the plan launches to worker
+    threads before any of its layers launches (one shrink per input width, one expand per split count and output
+    kind): each job runs its kernel, without error and off the main thread, over a plan of the real one's shape
+    (tokens, segment count) whose segments are all empty; each description goes once per process (a second call of
+    the same shape hands none out); the logits are stock PEFT's."""
+    from peft_csgmv import layers, ops
+
+    monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "1")  # (the suite turns it off: conftest.py)
+    monkeypatch.setattr(ops, "AHEAD_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(layers, "_EAGER_SEEN", set())
+    monkeypatch.setattr(layers, "_eager_pool", None)
+    jobs, errors = [], []
+    job = layers._eager_job
+
+    def recorded(kind, stack, a, b, splits, plan, x):
+        empty = int(plan.seg_indptr.count_nonzero()) == 0 and plan.num_segments > 0
+        jobs.append((kind, stack.in_features, plan.num_segments, empty, threading.current_thread()))
+        try:
+            job(kind, stack, a, b, splits, plan, x)
+        except Exception as e:  # (the library's runner swallows errors: the test records them)
+            errors.append(e)
+            raise
+
+    monkeypatch.setattr(layers, "_eager_job", recorded)
+    model = _model()
+    input_ids, mask = make_batch(3, 5)
+    names, ids = ["a0", BASE, "a1"], ["a0", None, "a1"]
+    outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="triton")
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=mask, adapter_ids=ids).logits
+    close(got, stitch(outs, names), "eager, its kernels compiled ahead")
+    assert not errors, errors
+    widths = {
+        m._csgmv_stack.in_features
+        for m in model.modules()
+        if hasattr(m, "_csgmv_stack") and not m._csgmv_stack.embedding
+    }
+    shrinks = [j for j in jobs if j[0] == "shrink"]
+    assert sorted(j[1] for j in shrinks) == sorted(widths), jobs
+    assert any(j[0] == "expand" for j in jobs), jobs
+    assert all(j[3] for j in jobs), "a job ran over a plan with tokens in its segments"
+    assert all(j[4] is not threading.main_thread() for j in jobs), "a job ran on the main thread"
+    assert len({j[2] for j in jobs}) == 1, "one plan, one segment count"
+    handed = len(jobs)
+    with torch.no_grad():
+        again = model(input_ids, attention_mask=mask, adapter_ids=ids).logits
+    assert len(jobs) == handed, "the same shape handed its variants out again"
+    assert torch.equal(again, got)
+
+
 @pytest.mark.parametrize("layout", ["default", "beside"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernels_compiled_ahead_while_tracing(backend, layout, monkeypatch):
@@ -473,7 +525,8 @@ def test_compiled_routes_and_the_epoch_that_guards_them():
     a group's first member runs the group's op, a later member takes its part, a lone layer runs the LoRA after its
     base product, an embedding takes the general path. The graph guards ``slots.ROUTE_EPOCH`` in place of what the
     route read, so the epoch must advance with each such change: groups learned, a backend switched, a stack's launch
-    shape (an adapter of a larger rank)."""
+    shape (an adapter of a larger rank), the adapters PEFT's path serves in a layer. Hooks are read by the route,
+    unguarded, as torch.compile reads a module's own."""
     from peft import LoraConfig
 
     from peft_csgmv import layers, slots
@@ -487,10 +540,10 @@ def test_compiled_routes_and_the_epoch_that_guards_them():
     ex = executor_of(q._csgmv_exec)
     input_ids, mask = make_batch(3, 5)
 
-    device = str(torch.empty(0, device=DEVICE).device)  # (as compiled code passes it: "cuda:0", not "cuda")
+    device = torch.empty(0, device=DEVICE).device  # (as compiled code passes it: "cuda:0", not "cuda")
 
     def route(layer, shape=(3, 1, 48)):
-        return layers.compiled_route(ex.handle, layer._csgmv_key, slots.ROUTE_EPOCH, 3, shape, device)
+        return layers.compiled_route(layer._csgmv_key, slots.ROUTE_EPOCH, 3, torch.Size(shape), device)
 
     assert route(q)[0] == "lora", "before any eager call there are no groups"
     epoch = slots.ROUTE_EPOCH
@@ -499,10 +552,29 @@ def test_compiled_routes_and_the_epoch_that_guards_them():
     lead, second, third = route(q), route(k), route(v)
     assert lead[0] == "group" and lead[2] == tuple(m._csgmv_stack.handle for m in (q, k, v)), lead
     assert lead[3] == tuple(m._csgmv_stack.version for m in (q, k, v)), lead
-    assert second == ("member", (lead[6], 1), k._csgmv_stack.handle) and third[:2] == ("member", (lead[6], 2))
+    assert second == ("member", lead[6][1], k._csgmv_stack.handle) and third[:2] == ("member", lead[6][2])
+    assert lead[6][1:] == (k._csgmv_member, v._csgmv_member), "the group's stash keys are not its members'"
     assert route(o)[0] == "lora" and route(o)[2:4] == (o._csgmv_stack.handle, o._csgmv_stack.version)
     assert route(embed, (3, 1)) is None, "an embedding takes the general path"
     assert route(q, (3, 600, 48)) is None, "a prefill-sized input is no group member: the general path"
+    # what the graph does not guard, read when it is traced: hooks (as torch.compile reads a module's own), and the
+    # adapters PEFT's path serves in the layer (a change advances the epoch)
+    handle = o.base_layer.register_forward_pre_hook(lambda module, args: None)
+    assert route(o) is None, "a hooked base layer must take the general path (which calls it as a module)"
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    assert route(o) is None, "a global module hook must take the general path"
+    handle.remove()
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    try:
+        assert route(o) is None, "with dynamo guarding hooks, the general path reads (and guards) them"
+    finally:
+        torch._dynamo.config.skip_nnmodule_hook_guards = True
+    epoch = slots.ROUTE_EPOCH
+    slots.set_peft_rows(o, {"a1"})
+    assert route(o) is None and slots.ROUTE_EPOCH > epoch, "a layer with PEFT-path adapters kept its kernel route"
+    slots.set_peft_rows(o, ())
+    assert route(o)[0] == "lora"
     epoch = slots.ROUTE_EPOCH
     ex.set_backend("torch")
     assert slots.ROUTE_EPOCH > epoch, "a backend switch did not advance the epoch"
