@@ -439,20 +439,30 @@ class CsgmvState:
         ``missing`` into their slots."""
         tier = self.tier
         victims = [n for n in tier.lru if n not in needed]
-        evicted = False
-        for name in missing:
-            if len(self.registry.index) >= self.max_resident:
-                self._evict(victims.pop(0))
-                evicted = True
-            self.registry.add(name)
-            tier.lru[name] = None
-        if evicted:
-            host_copies_done(self.layers.values())
-        stacks = {layer._csgmv_stack for layer in self.layers.values()}
-        for stack in stacks:
-            stack.ensure_capacity(self.registry.capacity)
-        for name in missing:
-            tier.bring_in(name, self.registry.index[name], _dora_scale, self.dora_refused)
+        # Slots whose adapter left, by the stacks that still describe it: a slot's next adapter writes the same
+        # fields in the stacks it has a part in, so the slot is emptied only in the others (most often none).
+        held: dict[int, list[LoraStack]] = {}
+        try:
+            for name in missing:
+                if len(self.registry.index) >= self.max_resident:
+                    victim = victims.pop(0)
+                    slot = self.registry.index[victim]
+                    held[slot] = self._evict(victim, empty=False)
+                self.registry.add(name)
+                tier.lru[name] = None
+            if held:
+                host_copies_done(self.layers.values())
+            stacks = {layer._csgmv_stack for layer in self.layers.values()}
+            for stack in stacks:
+                stack.ensure_capacity(self.registry.capacity)
+            for name in missing:
+                slot = self.registry.index[name]
+                if slot in held:
+                    tier.refill(name, slot, held.pop(slot))
+                tier.bring_in(name, slot, _dora_scale, self.dora_refused)
+        finally:  # (slots left unfilled: emptied in full, as an eviction does)
+            for slot, left in held.items():
+                vacate(slot, left)
         for stack in stacks:
             stack.refresh()
 
@@ -478,12 +488,13 @@ class CsgmvState:
             layer._csgmv_stack.refresh()
         host_copies_done(layers)
 
-    def _evict(self, name: str) -> None:
+    def _evict(self, name: str, empty: bool = True) -> list[LoraStack]:
         # Its weights leave the slot as they are (edits included), copied out first: a copy that fails leaves the
-        # adapter resident and shared as it was.
-        self.tier.evict(name, self.registry.index[name])
+        # adapter resident and shared as it was. (``empty``: see HostTier.evict.)
+        stacks = self.tier.evict(name, self.registry.index[name], empty)
         self.registry.remove(name)
         self.tier.lru.pop(name)
+        return stacks
 
     @property
     def resident(self) -> list[str]:

@@ -41,6 +41,7 @@ class Placement:
     rest: list[tuple[torch.Tensor, torch.device]] = field(default_factory=list)
     peft_layers: list[nn.Module] = field(default_factory=list)
     views: dict = field(default_factory=dict)  # region key -> HostTier.regions' tuple for that region
+    stacks: frozenset | None = None  # the stacks of its parts (made on first use: HostTier.refill)
 
     def all_parts(self) -> Iterator[PagePart]:
         """Every part, group by group."""
@@ -202,14 +203,31 @@ class HostTier:
             if layer.use_dora.get(name, False):
                 dora_refused.add(name)
 
-    def evict(self, name: str, slot: int) -> None:
+    def evict(self, name: str, slot: int, empty: bool = True) -> list[LoraStack]:
         """Adapter ``name`` out of slot ``slot`` to its host regions (copied out first: a copy that fails leaves it
-        resident as it was), its slot emptied in every layer."""
+        resident as it was), its slot emptied in every layer; the stacks that held it. ``empty=False``: the caller
+        fills the slot again at once (:meth:`refill`) and empties it where the next adapter does not overwrite it;
+        here the stacks only let go of its parameters (which now view host memory)."""
         placement = self.placements[name]
         self.park(name, slot)
-        vacate(slot, [part.stack for part in placement.all_parts()])
+        stacks = [part.stack for part in placement.all_parts()]
+        if empty:
+            vacate(slot, stacks)
+        else:
+            for stack in stacks:
+                stack.shared.pop(slot, None)
         for layer in placement.peft_layers:
             set_peft_rows(layer, layer._csgmv_peft - {name})
+        return stacks
+
+    def refill(self, name: str, slot: int, held: list[LoraStack]) -> None:
+        """Before adapter ``name`` comes into slot ``slot``, which ``held`` (stacks :meth:`evict` left as they were)
+        still describe: the slot emptied in those of them that ``name``'s bring-in does not write (every field it
+        would empty, the bring-in sets anew in the others)."""
+        placement = self.placements[name]
+        if placement.stacks is None:
+            placement.stacks = frozenset(part.stack for part in placement.all_parts())
+        vacate(slot, [stack for stack in held if stack not in placement.stacks])
 
 
 def _gather(region: torch.Tensor, params: list[torch.Tensor], views: list[torch.Tensor]) -> None:

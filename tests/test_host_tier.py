@@ -67,6 +67,36 @@ def test_adapters_come_and_go_least_recently_used_first(tiered):
     )
 
 
+def test_a_slot_refilled_at_once_is_emptied_only_where_its_new_adapter_has_no_part(tiered, monkeypatch):
+    """A call that moves adapters evicts a resident and brings another into its slot at once: the slot is emptied
+    only in the layers where the newcomer has no part (its bring-in writes every field of the others), and there it
+    holds nothing (rank 0); every row gets its adapter's stock PEFT result."""
+    import collections
+
+    import peft_csgmv.slots as csgmv_slots
+
+    model, input_ids, mask, outs = tiered
+    emptied = collections.Counter()
+    real = csgmv_slots.LoraStack._empty
+
+    def counted(self, slot):
+        emptied["embedding" if self.embedding else "linear"] += 1
+        return real(self, slot)
+
+    monkeypatch.setattr(csgmv_slots.LoraStack, "_empty", counted)
+    assert csgmv_stats(model)["resident"] == ["a0", "a1"]
+    _call(model, input_ids, mask, outs, ["a3", "a1", BASE, "a3"])  # a3 (every layer, the embedding too) for a0
+    assert not emptied, f"a slot refilled in every layer was emptied first: {dict(emptied)}"
+    _call(model, input_ids, mask, outs, ["a2", "a3", "a2", BASE])  # a2 (no embedding part) into a1's slot
+    assert emptied == {"embedding": 1}, dict(emptied)
+    state = model._csgmv
+    slot = state.registry.index["a2"]
+    embed = model.base_model.model.model.embed_tokens._csgmv_stack
+    assert embed.ranks_host[slot] == 0 and slot not in embed.extents
+    linear = [layer._csgmv_stack for layer in state.layers.values() if layer._csgmv_stack is not embed]
+    assert all(stack.ranks_host[slot] == 8 for stack in linear), "a2 (rank 8) is not in its slot in every layer"
+
+
 def test_call_needing_more_adapters_than_fit_is_refused_first(tiered, kernel_calls):
     model, input_ids, mask, outs = tiered
     before = csgmv_stats(model)["resident"]
