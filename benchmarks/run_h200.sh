@@ -36,6 +36,8 @@
 #            compiled-block GPU time three times (rows in order, reversed, in order), then static cache 1B full with
 #            them (10 MiB floor) and without (~6 min) -> gpu_gbeside.log, beside_groups_order.log, static_1b_gbeside.*
 #   gbeside8b  static cache 8B full, groups beside (10 MiB floor) against the default (~5 min) -> static_8b_gbeside.*
+#   compile  compile time, 1B: base model and csgmv alternated over 3 rounds, each row a process of its own with empty
+#            caches (~9 min on a slow machine; read the rows that are not the machine's first process) -> compile_1b.*
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
@@ -173,6 +175,10 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       PEFT_CSGMV_BESIDE_MIN_MIB=10 python3 benchmarks/bench_static.py --model 8b --repeats 2 --groups-beside \
         --out "$OUT/static_8b_gbeside.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/static_8b_gbeside.log"
       grep -E "^\| 8b|identical" "$OUT/static_8b_gbeside.log" || tail -25 "$OUT/static_8b_gbeside.log" ;;
+    compile)
+      python3 benchmarks/compile_time.py --model 1b --rows base,csgmv --rounds 3 --repeats 1 \
+        --out "$OUT/compile_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/compile_1b.log"
+      grep "^| 1b" "$OUT/compile_1b.log" || tail -25 "$OUT/compile_1b.log" ;;
     multi)
       python3 benchmarks/bench_multi_gpu.py --out "$OUT/multi_gpu.json" 2>&1 | grep --line-buffered -v -i warn \
         > "$OUT/multi_gpu.log"
