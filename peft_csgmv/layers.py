@@ -109,6 +109,16 @@ def apply_lora(
 _module_globals = nn.modules.module
 
 
+def _hooked(base: nn.Module) -> bool:
+    """Whether a hook would run around ``base``'s forward: its own or a global module hook
+    (``torch.nn.modules.module.register_module_forward_*_hook``). Then ``base`` is called as a module."""
+    g = _module_globals
+    return bool(
+        base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or g._global_forward_pre_hooks
+        or g._global_forward_hooks or g._global_backward_hooks or g._global_backward_pre_hooks
+    )  # fmt: skip
+
+
 # Eager calls compile each Triton kernel variant at its first launch, layer after layer on the main thread (~0.3-0.6 s
 # each on an H200's host with empty caches; a 1B layout's first prefill needs 3). The first activation layer of each
 # new plan hands them all to worker threads at once instead, which compile them side by side (Triton's compiles
@@ -272,11 +282,7 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
                     ex.stash[keys[i]] = (x, handles[i], deltas[i], None)
                 return base.forward(x).add_(deltas[0])
     base = self._modules["base_layer"]
-    g = _module_globals  # (any global module hook: torch.nn.modules.module.register_module_forward_*_hook)
-    hooked = (
-        base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or g._global_forward_pre_hooks
-        or g._global_forward_hooks or g._global_backward_hooks or g._global_backward_pre_hooks
-    )  # fmt: skip
+    hooked = _hooked(base)
     stack: LoraStack = state["_csgmv_stack"]
     embedding = stack.embedding
     if x.dim() < (1 if embedding else 2):
@@ -359,12 +365,7 @@ def compiled_route(key: int, epoch: int, n: int, shape: torch.Size, device: torc
     stack, ex = state.get("_csgmv_stack"), executor_of(state["_csgmv_exec"])
     if stack is None or base is None or stack.embedding or stack.device != device or len(shape) < 2:
         return None
-    g = _module_globals
-    if (
-        state.get("_csgmv_peft") or base._forward_pre_hooks or base._forward_hooks or base._backward_hooks
-        or g._global_forward_pre_hooks or g._global_forward_hooks or g._global_backward_hooks
-        or g._global_backward_pre_hooks
-    ):  # fmt: skip
+    if state.get("_csgmv_peft") or _hooked(base):
         return None
     width = shape[-1]
     num_tokens = math.prod(shape[:-1])
@@ -452,9 +453,8 @@ def _compiled_lora(ex: Executor, stack: "LoraStack", x, result, rows: int, devic
     a guard of the graph (see :mod:`peft_csgmv.ops`)."""
     static, triton, fused = _compiled_plan(ex, stack, x, rows, device)
     return ops.lora_overload(
-        x, result, static.permutation, static.seg_indptr, static.seg_slot, embed_scale, stack.handle, stack.version,
-        static.chunk, triton, fused,
-    )  # fmt: skip
+        x, result, *static.plan, embed_scale, stack.handle, stack.version, static.chunk, triton, fused
+    )
 
 
 def _compiled_beside(ex: Executor, stack: "LoraStack", base: nn.Linear, x, rows: int, device) -> torch.Tensor:
@@ -464,9 +464,8 @@ def _compiled_beside(ex: Executor, stack: "LoraStack", base: nn.Linear, x, rows:
     sum."""
     static, triton, fused = _compiled_plan(ex, stack, x, rows, device)
     y, delta = ops.lora_linear_overload(
-        x, base.weight, base.bias, static.permutation, static.seg_indptr, static.seg_slot, stack.handle,
-        stack.version, static.chunk, triton, fused,
-    )  # fmt: skip
+        x, base.weight, base.bias, *static.plan, stack.handle, stack.version, static.chunk, triton, fused
+    )
     return y.add_(delta)
 
 
@@ -511,7 +510,7 @@ def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x,
             return None
         key, handles, bases = group
         static, triton, _ = _compiled_plan(ex, stack, x, rows, device)
-        plan = (static.permutation, static.seg_indptr, static.seg_slot)
+        plan = static.plan
         stacks, versions = [stack.handle, *handles], [stack.version, *[-1] * len(handles)]
         # (the members' weights are read only for a group that may run beside: otherwise the graph guards none)
         weights = [base.weight, *(w for w, _ in bases)] if ex.groups_beside and ex.beside_on(device) else None

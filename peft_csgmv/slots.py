@@ -140,7 +140,8 @@ _STACKS: "weakref.WeakValueDictionary[int, LoraStack]" = weakref.WeakValueDictio
 # Compiled code decides each kernel layer's path once, when it is traced, from the layer's state (its stack's handle,
 # version and kind, its sibling group, its base layer's kind; layers.compiled_route), and guards this one number for
 # all of them in place of each fact it read: every change to such state (a stack's tensors or launch shape, groups
-# learned or forgotten, a backend switched) advances it, and graphs traced before then trace again.
+# learned or forgotten, a backend switched, the adapters PEFT's path serves in a layer: set_peft_rows) advances it,
+# and graphs traced before then trace again.
 ROUTE_EPOCH = 0
 
 
