@@ -45,8 +45,9 @@ from typing import Optional
 import torch
 
 from . import kernels
+from .kernels.ahead import compile_elsewhere
 from .kernels.group import expand_group, group_splits, shrink_group
-from .kernels.launch import _interpreting, without_pdl
+from .kernels.launch import _interpreting, recording, without_pdl
 from .plan import BatchPlan
 from .slots import stack_by_handle
 
@@ -369,10 +370,12 @@ def _lora_group_linear_ahead(x, weights, biases, *args) -> None:
 # the host's main thread (~0.3 s each on an H200's host with empty caches, 6 variants for a 1B layout's decode step).
 # Tracing knows them long before: each op's fake implementation, which dynamo and AOT autograd run as they trace, hands
 # its arguments' shapes, strides and dtypes to a worker thread, which runs the op once over scratch tensors of that
-# description (a plan of empty segments: every program exits at once) and so leaves each variant compiled in Triton's
-# in-process cache while the tracing and inductor go on; the op's first real call waits for any still running (so
-# none runs beside a CUDA graph's capture). CUDA only; ``PEFT_CSGMV_COMPILE_AHEAD=0`` turns it off (read per trace),
-# ``=N`` runs it on N threads (read when the first job starts; one by default).
+# description (a plan of empty segments) with its launches recorded, not run, and hands them to a worker process
+# (:mod:`peft_csgmv.kernels.ahead`: a compile holds the interpreter lock, which the tracing needs) that compiles each
+# into Triton's on-disk cache while the tracing and inductor go on; the op's first real call waits for any job still
+# running (so none runs beside a CUDA graph's capture) and loads its variants from that cache. CUDA only;
+# ``PEFT_CSGMV_COMPILE_AHEAD=0`` turns it off (read per trace), ``=N`` compiles on N threads of this process instead,
+# each job running the op with its launches (read when the first job starts).
 AHEAD_DEVICES = ("cuda",)
 # What a job runs for an op with a base product, and which of its arguments it takes by shape only (meta tensors).
 _AHEAD_RUNS = {_lora_linear: (_lora_linear_ahead, (1, 2)), _lora_group_linear: (_lora_group_linear_ahead, (1, 2))}
@@ -410,13 +413,17 @@ def _scratch(description):
     return t.zero_() if not dtype.is_floating_point else t
 
 
-def _run_ahead(impl, descriptions, names) -> None:
-    """On a worker thread: ``impl`` once over scratch arguments (positional, then ``names``' keyword ones)."""
+def _run_ahead(impl, descriptions, names, elsewhere: bool = False) -> None:
+    """On a worker thread: ``impl`` once over scratch arguments (positional, then ``names``' keyword ones).
+    ``elsewhere``: its launches only recorded, and the variants compiled in the worker process
+    (:mod:`peft_csgmv.kernels.ahead`), this thread waiting for it without the interpreter lock."""
     try:
         args = [_scratch(d) for d in descriptions]
         kwargs = dict(zip(names, args[len(args) - len(names) :]))
-        with torch.no_grad():
+        with torch.no_grad(), recording() if elsewhere else contextlib.nullcontext() as records:
             impl(*args[: len(args) - len(names)], **kwargs)
+        if records:
+            compile_elsewhere(records)
     except Exception:  # compiling ahead only saves time: the op's first real call compiles whatever did not here
         pass
 
@@ -446,7 +453,8 @@ def _compile_ahead(impl, args, kwargs) -> None:
         # Triton's CPU interpreter keeps its state in globals: one thread there whatever is asked.
         workers = int(threads) if threads.isdigit() and not _interpreting() else 1
         _ahead_pool = concurrent.futures.ThreadPoolExecutor(workers, "peft_csgmv_ahead")
-    _ahead_jobs.append(_ahead_pool.submit(_run_ahead, run, descriptions, names))
+    elsewhere = not threads.isdigit() and not _interpreting()  # (a worker process by default; =N: N threads here)
+    _ahead_jobs.append(_ahead_pool.submit(_run_ahead, run, descriptions, names, elsewhere))
 
 
 def _forget_ahead() -> None:

@@ -140,7 +140,7 @@ def test_kernels_compiled_ahead_while_tracing(backend, layout, monkeypatch):
     events, errors = [], []
     run_ahead, stack_at = ops._run_ahead, ops._stack_at
 
-    def slow_run_ahead(impl, descriptions, names):
+    def slow_run_ahead(impl, descriptions, names, elsewhere=False):
         def checked(*args, **kwargs):
             try:
                 return impl(*args, **kwargs)
@@ -149,7 +149,7 @@ def test_kernels_compiled_ahead_while_tracing(backend, layout, monkeypatch):
                 raise
 
         time.sleep(1.0)  # (a job still running when the graph first runs, unless its op call waits)
-        run_ahead(checked, descriptions, names)
+        run_ahead(checked, descriptions, names, elsewhere)
         events.append(("ahead", impl.__name__))
 
     def main_stack_at(handle, version):
@@ -928,6 +928,107 @@ def test_bf16_compiled_logits_within_peft_own_compile_difference():
         compiled = torch.compile(pm, dynamic=False)(input_ids, attention_mask=mask, adapter_ids=names).logits.float()
     gap = (compiled - eager).abs().max().item()
     assert gap <= 2 * max(peft_gap, 1e-2), f"csgmv compiled vs eager {gap:.3g}, PEFT's own {peft_gap:.3g}"
+
+
+def test_compiled_ahead_in_the_worker_process_by_default(monkeypatch):
+    """With ``PEFT_CSGMV_COMPILE_AHEAD`` unset (the default), each compile-ahead job runs its op with the launches
+    recorded, not run, and hands the records to the compile worker (``kernels.ahead.compile_elsewhere``, here a
+    stand-in) from its thread, before the graph's first real op call; each record names a kernel the worker can import
+    and carries the op's pointers as dtypes and addresses; the tokens are eager's."""
+    import importlib
+
+    from peft_csgmv import ops
+    from peft_csgmv.kernels.launch import Pointer
+
+    monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "")  # (the suite turns it off: conftest.py)
+    monkeypatch.setattr(ops, "AHEAD_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(ops, "_interpreting", lambda: False)  # (on the CPU the kernels run in Triton's interpreter)
+    monkeypatch.setattr(ops, "_ahead_seen", set())
+    monkeypatch.setattr(ops, "_ahead_pool", None)
+    events = []
+
+    def handed(records):
+        events.append(("handed", threading.current_thread() is threading.main_thread(), list(records)))
+        return []
+
+    def main_stack_at(handle, version):
+        if threading.current_thread() is threading.main_thread():
+            events.append(("real",))
+        return stack_at(handle, version)
+
+    stack_at = ops._stack_at
+    monkeypatch.setattr(ops, "compile_elsewhere", handed)
+    monkeypatch.setattr(ops, "_stack_at", main_stack_at)
+    model = _model()
+    enable_csgmv(model, backend="triton")
+    input_ids, mask = make_batch(3, 5)
+    static, eager = _static_and_eager(model, input_ids, mask, ID_LISTS[0])
+    assert torch.equal(static, eager)
+    handed_at = [i for i, e in enumerate(events) if e[0] == "handed"]
+    real = [i for i, e in enumerate(events) if e[0] == "real"]
+    assert handed_at and real and min(real) > max(handed_at), [e[:2] for e in events]
+    assert not any(events[i][1] for i in handed_at), "records handed to the worker from the main thread"
+    records = [r for i in handed_at for r in events[i][2]]
+    names = set()
+    for module, name, _, grid, args, _, _ in records:
+        assert hasattr(importlib.import_module(module), name), (module, name)
+        assert isinstance(args[0], Pointer) and isinstance(args[0].dtype, torch.dtype) and len(grid) == 3
+        names.add(name)
+    assert {"_shrink_kernel", "_expand_kernel"} <= names or {"_shrink_group_kernel", "_expand_group_kernel"} <= names
+
+
+_WORKER_SCRIPT = """
+import json, sys, threading
+sys.path.insert(0, sys.argv[1])
+import torch, triton.compiler.compiler as cc
+from test_compiled import ID_LISTS, _model, _static_and_eager, make_batch
+from peft_csgmv import enable_csgmv, ops
+
+made, handed, errors = [], [], []
+make_ir, compile_elsewhere = cc.ASTSource.make_ir, ops.compile_elsewhere
+
+def counted(self, *args, **kwargs):  # (after the first hand-off: the eager prefill's own compiles come before)
+    made.append((self.fn.__name__, threading.current_thread() is threading.main_thread(), bool(handed)))
+    return make_ir(self, *args, **kwargs)
+
+def noted(records):
+    handed.extend(r[1] for r in records)
+    errors.extend(compile_elsewhere(records))
+    return []
+
+cc.ASTSource.make_ir, ops.compile_elsewhere = counted, noted
+model = _model().to("cuda")
+enable_csgmv(model)
+input_ids, mask = (t.to("cuda") for t in make_batch(3, 5))
+static, eager = _static_and_eager(model, input_ids, mask, ID_LISTS[0])
+print(json.dumps(dict(same=torch.equal(static, eager), made=made, handed=handed, errors=errors)))
+"""
+
+
+@pytest.mark.gpu
+def test_static_decode_kernels_compile_in_the_worker_process_on_cuda(tmp_path):
+    """On CUDA by default, in a process of its own with an empty Triton cache: the static path's decode kernels
+    compile in the compile worker (each record it is handed compiles there without error), and the main process
+    generates Triton code for none of them itself (``ASTSource.make_ir``, which runs only where a compile misses the
+    on-disk cache, does not run on its main thread for a kernel handed to the worker, once the hand-offs began: the
+    eager prefill's own compiles come before); the tokens are eager csgmv's (fp32)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(_WORKER_SCRIPT)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), PEFT_CSGMV_COMPILE_AHEAD="")
+    run = subprocess.run([sys.executable, str(script), os.path.dirname(__file__)], env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["same"], "the compiled decode generated other tokens"
+    assert got["handed"], "no kernel handed to the compile worker"
+    assert not got["errors"], got["errors"]
+    again = [name for name, main, after in got["made"] if main and after and name in got["handed"]]
+    assert not again, f"handed to the worker, then compiled in the main process: {again} ({got})"
 
 
 @pytest.mark.gpu

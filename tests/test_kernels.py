@@ -7,6 +7,7 @@ kept small. Kernel inputs live on ``DEVICE``; the oracle always runs on the CPU 
 
 from __future__ import annotations
 
+import importlib
 import math
 import random
 
@@ -846,3 +847,52 @@ def test_launcher_key_separates_what_triton_specializes_on():
     assert key != launcher._key((base[:16].half(), base[16:32], 7, 16), {"BLOCK": 16})  # dtype
     assert key != launcher._key((base[:16], base[16:32], 8, 16), {"BLOCK": 16})  # an integer
     assert key != launcher._key((base[:16], base[16:32], 7, 16), {"BLOCK": 32})  # a constexpr
+
+
+def test_launches_under_recording_are_noted_not_run(monkeypatch):
+    """Within ``launch.recording()`` a shrink launch is recorded, not compiled or run: its output buffer keeps what it
+    held, and the record names the kernel (module and name, which the compile worker imports), the device, the grid,
+    each tensor argument as its dtype and address (a view's own), the integers and the constexprs. Outside it, the
+    same call writes its output. A record pickles (it travels to the worker)."""
+    import pickle
+
+    from peft_csgmv.kernels.launch import Pointer, recording
+
+    shrink_module = importlib.import_module("peft_csgmv.kernels.shrink")
+
+    monkeypatch.setattr(shrink_module._launch_shrink, "compiled", {})  # (this variant compiled by earlier tests)
+    ranks = [4, 8, 2, 8]
+    a, _, ranks_t, _ = make_weights(ranks, 8, 32, 16, torch.float32, seed=0)
+    x = randn(12, 64, dtype=torch.float32, seed=1)[:, 1::2]  # (a strided view: its own address is recorded)
+    plan = BatchPlan.build([0, 1, -1, 1], 3, device=DEVICE)
+    t = torch.full((12, 8), SENTINEL, device=DEVICE)
+    with recording() as records:
+        shrink(x, a, ranks_t, plan, t=t)
+    assert torch.equal(t, torch.full_like(t, SENTINEL)), "a recorded launch wrote its output"
+    assert len(records) == 1, records
+    module, name, device, grid, args, constexprs, options = pickle.loads(pickle.dumps(records[0]))
+    assert getattr(importlib.import_module(module), name) is shrink_module._shrink_kernel
+    assert device == x.get_device() and len(grid) == 3 and all(isinstance(g, int) and g >= 1 for g in grid)
+    pointers = [p for p in args if isinstance(p, Pointer)]
+    assert len(pointers) == shrink_module._launch_shrink.num_tensors
+    assert (pointers[0].dtype, pointers[0].data_ptr()) == (x.dtype, x.data_ptr())
+    assert all(isinstance(v, int) for v in args[len(pointers) :]) and constexprs
+    shrink(x, a, ranks_t, plan, t=t)
+    assert not torch.equal(t, torch.full_like(t, SENTINEL)), "the same launch outside recording wrote nothing"
+
+
+def test_compile_worker_answers_each_job_with_its_errors():
+    """The compile worker (a process of its own, started by the first job): each job's answer lists the records it
+    could not compile, by kernel name (a kernel that does not exist; on a machine without CUDA, a real one too), and
+    the worker stays up for the next job."""
+    from peft_csgmv.kernels import ahead
+    from peft_csgmv.kernels.launch import Pointer
+
+    errors = ahead.compile_elsewhere([("peft_csgmv.kernels.shrink", "_no_such_kernel", 0, (1, 1, 1), (), {}, ())])
+    assert len(errors) == 1 and "_no_such_kernel" in errors[0] and "AttributeError" in errors[0], errors
+    worker = ahead._worker
+    record = ("peft_csgmv.kernels.shrink", "_shrink_kernel", 0, (1, 1, 1), (Pointer(torch.float32, 1024),), {}, ())
+    errors = ahead.compile_elsewhere([record, record])
+    if not torch.cuda.is_available():
+        assert len(errors) == 2 and all(e.startswith("_shrink_kernel: ") for e in errors), errors
+    assert ahead._worker is worker and worker.alive(), "the worker did not stay up between jobs"

@@ -26,6 +26,38 @@ except ImportError:  # older Triton: no direct path
     _driver = None
 
 
+# Recording (:func:`recording`): a launch that would compile a kernel variant only notes what it would have launched
+# (:meth:`Launcher._record`) and returns; nothing compiles or runs. The compile-ahead jobs of compiled code run an op
+# this way and hand the records to a worker process (:mod:`peft_csgmv.kernels.ahead`), which compiles them into
+# Triton's on-disk cache, where this process's first real launch of each variant finds it.
+_RECORD: contextvars.ContextVar = contextvars.ContextVar("peft_csgmv_record_launches", default=None)
+
+
+class Pointer:
+    """A tensor argument as Triton's specialization sees it: its dtype and address (a worker process that compiles
+    the variant passes it in the tensor's place; Triton reads the alignment from the address)."""
+
+    __slots__ = ("dtype", "address")
+
+    def __init__(self, dtype, address: int) -> None:
+        self.dtype, self.address = dtype, address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+@contextlib.contextmanager
+def recording():
+    """Within: launches of variants not compiled yet in this process are recorded into the list this yields instead of
+    compiling and running (see above); launches of compiled variants are skipped."""
+    records: list = []
+    token = _RECORD.set(records)
+    try:
+        yield records
+    finally:
+        _RECORD.reset(token)
+
+
 def _hooks_installed() -> bool:
     """Whether a launch hook (a profiler, proton) is installed; then every launch takes Triton's own path. Recent
     Triton keeps the hooks as (usually empty) ``HookChain`` objects, older ones as ``None`` or a callable."""
@@ -129,6 +161,14 @@ class Launcher:
         tensors = tuple([(a.dtype, a.data_ptr() & 15 == 0) for a in args[:n]])
         return args[0].get_device(), tensors, args[n:], tuple(constexprs.values())
 
+    def _record(self, grid, args: tuple, constexprs: dict, options: tuple) -> tuple:
+        """What this launch would compile: ``(module, kernel name, device index, grid, args, constexprs, options)``,
+        each tensor argument as a :class:`Pointer`."""
+        n, fn = self.num_tensors, self.kernel.fn
+        pointers = tuple([Pointer(a.dtype, a.data_ptr()) for a in args[:n]])
+        return (fn.__module__, fn.__name__, args[0].get_device(), tuple(grid), pointers + tuple(args[n:]),
+                dict(constexprs), tuple(options))  # fmt: skip
+
     def compiled_for(self, args: tuple, constexprs: dict, options: tuple = ()):
         """The compiled kernel a direct launch with these arguments would use, or ``None`` (not launched yet, or the
         direct path is off)."""
@@ -141,11 +181,19 @@ class Launcher:
         follow them in the signature; ``options``: Triton launch options as ``(name, value)`` pairs (``num_warps``,
         ``num_stages``), part of the compiled kernel's key but not of its arguments."""
         if not self.direct or _hooks_installed():
+            records = _RECORD.get()
+            if records is not None:
+                records.append(self._record(grid, args, constexprs, options))
+                return
             self.kernel[grid](*args, **constexprs, **dict(options))
             return
         key = self._key(args, constexprs) + options
         compiled = self.compiled.get(key)
         if compiled is None:
+            records = _RECORD.get()
+            if records is not None:
+                records.append(self._record(grid, args, constexprs, options))
+                return
             self.compiled[key] = self.kernel[grid](*args, **constexprs, **dict(options))
             return
         stream = _driver.active.get_current_stream(key[0])
