@@ -11,7 +11,9 @@ counted and timed by kernel; compiles on the library's compile-ahead threads, wh
 and summed apart as "ahead"), and the rest (the first eager prefill, CUDA-graph capture, the first steps). Rows
 alternate (base, csgmv, base, csgmv, ...) over ``--rounds``; ``--rows base,peft,csgmv`` adds stock PEFT with one
 adapter active (no ids), ``csgmv-noahead`` csgmv with compiling ahead off (``PEFT_CSGMV_COMPILE_AHEAD=0``: every
-kernel compiles on the main thread, none on a thread beside dynamo's tracing); ``--warm`` runs each row once more
+kernel compiles on the main thread), ``csgmv-threads`` csgmv compiling ahead on a thread of its own process, beside
+dynamo's tracing (``=1``; by default a worker process compiles them, and the main thread loads them from Triton's
+on-disk cache: "own Triton" then counts those loads); ``--warm`` runs each row once more
 over the caches its first process left (a user's second run). ``COMPILE_TIME_KEYS=1`` prints Triton's key of each
 kernel compiled (its arguments' types and alignments), which says why a kernel compiled twice. The table is printed
 last; its "tracing" column is dynamo's own share (``bytecode_tracing``: stepping through the Python of every layer).
@@ -152,6 +154,8 @@ def main(argv=None) -> int:
                            TRITON_CACHE_DIR=os.path.join(tmp, "triton"))  # fmt: skip
                 if row == "csgmv-noahead":
                     env["PEFT_CSGMV_COMPILE_AHEAD"] = "0"
+                elif row == "csgmv-threads":
+                    env["PEFT_CSGMV_COMPILE_AHEAD"] = "1"
                 out = os.path.join(tmp, "result.json")
                 cmd = [sys.executable, __file__, "--row", row, "--result", out, "--model", args.model,
                        "--adapters", str(args.adapters), "--rank", str(args.rank), "--batch", str(args.batch),

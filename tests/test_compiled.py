@@ -936,10 +936,16 @@ def test_compiled_ahead_in_the_worker_process_by_default(monkeypatch):
     stand-in) from its thread, before the graph's first real op call; each record names a kernel the worker can import
     and carries the op's pointers as dtypes and addresses; the tokens are eager's."""
     import importlib
+    import pkgutil
 
+    import peft_csgmv.kernels as kernel_package
     from peft_csgmv import ops
-    from peft_csgmv.kernels.launch import Pointer
+    from peft_csgmv.kernels.launch import Launcher, Pointer
 
+    for info in pkgutil.iter_modules(kernel_package.__path__):  # (variants earlier tests compiled are not recorded)
+        for value in vars(importlib.import_module(f"{kernel_package.__name__}.{info.name}")).values():
+            if isinstance(value, Launcher):
+                monkeypatch.setattr(value, "compiled", {})
     monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "")  # (the suite turns it off: conftest.py)
     monkeypatch.setattr(ops, "AHEAD_DEVICES", (DEVICE.type,))
     monkeypatch.setattr(ops, "_interpreting", lambda: False)  # (on the CPU the kernels run in Triton's interpreter)
@@ -978,8 +984,8 @@ def test_compiled_ahead_in_the_worker_process_by_default(monkeypatch):
 
 
 _WORKER_SCRIPT = """
-import json, sys, threading
-sys.path.insert(0, sys.argv[1])
+import json, os, sys, threading
+sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
 import torch, triton.compiler.compiler as cc
 from test_compiled import ID_LISTS, _model, _static_and_eager, make_batch
 from peft_csgmv import enable_csgmv, ops
