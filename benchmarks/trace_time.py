@@ -79,8 +79,8 @@ def child(args) -> dict:
 
         enable_csgmv(target)
         ids = [f"a{i % args.adapters}" for i in range(args.batch)]
-    compile_config = CompileConfig(fullgraph=True, backend=lambda gm, example_inputs: gm.forward, mode=None,
-                                   dynamic=False)  # fmt: skip
+    backend = (lambda gm, example_inputs: gm.forward) if args.backend == "none" else args.backend
+    compile_config = CompileConfig(fullgraph=True, backend=backend, mode=None, dynamic=False)
     compile_config._compile_all_devices = True  # (transformers compiles the decode step on CUDA only, unless told)
     x = torch.randint(3, 128, (args.batch, 8)).to(device)
     kw = dict(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=3, min_new_tokens=3, do_sample=False,
@@ -113,7 +113,8 @@ def child(args) -> dict:
     phase = dict(zip(names, [float(v) if v not in ("", None) else 0.0 for v in values]))
     return dict(
         row=args.row, first_s=first, tracing_s=phase.get("bytecode_tracing", 0.0),
-        guards_s=phase.get("build_guards", 0.0), calls=counters["stats"]["calls_captured"],
+        guards_s=phase.get("build_guards", 0.0), backend_s=phase.get("OutputGraph.call_user_compiler", 0.0),
+        calls=counters["stats"]["calls_captured"],
         graphs=counters["stats"]["unique_graphs"], instructions=sum(steps.values()),
         by_line=lines.most_common(args.by_line), profile_top=top,
     )  # fmt: skip
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--by-line", type=int, default=0, help="list the N peft_csgmv lines that cost the trace most")
     p.add_argument("--hidden", type=int, default=64, help="hidden size (2048: the 1B layout's layer shapes; MLP 4x)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", default="none", help="none: the traced graph as it is; or a torch.compile backend "
+                   "(aot_eager: AOT autograd's trace too, no inductor)")  # fmt: skip
     p.add_argument("--profile", default=None, help="a folder: cProfile each row's first call into it")
     p.add_argument("--out", default=None)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)  # a child's round
@@ -147,7 +150,8 @@ def main(argv=None) -> int:
                 cmd = [sys.executable, __file__, "--row", row, "--result", out, "--layers", str(args.layers),
                        "--hidden", str(args.hidden),
                        "--adapters", str(args.adapters), "--batch", str(args.batch),
-                       "--by-line", str(args.by_line), "--device", args.device, "--round", str(r)]  # fmt: skip
+                       "--by-line", str(args.by_line), "--device", args.device, "--round", str(r),
+                       "--backend", args.backend]  # fmt: skip
                 if args.profile:
                     cmd += ["--profile", args.profile]
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tmp, TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
@@ -164,11 +168,11 @@ def main(argv=None) -> int:
             for own, total, calls, where in res["profile_top"]:
                 print(f"    own {own:6.3f} s  total {total:6.3f} s  {calls:7d} calls  {where}")
     print()
-    print("| row | round | first call s | dynamo tracing s | guards s | graph calls | instructions stepped |")
-    print("|" + "---|" * 7)
+    print("| row | round | first call s | dynamo tracing s | guards s | backend s | graph calls | instructions |")
+    print("|" + "---|" * 8)
     for res in results:
         print(f"| {res['row']} | {res['round']} | {res['first_s']:.2f} | {res['tracing_s']:.2f} | "
-              f"{res['guards_s']:.2f} | {res['calls']} | {res['instructions']} |")  # fmt: skip
+              f"{res['guards_s']:.2f} | {res['backend_s']:.2f} | {res['calls']} | {res['instructions']} |")  # fmt: skip
     if args.out:
         import torch
 

@@ -47,8 +47,9 @@ class Worker:
         return self.proc.poll() is None
 
     def compile(self, records: list) -> list[str]:
-        """Compile ``records`` in the worker; its errors, one line each (raises where the worker is gone)."""
-        data = pickle.dumps(records)
+        """Compile ``records`` in the worker, into this process's Triton cache folder as it is now; its errors, one
+        line each (raises where the worker is gone)."""
+        data = pickle.dumps((_cache_dir(), records))
         with self.lock:
             self.proc.stdin.write(_HEADER.pack(len(data)) + data)
             self.proc.stdin.flush()
@@ -77,6 +78,16 @@ def _forget() -> None:
 
 
 os.register_at_fork(after_in_child=_forget)
+
+
+def _cache_dir() -> str | None:
+    """Where Triton caches compiled kernels in this process (its knob, or ``TRITON_CACHE_DIR``, or its default)."""
+    try:
+        from triton import knobs
+
+        return knobs.cache.dir
+    except Exception:  # (an older Triton: the worker's inherited environment decides)
+        return None
 
 
 def _read(fd: int, size: int) -> bytes:
@@ -108,8 +119,9 @@ def compile_record(record) -> None:
 
 
 def serve() -> None:
-    """The worker's loop: jobs from stdin (a length, then a pickled list of records), an answer each on the original
-    stdout (its errors); anything printed goes to stderr. Returns at end of input or after :data:`IDLE_S` idle."""
+    """The worker's loop: jobs from stdin (a length, then the pickled caller's Triton cache folder and list of
+    records), an answer each on the original stdout (its errors); anything printed goes to stderr. Returns at end of
+    input or after :data:`IDLE_S` idle."""
     out = os.dup(1)
     os.dup2(2, 1)
     while True:
@@ -118,9 +130,11 @@ def serve() -> None:
             return
         try:
             size = _HEADER.unpack(_read(0, _HEADER.size))[0]
-            records = pickle.loads(_read(0, size))
+            cache_dir, records = pickle.loads(_read(0, size))
         except EOFError:
             return
+        if cache_dir is not None:  # (the caller's folder: its first launches look there)
+            os.environ["TRITON_CACHE_DIR"] = cache_dir
         errors = []
         for record in records:
             try:
