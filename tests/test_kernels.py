@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -896,3 +897,24 @@ def test_compile_worker_answers_each_job_with_its_errors():
     if not torch.cuda.is_available():
         assert len(errors) == 2 and all(e.startswith("_shrink_kernel: ") for e in errors), errors
     assert ahead._worker is worker and worker.alive(), "the worker did not stay up between jobs"
+
+
+def test_a_compile_worker_that_does_not_answer_is_stopped(monkeypatch):
+    """A worker that takes a job and never answers does not hold its caller: past the job's time limit the call
+    raises (the compile-ahead job then gives up, and the variants compile at their first launch), the worker is
+    killed, and the next job starts a new one."""
+    from peft_csgmv.kernels import ahead
+
+    monkeypatch.setattr(ahead, "_worker", None)
+    monkeypatch.setattr(ahead, "JOB_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(ahead, "_BOOT", "import sys, time; sys.stdin.buffer.read(8); time.sleep(60)")
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError):
+        ahead.compile_elsewhere([("peft_csgmv.kernels.shrink", "_shrink_kernel", 0, (1, 1, 1), (), {}, ())])
+    assert time.perf_counter() - t0 < 30
+    hung = ahead._worker
+    assert hung.proc.wait(timeout=10) is not None, "the worker that did not answer is still running"
+    monkeypatch.undo()
+    monkeypatch.setattr(ahead, "_worker", hung)
+    errors = ahead.compile_elsewhere([("peft_csgmv.kernels.shrink", "_no_such_kernel", 0, (1, 1, 1), (), {}, ())])
+    assert ahead._worker is not hung and len(errors) == 1, errors

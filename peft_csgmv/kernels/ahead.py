@@ -21,8 +21,10 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 IDLE_S = 120.0
+JOB_TIMEOUT_S = 120.0  # a job not answered by then: the worker is stopped, the caller's launches compile the variants
 _HEADER = struct.Struct("<Q")
 
 # The worker's start: this package's directory as a package whose ``__init__`` does not run, then :func:`serve`.
@@ -51,10 +53,15 @@ class Worker:
         line each (raises where the worker is gone)."""
         data = pickle.dumps((_cache_dir(), records))
         with self.lock:
-            self.proc.stdin.write(_HEADER.pack(len(data)) + data)
-            self.proc.stdin.flush()
-            size = _HEADER.unpack(_read(self.proc.stdout.fileno(), _HEADER.size))[0]
-            return pickle.loads(_read(self.proc.stdout.fileno(), size))
+            try:
+                self.proc.stdin.write(_HEADER.pack(len(data)) + data)
+                self.proc.stdin.flush()
+                deadline = time.monotonic() + JOB_TIMEOUT_S
+                size = _HEADER.unpack(_read(self.proc.stdout.fileno(), _HEADER.size, deadline))[0]
+                return pickle.loads(_read(self.proc.stdout.fileno(), size, deadline))
+            except BaseException:
+                self.proc.kill()  # (a worker that failed a job, or hangs, is not asked again: the next job starts one)
+                raise
 
 
 _worker: Worker | None = None
@@ -90,9 +97,11 @@ def _cache_dir() -> str | None:
         return None
 
 
-def _read(fd: int, size: int) -> bytes:
+def _read(fd: int, size: int, deadline: float | None = None) -> bytes:
     chunks, left = [], size
     while left:
+        if deadline is not None and not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            raise TimeoutError("the kernel compile worker did not answer in time")
         chunk = os.read(fd, left)
         if not chunk:
             raise EOFError("the kernel compile worker closed its pipe")
