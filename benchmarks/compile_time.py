@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -146,25 +145,19 @@ def main(argv=None) -> int:
         with open(args.result, "w") as f:
             json.dump(child(args), f)
         return 0
+    from peft_csgmv.bench import run_row_process
+
     results = []
     for r in range(args.rounds):
         for row in args.rows.split(","):
             with tempfile.TemporaryDirectory() as tmp:
-                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
-                           TRITON_CACHE_DIR=os.path.join(tmp, "triton"))  # fmt: skip
-                if row == "csgmv-noahead":
-                    env["PEFT_CSGMV_COMPILE_AHEAD"] = "0"
-                elif row == "csgmv-threads":
-                    env["PEFT_CSGMV_COMPILE_AHEAD"] = "1"
                 out = os.path.join(tmp, "result.json")
                 cmd = [sys.executable, __file__, "--row", row, "--result", out, "--model", args.model,
                        "--adapters", str(args.adapters), "--rank", str(args.rank), "--batch", str(args.batch),
                        "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
                        "--repeats", str(args.repeats)] + (["--device", args.device] if args.device else [])  # fmt: skip
                 for caches in ("empty", "warm") if args.warm else ("empty",):
-                    subprocess.run(cmd, env=env, check=True)
-                    with open(out) as f:
-                        res = json.load(f)
+                    res = run_row_process(cmd, tmp, row, out)
                     res.update(round=r, caches=caches)
                     results.append(res)
                     rest = res["first_s"] - res["median_s"] - res["dynamo_s"] - res["triton_s"]

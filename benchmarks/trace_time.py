@@ -22,7 +22,6 @@ import argparse
 import collections
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -142,6 +141,8 @@ def main(argv=None) -> int:
         with open(args.result, "w") as f:
             json.dump(child(args), f)
         return 0
+    from peft_csgmv.bench import run_row_process
+
     results = []
     for r in range(args.rounds):
         for row in args.rows.split(","):
@@ -154,12 +155,7 @@ def main(argv=None) -> int:
                        "--backend", args.backend]  # fmt: skip
                 if args.profile:
                     cmd += ["--profile", args.profile]
-                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tmp, TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
-                if row == "csgmv-noahead":
-                    env["PEFT_CSGMV_COMPILE_AHEAD"] = "0"
-                subprocess.run(cmd, check=True, env=env)
-                with open(out) as f:
-                    res = json.load(f)
+                res = run_row_process(cmd, tmp, row, out)
             res["round"] = r
             results.append(res)
             print(f"{row} round {r}: first call {res['first_s']:.2f} s, tracing {res['tracing_s']:.2f} s", flush=True)

@@ -84,6 +84,25 @@ def developer_switches(env: dict[str, str]):
         reset_pdl()
 
 
+# Compile-time benchmarks (benchmarks/compile_time.py, trace_time.py) run each row in a process of its own; these rows
+# run csgmv with its compile-ahead switched (``PEFT_CSGMV_COMPILE_AHEAD``: off, or on a thread of the process).
+AHEAD_ROWS = {"csgmv-noahead": "0", "csgmv-threads": "1"}
+
+
+def run_row_process(cmd: list[str], tmp: str, row: str, result: str) -> dict:
+    """Run a benchmark row's own process (``cmd``, which writes its result as JSON to ``result``) with empty compile
+    caches in ``tmp`` (inductor's and Triton's) and the row's compile-ahead switch; its result."""
+    import subprocess
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
+               TRITON_CACHE_DIR=os.path.join(tmp, "triton"))  # fmt: skip
+    if row in AHEAD_ROWS:
+        env["PEFT_CSGMV_COMPILE_AHEAD"] = AHEAD_ROWS[row]
+    subprocess.run(cmd, env=env, check=True)
+    with open(result) as f:
+        return json.load(f)
+
+
 def _clock_up(device: torch.device, seconds: float = 0.5) -> None:
     """Keep the GPU busy for a moment before a row is timed: after a host-bound row (eager decode leaves the GPU mostly
     idle) the clocks can be down, and the next row's first timings would pay for it."""

@@ -371,8 +371,7 @@ def compiled_route(key: int, epoch: int, n: int, shape: torch.Size, device: torc
     num_tokens = math.prod(shape[:-1])
     if stack.in_features != width or num_tokens % shape[0]:
         return None
-    plain = type(base) is nn.Linear and "forward" not in base.__dict__ and stack.mag is None
-    small = num_tokens <= BESIDE_MAX_TOKENS
+    plain, small = _plain_linear(base, stack), num_tokens <= BESIDE_MAX_TOKENS
     where = str(device)
 
     def op_args(s) -> tuple:
@@ -402,6 +401,14 @@ def compiled_route(key: int, epoch: int, n: int, shape: torch.Size, device: torc
 BESIDE_MAX_TOKENS = 512
 
 
+def _plain_linear(base: nn.Module, stack: "LoraStack") -> bool:
+    """What an op that computes the base product itself (``peft_csgmv::lora_linear``, a sibling group's op) needs of a
+    layer: a plain ``nn.Linear`` base whose forward is the class's ``F.linear`` (no instance-level forward, as
+    accelerate's ``device_map`` hooks install; the callers check module hooks) and an activation stack without DoRA.
+    One check for :func:`compiled_route`, :func:`_beside` and :func:`_groupable`."""
+    return type(base) is nn.Linear and "forward" not in base.__dict__ and stack.mag is None and not stack.embedding
+
+
 def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor, min_bytes: int) -> bool:
     """Whether compiled code, with the executor's ``beside`` switch on (:meth:`Executor.beside_on`, the caller checked),
     runs this layer's base product and LoRA in one ``peft_csgmv::lora_linear`` (the LoRA on a side stream beside the
@@ -409,10 +416,7 @@ def _beside(stack: "LoraStack", base: nn.Module, x: torch.Tensor, min_bytes: int
     forward, as accelerate's ``device_map`` hooks install; the caller checked that no module hook is registered on it),
     no DoRA, a decode-sized input; and a base weight of at least ``min_bytes`` (:attr:`Executor.beside_min_bytes`)."""
     return (
-        type(base) is nn.Linear
-        and "forward" not in base.__dict__  # an instance-level forward (accelerate's device hooks) must run
-        and stack.mag is None
-        and not stack.embedding
+        _plain_linear(base, stack)
         and x.dim() >= 2
         and x.numel() <= BESIDE_MAX_TOKENS * x.shape[-1]
         and base.weight.nbytes >= min_bytes
@@ -474,11 +478,8 @@ def _groupable(base: nn.Module, stack: "LoraStack", x: torch.Tensor) -> bool:
     ``nn.Linear`` base whose forward is the class's, without hooks (the caller checked the layer's own and that no
     variant arguments came), no DoRA or ``lora_bias``, a decode-sized input of the stack's width on its device."""
     return (
-        type(base) is nn.Linear
-        and "forward" not in base.__dict__
-        and stack.mag is None
+        _plain_linear(base, stack)
         and stack.lora_bias is None
-        and not stack.embedding
         and stack.device == x.device
         and stack.in_features == x.shape[-1]
         and x.numel() <= BESIDE_MAX_TOKENS * x.shape[-1]
