@@ -902,10 +902,12 @@ def test_compile_worker_answers_each_job_with_its_errors():
 def test_a_compile_worker_that_does_not_answer_is_stopped(monkeypatch):
     """A worker that takes a job and never answers does not hold its caller: past the job's time limit the call
     raises (the compile-ahead job then gives up, and the variants compile at their first launch), the worker is
-    killed, and the next job starts a new one."""
+    killed, and the next job starts a new one; after a second failed worker none is started again in the process
+    (a setup where workers cannot run costs each job nothing more)."""
     from peft_csgmv.kernels import ahead
 
     monkeypatch.setattr(ahead, "_worker", None)
+    monkeypatch.setattr(ahead, "_failures", 0)
     monkeypatch.setattr(ahead, "JOB_TIMEOUT_S", 1.0)
     monkeypatch.setattr(ahead, "_BOOT", "import sys, time; sys.stdin.buffer.read(8); time.sleep(60)")
     t0 = time.perf_counter()
@@ -914,6 +916,16 @@ def test_a_compile_worker_that_does_not_answer_is_stopped(monkeypatch):
     assert time.perf_counter() - t0 < 30
     hung = ahead._worker
     assert hung.proc.wait(timeout=10) is not None, "the worker that did not answer is still running"
+    assert ahead._failures == 1
+    with monkeypatch.context() as m:
+        m.setattr(ahead, "_BOOT", "import sys; sys.exit(3)")  # (a second worker that dies at once)
+        with pytest.raises((OSError, EOFError)):  # (its pipe broken, or closed)
+            ahead.compile_elsewhere([("peft_csgmv.kernels.shrink", "_no_such_kernel", 0, (1, 1, 1), (), {}, ())])
+    started = []
+    monkeypatch.setattr(ahead, "Worker", lambda: started.append(1))
+    with pytest.raises(RuntimeError, match="failed before"):
+        ahead.compile_elsewhere([("peft_csgmv.kernels.shrink", "_no_such_kernel", 0, (1, 1, 1), (), {}, ())])
+    assert not started, "a worker started after two had failed"
     monkeypatch.undo()
     monkeypatch.setattr(ahead, "_worker", hung)
     errors = ahead.compile_elsewhere([("peft_csgmv.kernels.shrink", "_no_such_kernel", 0, (1, 1, 1), (), {}, ())])

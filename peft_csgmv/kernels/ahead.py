@@ -66,22 +66,36 @@ class Worker:
 
 _worker: Worker | None = None
 _worker_lock = threading.Lock()
+_failures = 0  # workers that died or did not answer, this process
+MAX_FAILURES = 2  # then no more are started: every variant compiles at its first launch (a broken setup costs little)
 
 
 def compile_elsewhere(records: list) -> list[str]:
-    """Compile the recorded launches in the worker process (started, or started again, here); its errors."""
-    global _worker
+    """Compile the recorded launches in the worker process (started, or started again, here); its errors. Raises
+    where the worker fails, and at once after :data:`MAX_FAILURES` failed workers."""
+    global _worker, _failures
     with _worker_lock:
+        if _failures >= MAX_FAILURES:
+            raise RuntimeError("the kernel compile worker failed before: compiling at first launch")
         if _worker is None or not _worker.alive():
-            _worker = Worker()
+            try:
+                _worker = Worker()
+            except BaseException:  # (no interpreter to start: as a failed worker)
+                _failures += 1
+                raise
         worker = _worker
-    return worker.compile(records)
+    try:
+        return worker.compile(records)
+    except BaseException:
+        with _worker_lock:
+            _failures += 1
+        raise
 
 
 def _forget() -> None:
     """In a forked child: the parent's worker is the parent's."""
-    global _worker
-    _worker = None
+    global _worker, _failures
+    _worker, _failures = None, 0
 
 
 os.register_at_fork(after_in_child=_forget)
