@@ -7,13 +7,13 @@ dynamo's alone: the part of a compile that csgmv's patched layers add to (docs/b
     python benchmarks/trace_time.py --rows csgmv --by-line 25     # where csgmv's own code spends the trace
     python benchmarks/trace_time.py --rows base,csgmv --device cuda --profile results/trace_prof
 
-
 Per row: dynamo's ``bytecode_tracing`` and ``build_guards`` seconds, the graph's calls (``calls_captured``) and the
 instructions dynamo stepped through. ``--by-line N``: the N lines of peft_csgmv that cost the trace most (time spent
 stepping their instructions, nested calls not counted). ``--device cuda``: the same model on the GPU (csgmv's ops then
-launch its Triton kernels, and hand their variants to the compile-ahead thread as they are traced; ``csgmv-noahead``:
-with that off). ``--profile DIR``: a cProfile of each row's first call (the main thread's), saved as
-``DIR/<row>_<round>.pstats``, its 15 costliest functions (own time) printed. The table is printed last.
+launch its Triton kernels, and hand their variants to the compile worker process as they are traced;
+``csgmv-threads``: to a thread of the process; ``csgmv-noahead``: neither). ``--profile DIR``: a cProfile of each
+row's first call, saved as ``DIR/<row>_<round>.pstats``, its 15 costliest functions (own time) printed (on Python
+3.12 cProfile records every thread's calls, compiles on other threads included). The table is printed last.
 """
 
 from __future__ import annotations

@@ -77,16 +77,13 @@ def compile_elsewhere(records: list) -> list[str]:
     with _worker_lock:
         if _failures >= MAX_FAILURES:
             raise RuntimeError("the kernel compile worker failed before: compiling at first launch")
-        if _worker is None or not _worker.alive():
-            try:
-                _worker = Worker()
-            except BaseException:  # (no interpreter to start: as a failed worker)
-                _failures += 1
-                raise
-        worker = _worker
     try:
+        with _worker_lock:
+            if _worker is None or not _worker.alive():
+                _worker = Worker()
+            worker = _worker
         return worker.compile(records)
-    except BaseException:
+    except BaseException:  # (a worker that could not start, died or did not answer)
         with _worker_lock:
             _failures += 1
         raise

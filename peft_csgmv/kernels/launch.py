@@ -180,21 +180,19 @@ class Launcher:
         """``args``: the kernel's runtime arguments in signature order; ``constexprs``: its constexpr arguments, which
         follow them in the signature; ``options``: Triton launch options as ``(name, value)`` pairs (``num_warps``,
         ``num_stages``), part of the compiled kernel's key but not of its arguments."""
-        if not self.direct or _hooks_installed():
+        direct = self.direct and not _hooks_installed()
+        key = compiled = None
+        if direct:
+            key = self._key(args, constexprs) + options
+            compiled = self.compiled.get(key)
+        if compiled is None:  # Triton's own path (its first launch of this key compiles it), or recorded
             records = _RECORD.get()
             if records is not None:
                 records.append(self._record(grid, args, constexprs, options))
                 return
-            self.kernel[grid](*args, **constexprs, **dict(options))
-            return
-        key = self._key(args, constexprs) + options
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            records = _RECORD.get()
-            if records is not None:
-                records.append(self._record(grid, args, constexprs, options))
-                return
-            self.compiled[key] = self.kernel[grid](*args, **constexprs, **dict(options))
+            launched = self.kernel[grid](*args, **constexprs, **dict(options))
+            if direct:
+                self.compiled[key] = launched
             return
         stream = _driver.active.get_current_stream(key[0])
         try:
