@@ -132,7 +132,7 @@ def weights_device(layer: nn.Module) -> torch.device:
 _TENSORS = frozenset(("data", "a_off", "b_off", "ranks", "scalings", "mag", "bias", "lora_bias"))
 _VECTORS = (("ranks", torch.int32), ("scalings", torch.float32), ("a_off", torch.int64), ("b_off", torch.int64))
 _VECTOR_NAMES = frozenset(name for name, _ in _VECTORS)
-_TYPECODES = {torch.int32: "i", torch.int64: "q", torch.float32: "f"}  # the host mirrors' array types (DevicePages)
+_TYPECODES = {"ranks": "i", "scalings": "d", "a_off": "q", "b_off": "q"}  # the host mirrors' array types (DevicePages)
 _handles = itertools.count()
 _STACKS: "weakref.WeakValueDictionary[int, LoraStack]" = weakref.WeakValueDictionary()
 
@@ -176,9 +176,7 @@ class LoraStack:
     def __setattr__(self, name: str, value) -> None:
         if name in _TENSORS:
             self._bump()
-            if name == "data":  # the views :meth:`DevicePages.place` keeps are of the old storage
-                self.__dict__.pop("_page_views", None)
-            elif name in _VECTOR_NAMES and self.__dict__.get("pages") is not None:
+            if name in _VECTOR_NAMES and self.__dict__.get("pages") is not None:
                 self.pages.dirty = True  # another tensor than its row of the group's table: rebuilt on upload
         elif name == "_views" and value is None and self.__dict__.get("pages") is not None:
             self.pages.dirty = True  # a slot changed: the group's tables are uploaded again
@@ -354,10 +352,11 @@ class LoraStack:
         self.scalings = torch.cat([self.scalings, self.scalings.new_zeros(extra)])
         self.a_off = torch.cat([self.a_off, self.a_off.new_zeros(extra)])
         self.b_off = torch.cat([self.b_off, self.b_off.new_zeros(extra)])
-        self.ranks_host += [0] * extra
-        self.scalings_host += [0.0] * extra
-        self.a_off_host += [0] * extra
-        self.b_off_host += [0] * extra
+        # (new lists: with pages, the host lists are views of the group's mirrors, which the next upload rebuilds)
+        self.ranks_host = [*self.ranks_host, *[0] * extra]
+        self.scalings_host = [*self.scalings_host, *[0.0] * extra]
+        self.a_off_host = [*self.a_off_host, *[0] * extra]
+        self.b_off_host = [*self.b_off_host, *[0] * extra]
         self._views = None
 
     # -- storage ------------------------------------------------------------------------------------------------------
@@ -549,13 +548,8 @@ class LoraStack:
         self._free(slot)
         if self.ranks_host[slot]:  # the device copies follow on refresh (with pages: this slot's column of the tables)
             self.__dict__["_views"] = None
-            pages = self.pages
-            if pages is not None:
-                pages.dirty_slots.add(slot)
-                if slot < pages.width:  # (see DevicePages.cells)
-                    cell = self.row * pages.width + slot
-                    pages.cells[0][cell] = 0
-                    pages.cells[1][cell] = 0.0
+            if self.pages is not None:  # (the host lists below are views of its mirrors: DevicePages.cells)
+                self.pages.dirty_slots.add(slot)
         if self.mag is not None or self.lora_bias is not None:
             self.set_extras(slot, None, None)
         self.ranks_host[slot] = 0
@@ -604,6 +598,22 @@ class PagePart(NamedTuple):
     bias: torch.Tensor | None  # lora_B's bias (PEFT's lora_bias=True)
 
 
+_LAYOUTS: dict[tuple, int] = {}  # an adapter's layout in its page (stack rows, places, ranks) -> a small number
+
+
+class PageColumns(NamedTuple):
+    """An adapter's parts (:class:`PagePart`, one per layer of a group) as the columns of the group's tables that a
+    bring-in writes, worked out once per adapter (:meth:`DevicePages.columns`): with ``span``, the parts' rows are
+    consecutive, first to last, and each table's column is written in one strided slice."""
+
+    span: tuple[int, int] | None  # the parts' rows are range(*span), in order (else None: written cell by cell)
+    rows: tuple[int, ...]  # each part's row of the tables
+    ranks: array.array  # each part's rank ('i')
+    rel: tuple[int, ...]  # where each part's A / B start in the page
+    b_rel: tuple[int, ...]
+    layout: int  # the same number for adapters whose parts have the same rows, places and ranks (the views cache)
+
+
 class DevicePages:
     """The host tier's device memory for the stacks of one device and dtype: one page per slot, each holding the
     resident adapter of that slot in every stack of the group, laid out as the adapter's host region (its layers in
@@ -620,12 +630,13 @@ class DevicePages:
         self.data = torch.empty(0, dtype=dtype, device=self.device)
         self.stacks: "weakref.WeakSet[LoraStack]" = weakref.WeakSet()
         # Every stack's per-slot vectors as rows of one table each (a row per stack, :attr:`LoraStack.row`): a call
-        # that moves adapters uploads four tables, not four vectors per layer. Each table has a host mirror, whose
-        # memory is a flat array (``cells``, in :data:`_VECTORS` order, ``width`` slots a row) that the tier's moves
-        # (:meth:`place`, :func:`vacate`) write as they write the stacks' host lists: element writes cost the host
-        # what a list's do, and an upload is then only the copies. ``dirty``: anything else may have changed since
-        # (the mirrors are built again from every stack's host lists); ``dirty_slots``: only these slots' columns,
-        # written into the mirrors already.
+        # that moves adapters uploads four tables, not four vectors per layer. Each table has a host mirror whose
+        # memory is a flat array (``cells``, in :data:`_VECTORS` order, ``width`` slots a row; scalings as doubles,
+        # PEFT's Python floats, rounded to fp32 on upload), and each stack's host lists are memoryviews of its rows
+        # of them: a move writes a slot's column of a table for every layer in one strided slice (:meth:`place`), and
+        # an upload is only the copies. ``dirty``: a stack joined, or replaced a vector or its host lists (the
+        # mirrors are built again from every stack's host lists, which then view them); ``dirty_slots``: only these
+        # slots' columns changed, written into the mirrors already.
         self.rows = 0
         self.width = 0
         self.table: dict[str, torch.Tensor] = {}
@@ -633,6 +644,9 @@ class DevicePages:
         self.cells: list[array.array] = []
         self.dirty = True
         self.dirty_slots: set[int] = set()
+        # (slot, PageColumns.layout) -> each part's two views of the slot's page, while :attr:`data` holds: a view costs
+        # the host ~2 µs, re-pointing a parameter at one ~0.3.
+        self.views: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def join(self, stack: "LoraStack") -> int:
         """Take ``stack`` into the group: its storage is :attr:`data`, its per-slot vectors a row of the tables."""
@@ -645,12 +659,16 @@ class DevicePages:
         """Every stack's per-slot vectors (ranks, scalings, offsets) from the host to the device: one copy per table,
         into the same tensors while their shape holds (compiled graphs and bound launches keep reading them); each
         stack's vectors are views of its row. Where only :attr:`dirty_slots` changed, the mirrors hold them already
-        (the moves wrote their columns) and the stacks' vectors are their rows already (replacing one marks the group
-        :attr:`dirty`): the copies are all there is to do. Else the mirrors are built from every stack's host lists."""
-        stacks = list(self.stacks)
+        (the moves wrote their columns, through the stacks' host lists or :meth:`place`) and the stacks' vectors are
+        their rows already: the copies are all there is to do. Else the mirrors are built from every stack's host
+        lists, every stack then at the group's width, its host lists views of its rows."""
+        stacks = sorted(self.stacks, key=lambda s: s.row)
         width = max((s.capacity for s in stacks), default=1)
         shape = (self.rows, width)
         full = self.dirty or any(tuple(getattr(self.mirror.get(name), "shape", ())) != shape for name, _ in _VECTORS)
+        if full:
+            for s in stacks:
+                s.ensure_capacity(width)
         cells_made = []
         for name, dtype in _VECTORS:
             table = self.table.get(name)
@@ -660,16 +678,20 @@ class DevicePages:
             if full:
                 flat = [0] * (self.rows * width)
                 for s in stacks:
-                    values = getattr(s, name + "_host")
-                    flat[s.row * width : s.row * width + len(values)] = values
-                cells = array.array(_TYPECODES[dtype], flat)
+                    flat[s.row * width : (s.row + 1) * width] = getattr(s, name + "_host")
+                cells = array.array(_TYPECODES[name], flat)
                 cells_made.append(cells)
-                mirror = torch.frombuffer(cells, dtype=dtype) if cells else torch.zeros(0, dtype=dtype)
+                host_dtype = torch.float64 if name == "scalings" else dtype
+                mirror = torch.frombuffer(cells, dtype=host_dtype) if cells else torch.zeros(0, dtype=host_dtype)
                 mirror = self.mirror[name] = mirror.view(shape)  # the cells' memory
+                rows = memoryview(cells)
+                for s in stacks:  # (set directly: replacing host lists through __setattr__ marks nothing)
+                    s.__dict__[name + "_host"] = rows[s.row * width : (s.row + 1) * width]
             else:
                 mirror = self.mirror[name]
-            # (pinned: a copy of the mirror, which the next moves change while this copy may be in flight)
-            table.copy_(mirror.pin_memory() if table.is_cuda else mirror, non_blocking=True)
+            # (a copy of the mirror, pinned: the next moves change the mirror while this copy may be in flight)
+            src = mirror.to(dtype) if mirror.dtype != dtype else mirror
+            table.copy_(src.pin_memory() if table.is_cuda else src, non_blocking=True)
             if not (full or fresh):
                 continue
             # Each stack's vector is its row of the table: made only where it is not already (a view per stack and
@@ -684,47 +706,64 @@ class DevicePages:
         self.dirty = False
         self.dirty_slots = set()
 
-    def place(self, slot: int, parts: "list[PagePart]", scalings) -> None:
+    @staticmethod
+    def columns(parts: "list[PagePart]") -> PageColumns:
+        """``parts``' :class:`PageColumns` (once per adapter: the host tier keeps them with its placement)."""
+        rows = tuple(part.stack.row for part in parts)
+        span = (rows[0], rows[-1] + 1) if rows and rows == tuple(range(rows[0], rows[-1] + 1)) else None
+        rel, b_rel = tuple(part.rel for part in parts), tuple(part.b_rel for part in parts)
+        ranks = array.array("i", [part.rank for part in parts])
+        layout = _LAYOUTS.setdefault((rows, rel, tuple(ranks)), len(_LAYOUTS))
+        return PageColumns(span, rows, ranks, rel, b_rel, layout)
+
+    def place(self, slot: int, parts: "list[PagePart]", scalings, columns: PageColumns | None = None) -> None:
         """The host tier's bring-in: an adapter's ``parts`` in this group (one per layer, PEFT's scaling of each in
-        ``scalings``) set as slot ``slot`` of their stacks, at their places in the slot's page, where one copy of the
-        adapter's region put its weights already. PEFT's weights become views of the slot (``share``, as
-        :meth:`LoraStack.set_slot`'s) or, weights of another dtype, are copied in. Only this slot is touched: only
-        its column of the tables is uploaded. One pass over the layers with plain writes, no method call per layer
-        (this runs for each layer of every adapter brought in): re-pointing PEFT's two weights is most of it."""
+        ``scalings``; ``columns``: theirs, :meth:`columns`) set as slot ``slot`` of their stacks, at their places in
+        the slot's page, where one copy of the adapter's region put its weights already. PEFT's weights become views
+        of the slot (``share``, as :meth:`LoraStack.set_slot`'s) or, weights of another dtype, are copied in. Only
+        this slot is touched: only its column of the tables is uploaded.
+
+        This runs for each layer of every adapter brought in, so the slot's ranks, scalings and offsets in every
+        layer are written as one column per table, into the mirrors the stacks' host lists view; one pass over the
+        layers with plain writes is left, no method call per layer: re-pointing PEFT's two weights is most of it."""
+        if columns is None:
+            columns = self.columns(parts)
+        if slot >= self.width:
+            for part in parts:
+                part.stack.ensure_capacity(slot + 1)
+        if self.dirty or slot >= self.width:  # the mirrors as wide as the stacks, their host lists views of them
+            self.upload()
         base, width = slot * self.page_numel, self.width
         self.dirty_slots.add(slot)
-        # The mirrors' cells, where this slot has a column (else the group is dirty: they are built again anyway).
-        ranks_m, scalings_m, a_off_m, b_off_m = self.cells if slot < width else (None,) * 4
-        for (stack, rel, b_rel, rank, length, a, b, share, bias), scaling in zip(parts, scalings):
-            state = stack.__dict__
-            if slot >= len(state["ranks_host"]):
-                stack.ensure_capacity(slot + 1)
-            start, b_start, scaling = base + rel, base + b_rel, float(scaling)
+        ranks_m, scalings_m, a_off_m, b_off_m = self.cells
+        a_col = array.array("q", [base + rel for rel in columns.rel])
+        b_col = array.array("q", [base + rel for rel in columns.b_rel])
+        s_col = array.array("d", scalings)
+        if columns.span is not None:
+            cut = slice(columns.span[0] * width + slot, columns.span[1] * width, width)
+            ranks_m[cut], scalings_m[cut], a_off_m[cut], b_off_m[cut] = columns.ranks, s_col, a_col, b_col
+        else:
+            for i, row in enumerate(columns.rows):
+                cell = row * width + slot
+                ranks_m[cell], scalings_m[cell] = columns.ranks[i], s_col[i]
+                a_off_m[cell], b_off_m[cell] = a_col[i], b_col[i]
+        views = self.views.get((slot, columns.layout))
+        if views is None:
+            if len(self.views) >= 2 * max(self.count, 1):  # many layouts (mixed ranks): keep the host memory bounded
+                self.views.clear()
+            views = self.views[(slot, columns.layout)] = [(p.stack.slot_a(slot), p.stack.slot_b(slot)) for p in parts]
+        for (stack, rel, _, _, length, a, b, share, bias), (dst_a, dst_b) in zip(parts, views):
+            start = base + rel
             stack.reserved[slot] = start
             stack.extents[slot] = (start, length)
-            stack.a_off_host[slot] = start
-            stack.b_off_host[slot] = b_start
-            stack.ranks_host[slot] = rank
-            stack.scalings_host[slot] = scaling
             stack.sources[slot] = a
-            if ranks_m is not None:
-                cell = stack.row * width + slot
-                ranks_m[cell], scalings_m[cell], a_off_m[cell], b_off_m[cell] = rank, scaling, start, b_start
-            state["_views"] = None  # (set directly: the stack's __setattr__ would mark the whole group dirty)
-            # The slot's two views of the page, made once per place and rank while the storage holds: a view costs
-            # the host ~2 µs, re-pointing a parameter at one ~0.3.
-            views = state.get("_page_views")
-            if views is None:
-                views = state["_page_views"] = {}
-            dst = views.get((start, rank))
-            if dst is None:
-                dst = views[(start, rank)] = (stack.slot_a(slot), stack.slot_b(slot))
+            stack.__dict__["_views"] = None  # (set directly: the stack's __setattr__ would mark the whole group dirty)
             if share:
-                a.data, b.data = dst
+                a.data, b.data = dst_a, dst_b
                 stack.shared[slot] = (a, b)
             else:
-                dst[0].copy_(a.detach(), non_blocking=True)
-                dst[1].copy_(b.detach(), non_blocking=True)
+                dst_a.copy_(a.detach(), non_blocking=True)
+                dst_b.copy_(b.detach(), non_blocking=True)
             if bias is not None or stack.mag is not None or stack.lora_bias is not None:
                 stack.set_extras(slot, None, bias)
 
@@ -749,6 +788,7 @@ class DevicePages:
             old = self.data.view(self.count, old_numel)
             data.view(count, page_numel)[: self.count, :old_numel].copy_(old)
         self.data, self.count, self.page_numel = data, count, page_numel
+        self.views.clear()
         for stack in list(self.stacks):
             stack.data = data
             stack.repage(old_numel)
@@ -758,6 +798,7 @@ class DevicePages:
         device = torch.device(device)
         if self.data.device != device:
             self.data, self.device = self.data.to(device), device
+            self.views.clear()
         return self
 
     @property

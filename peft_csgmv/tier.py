@@ -23,7 +23,17 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .slots import DevicePages, HostArena, LoraStack, PagePart, layer_adapter, module_param, set_peft_rows, vacate
+from .slots import (
+    DevicePages,
+    HostArena,
+    LoraStack,
+    PageColumns,
+    PagePart,
+    layer_adapter,
+    module_param,
+    set_peft_rows,
+    vacate,
+)
 
 
 @dataclass
@@ -41,7 +51,9 @@ class Placement:
     rest: list[tuple[torch.Tensor, torch.device]] = field(default_factory=list)
     peft_layers: list[nn.Module] = field(default_factory=list)
     views: dict = field(default_factory=dict)  # region key -> HostTier.regions' tuple for that region
-    stacks: frozenset | None = None  # the stacks of its parts (made on first use: HostTier.refill)
+    stack_list: list[LoraStack] = field(default_factory=list)  # the stacks of its parts, in order
+    stacks: frozenset = frozenset()  # the same, as a set
+    columns: dict[DevicePages, PageColumns] = field(default_factory=dict)  # its parts as table columns, per group
 
     def all_parts(self) -> Iterator[PagePart]:
         """Every part, group by group."""
@@ -85,6 +97,8 @@ def placement_of(layers, name: str, kernel_reason: Callable[[nn.Module, str], st
         if layer.use_dora.get(name, False):
             placement.dora.append((layer, stack, bias))
         placement.rest += [(p, stack.device) for p in params if not (share and (p is a or p is b))]
+    placement.stack_list = [part.stack for part in placement.all_parts()]
+    placement.stacks = frozenset(placement.stack_list)
     return placement
 
 
@@ -195,7 +209,10 @@ class HostTier:
             if p.device != device:
                 p.data = p.data.to(device, copy=True, non_blocking=True)
         for pages, parts in placement.parts.items():
-            pages.place(slot, parts, [layer.scaling[name] for layer in placement.layers[pages]])
+            columns = placement.columns.get(pages)
+            if columns is None:
+                columns = placement.columns[pages] = pages.columns(parts)
+            pages.place(slot, parts, [layer.scaling[name] for layer in placement.layers[pages]], columns)
         for layer, stack, bias in placement.dora:
             stack.set_extras(slot, dora_scale(layer, name), bias)
         for layer in placement.peft_layers:
@@ -210,7 +227,7 @@ class HostTier:
         here the stacks only let go of its parameters (which now view host memory)."""
         placement = self.placements[name]
         self.park(name, slot)
-        stacks = [part.stack for part in placement.all_parts()]
+        stacks = placement.stack_list
         if empty:
             vacate(slot, stacks)
         else:
@@ -225,8 +242,6 @@ class HostTier:
         still describe: the slot emptied in those of them that ``name``'s bring-in does not write (every field it
         would empty, the bring-in sets anew in the others)."""
         placement = self.placements[name]
-        if placement.stacks is None:
-            placement.stacks = frozenset(part.stack for part in placement.all_parts())
         vacate(slot, [stack for stack in held if stack not in placement.stacks])
 
 

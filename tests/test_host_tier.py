@@ -309,8 +309,8 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
         calls.append(1)
         if len(calls) == nth:
             if where == "place":  # part way through the group's layers
-                pages, slot, parts, scalings = args
-                real(pages, slot, parts[:4], scalings)
+                pages, slot, parts, scalings, _ = args
+                real(pages, slot, parts[:4], scalings[:4])
             raise RuntimeError("out of memory (injected)")
         return real(*args, **kwargs)
 
@@ -562,3 +562,40 @@ def test_moves_into_every_slot_write_the_mirrors_as_they_go(monkeypatch):
         _call(model, input_ids, mask, outs, ids)
         assert seen == [(False, [0, 1, 2])], f"{ids}: {seen}"
         _tables_hold_the_host_lists(model, pages)
+
+
+def test_adapters_on_some_layers_take_slots_from_adapters_on_all(monkeypatch):
+    """A bring-in writes its slot's column of each table for all its layers at once where its layers are one run of
+    the group's rows (an adapter on every linear layer), and cell by cell where they are not (attention's q / v only,
+    the MLP only). Through moves that hand slots between such adapters: every row gets its adapter's stock PEFT
+    result, the device tables hold exactly every stack's host lists, and each layer's rank in each slot is the slot's
+    adapter's there (0 where that adapter has no part: nothing of the slot's last adapter is left)."""
+    from peft_csgmv.slots import DevicePages
+
+    kinds = [ALL_LINEAR, ["q_proj", "v_proj"], ["gate_proj", "up_proj", "down_proj"]]
+    names = [f"d{i}" for i in range(6)]
+    specs = {
+        name: dict(r=2 + 2 * (i % 3), lora_alpha=5 + i, target_modules=kinds[i % 3]) for i, name in enumerate(names)
+    }
+    spans = []
+    real_columns = DevicePages.columns
+
+    def columns(parts):
+        made = real_columns(parts)
+        spans.append(made.span is not None)
+        return made
+
+    monkeypatch.setattr(DevicePages, "columns", staticmethod(columns))
+    model, input_ids, mask, outs, pages, _ = _tiered_with_upload_spy(monkeypatch, specs, 2)
+    state = model._csgmv
+    calls = [[names[0], names[1], BASE, names[0]], [names[2], names[1], names[2], BASE], [names[3], names[5], BASE,
+             names[3]], [names[4], names[0], names[4], names[4]], [names[2], names[1], BASE, names[1]]]  # fmt: skip
+    for ids in calls:
+        _call(model, input_ids, mask, outs, ids)
+        _tables_hold_the_host_lists(model, pages)
+        for layer in state.layers.values():
+            stack = layer._csgmv_stack
+            for slot, name in enumerate(state.registry.names):
+                want = layer.r.get(name, 0) if name is not None and name in layer.lora_A else 0
+                assert stack.ranks_host[slot] == want, f"slot {slot} ({name}): rank {stack.ranks_host[slot]}, not {want}"
+    assert True in spans and False in spans, f"both ways of writing a column were not taken: {spans}"
