@@ -15,6 +15,7 @@
 #            if need be: bench_static.py --model 1b / 8b) -> static_{1b,8b}.json
 #   memory   adapter memory with csgmv vs PEFT alone; 1000 adapters with the host tier; the tier's bookkeeping per move
 #            (~6 min) -> memory_1b.json, tier_host.log
+#   tier     the host tier's bookkeeping per move alone (bench_tier_host.py --phases, ~2 min)  -> tier_host.log
 #   multi    two GPUs (the nvidia-h200-x2 kind): 8B with device_map over both vs one; data-parallel generate -> multi_gpu.json
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
 #   beside   GPU time of compiled 1B/8B blocks, the LoRA after vs beside the base product (~2 min) -> beside.json
@@ -91,6 +92,8 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     memory)
       python3 benchmarks/bench_memory.py --out "$OUT/memory_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/memory_1b.log"
       grep "^|" "$OUT/memory_1b.log" || tail -25 "$OUT/memory_1b.log"
+      python3 benchmarks/bench_tier_host.py --phases 2>&1 | grep "^|" | tee "$OUT/tier_host.log" ;;
+    tier)
       python3 benchmarks/bench_tier_host.py --phases 2>&1 | grep "^|" | tee "$OUT/tier_host.log" ;;
     fp32)
       for m in 1b 8b; do

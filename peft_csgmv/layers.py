@@ -261,7 +261,10 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if compiling and not (args or kwargs):
         # Compiled code: the path :func:`compiled_route` chose for this layer when the graph was traced, written out
         # here (dynamo steps through every line of it for each layer of the model: each line, each call, costs the
-        # trace ~0.1-0.2 ms). ``None``: the general path below.
+        # trace ~0.1-0.2 ms). ``None``: the general path below. A delta (fp32) is added out of place and the sum
+        # rounded once to the base product's dtype: ``y.add_(delta)``'s numbers, without an in-place write into the
+        # base product, a view of its matmul in AOT autograd's trace, which functionalizing costs that trace 10-20 ms
+        # per layer (on the CPU: benchmarks/trace_time.py, docs/benchmarks.md); the compiler fuses either form.
         route = compiled_route(state["_csgmv_key"], _slots.ROUTE_EPOCH, ex.num_ids, x.shape, x.device)
         if route is not None:
             kind, base = route[0], self._modules["base_layer"]
@@ -269,18 +272,20 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
                 taken = ex.stash.pop(route[1], None)
                 if taken is not None and taken[0] is x and taken[1] == route[2]:
                     # (taken[3]: the base product, where the group's op computed it beside the LoRA)
-                    return (base.forward(x) if taken[3] is None else taken[3]).add_(taken[2])
+                    y = base.forward(x) if taken[3] is None else taken[3]
+                    return (y + taken[2]).to(y.dtype)
             elif kind == "lora":
                 return ops.lora_overload(x, base.forward(x), *getattr(ex, route[1]).plan, None, *route[2:])
             elif kind == "beside":  # (the base product is the op's: the route saw a plain Linear, no hooks)
                 y, delta = ops.lora_linear_overload(x, base.weight, base.bias, *getattr(ex, route[1]).plan, *route[2:])
-                return y.add_(delta)
+                return (y + delta).to(y.dtype)
             else:  # a sibling group's first member: the group's op, the others' deltas left for them
                 _, attr, handles, versions, chunk, triton, keys = route
                 deltas = ops.lora_group(x, *getattr(ex, attr).plan, list(handles), list(versions), chunk, triton)
                 for i in range(1, len(deltas)):
                     ex.stash[keys[i]] = (x, handles[i], deltas[i], None)
-                return base.forward(x).add_(deltas[0])
+                y = base.forward(x)
+                return (y + deltas[0]).to(y.dtype)
     base = self._modules["base_layer"]
     hooked = _hooked(base)
     stack: LoraStack = state["_csgmv_stack"]
@@ -463,14 +468,14 @@ def _compiled_lora(ex: Executor, stack: "LoraStack", x, result, rows: int, devic
 
 def _compiled_beside(ex: Executor, stack: "LoraStack", base: nn.Linear, x, rows: int, device) -> torch.Tensor:
     """A plain Linear layer inside compiled code: its base product and LoRA in one ``peft_csgmv::lora_linear`` (the
-    LoRA beside the base product on CUDA), then ``y += delta``, computed in fp32 and rounded once to ``y``'s dtype,
-    which the compiler fuses into whatever reads the output: the numbers of :func:`_compiled_lora`'s out-of-place
-    sum."""
+    LoRA beside the base product on CUDA), then ``y + delta``, computed in fp32 and rounded once to ``y``'s dtype
+    (out of place: see :func:`_csgmv_forward`), which the compiler fuses into whatever reads the output: the numbers
+    of :func:`_compiled_lora`'s out-of-place sum."""
     static, triton, fused = _compiled_plan(ex, stack, x, rows, device)
     y, delta = ops.lora_linear_overload(
         x, base.weight, base.bias, *static.plan, stack.handle, stack.version, static.chunk, triton, fused
     )
-    return y.add_(delta)
+    return (y + delta).to(y.dtype)
 
 
 def _groupable(base: nn.Module, stack: "LoraStack", x: torch.Tensor) -> bool:
@@ -529,8 +534,10 @@ def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x,
         for index, (handle, delta, y) in enumerate(zip(handles, deltas[1:], ys[1:]), start=1):
             ex.stash[(key, index)] = (x, handle, delta, y)
         delta, y = deltas[0], ys[0]
-    # y += delta in fp32, rounded once to y's dtype (one traced call; the compiler fuses it into the output's reader)
-    return (base.forward(x) if y is None else y).add_(delta)
+    # y + delta in fp32, rounded once to y's dtype (out of place: see _csgmv_forward; the compiler fuses it into the
+    # output's reader)
+    y = base.forward(x) if y is None else y
+    return (y + delta).to(y.dtype)
 
 
 def _follow_weights(layer: nn.Module, stack: "LoraStack", ex: Executor, device: torch.device) -> bool:
