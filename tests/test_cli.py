@@ -542,9 +542,17 @@ def _console_script():
     return path
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(args, ready, timeout=120):
-    """Start the command, wait until ``ready(pid)``, send SIGINT; return (exit status, stderr)."""
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """Start the command, wait until ``ready(pid)``, send SIGINT; return (exit status, stderr). The command starts with
+    Ctrl-C's default disposition, as from a terminal, whatever the test run's own is (a shell starts background jobs
+    with SIGINT ignored, which a child inherits, and Python then installs no handler for it)."""
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default
+    )
     try:
         deadline = time.monotonic() + timeout
         while not ready(proc.pid):
