@@ -598,9 +598,6 @@ class PagePart(NamedTuple):
     bias: torch.Tensor | None  # lora_B's bias (PEFT's lora_bias=True)
 
 
-_LAYOUTS: dict[tuple, int] = {}  # an adapter's layout in its page (stack rows, places, ranks) -> a small number
-
-
 class PageColumns(NamedTuple):
     """An adapter's parts (:class:`PagePart`, one per layer of a group) as the columns of the group's tables that a
     bring-in writes, worked out once per adapter (:meth:`DevicePages.columns`): with ``span``, the parts' rows are
@@ -611,7 +608,7 @@ class PageColumns(NamedTuple):
     ranks: array.array  # each part's rank ('i')
     rel: tuple[int, ...]  # where each part's A / B start in the page
     b_rel: tuple[int, ...]
-    layout: int  # the same number for adapters whose parts have the same rows, places and ranks (the views cache)
+    layout: int  # the same number for a group's adapters whose parts have the same rows, places and ranks (its views)
 
 
 class DevicePages:
@@ -647,6 +644,7 @@ class DevicePages:
         # (slot, PageColumns.layout) -> each part's two views of the slot's page, while :attr:`data` holds: a view costs
         # the host ~2 µs, re-pointing a parameter at one ~0.3.
         self.views: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.layouts: dict[tuple, int] = {}  # (stack rows, places, ranks) of an adapter's parts -> PageColumns.layout
 
     def join(self, stack: "LoraStack") -> int:
         """Take ``stack`` into the group: its storage is :attr:`data`, its per-slot vectors a row of the tables."""
@@ -706,14 +704,13 @@ class DevicePages:
         self.dirty = False
         self.dirty_slots = set()
 
-    @staticmethod
-    def columns(parts: "list[PagePart]") -> PageColumns:
+    def columns(self, parts: "list[PagePart]") -> PageColumns:
         """``parts``' :class:`PageColumns` (once per adapter: the host tier keeps them with its placement)."""
         rows = tuple(part.stack.row for part in parts)
         span = (rows[0], rows[-1] + 1) if rows and rows == tuple(range(rows[0], rows[-1] + 1)) else None
         rel, b_rel = tuple(part.rel for part in parts), tuple(part.b_rel for part in parts)
         ranks = array.array("i", [part.rank for part in parts])
-        layout = _LAYOUTS.setdefault((rows, rel, tuple(ranks)), len(_LAYOUTS))
+        layout = self.layouts.setdefault((rows, rel, tuple(ranks)), len(self.layouts))
         return PageColumns(span, rows, ranks, rel, b_rel, layout)
 
     def place(self, slot: int, parts: "list[PagePart]", scalings, columns: PageColumns | None = None) -> None:

@@ -580,12 +580,12 @@ def test_adapters_on_some_layers_take_slots_from_adapters_on_all(monkeypatch):
     spans = []
     real_columns = DevicePages.columns
 
-    def columns(parts):
-        made = real_columns(parts)
+    def columns(self, parts):
+        made = real_columns(self, parts)
         spans.append(made.span is not None)
         return made
 
-    monkeypatch.setattr(DevicePages, "columns", staticmethod(columns))
+    monkeypatch.setattr(DevicePages, "columns", columns)
     model, input_ids, mask, outs, pages, _ = _tiered_with_upload_spy(monkeypatch, specs, 2)
     state = model._csgmv
     calls = [[names[0], names[1], BASE, names[0]], [names[2], names[1], names[2], BASE], [names[3], names[5], BASE,
