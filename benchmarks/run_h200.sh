@@ -44,6 +44,9 @@ set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-results}
 mkdir -p "$OUT"
+tier_host() {  # the host tier's bookkeeping per move (stages memory and tier)
+  python3 benchmarks/bench_tier_host.py --phases 2>&1 | grep "^|" | tee "$OUT/tier_host.log"
+}
 for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
   echo "== $stage $(date -u +%T)"
   case $stage in
@@ -92,9 +95,9 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     memory)
       python3 benchmarks/bench_memory.py --out "$OUT/memory_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/memory_1b.log"
       grep "^|" "$OUT/memory_1b.log" || tail -25 "$OUT/memory_1b.log"
-      python3 benchmarks/bench_tier_host.py --phases 2>&1 | grep "^|" | tee "$OUT/tier_host.log" ;;
+      tier_host ;;
     tier)
-      python3 benchmarks/bench_tier_host.py --phases 2>&1 | grep "^|" | tee "$OUT/tier_host.log" ;;
+      tier_host ;;
     fp32)
       for m in 1b 8b; do
         python3 benchmarks/bench_e2e.py --model $m --fp32-adapters --csgmv-only --distinct 1,32 --repeats 5 \

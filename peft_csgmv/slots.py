@@ -132,7 +132,9 @@ def weights_device(layer: nn.Module) -> torch.device:
 _TENSORS = frozenset(("data", "a_off", "b_off", "ranks", "scalings", "mag", "bias", "lora_bias"))
 _VECTORS = (("ranks", torch.int32), ("scalings", torch.float32), ("a_off", torch.int64), ("b_off", torch.int64))
 _VECTOR_NAMES = frozenset(name for name, _ in _VECTORS)
-_TYPECODES = {"ranks": "i", "scalings": "d", "a_off": "q", "b_off": "q"}  # the host mirrors' array types (DevicePages)
+# The host mirrors' array type codes and the torch dtypes that view them (DevicePages.cells): scalings as doubles.
+_MIRROR_TYPES = {"ranks": ("i", torch.int32), "scalings": ("d", torch.float64), "a_off": ("q", torch.int64),
+                 "b_off": ("q", torch.int64)}  # fmt: skip
 _handles = itertools.count()
 _STACKS: "weakref.WeakValueDictionary[int, LoraStack]" = weakref.WeakValueDictionary()
 
@@ -660,7 +662,7 @@ class DevicePages:
         (the moves wrote their columns, through the stacks' host lists or :meth:`place`) and the stacks' vectors are
         their rows already: the copies are all there is to do. Else the mirrors are built from every stack's host
         lists, every stack then at the group's width, its host lists views of its rows."""
-        stacks = sorted(self.stacks, key=lambda s: s.row)
+        stacks = list(self.stacks)
         width = max((s.capacity for s in stacks), default=1)
         shape = (self.rows, width)
         full = self.dirty or any(tuple(getattr(self.mirror.get(name), "shape", ())) != shape for name, _ in _VECTORS)
@@ -677,9 +679,9 @@ class DevicePages:
                 flat = [0] * (self.rows * width)
                 for s in stacks:
                     flat[s.row * width : (s.row + 1) * width] = getattr(s, name + "_host")
-                cells = array.array(_TYPECODES[name], flat)
+                typecode, host_dtype = _MIRROR_TYPES[name]
+                cells = array.array(typecode, flat)
                 cells_made.append(cells)
-                host_dtype = torch.float64 if name == "scalings" else dtype
                 mirror = torch.frombuffer(cells, dtype=host_dtype) if cells else torch.zeros(0, dtype=host_dtype)
                 mirror = self.mirror[name] = mirror.view(shape)  # the cells' memory
                 rows = memoryview(cells)
@@ -713,7 +715,7 @@ class DevicePages:
         layout = self.layouts.setdefault((rows, rel, tuple(ranks)), len(self.layouts))
         return PageColumns(span, rows, ranks, rel, b_rel, layout)
 
-    def place(self, slot: int, parts: "list[PagePart]", scalings, columns: PageColumns | None = None) -> None:
+    def place(self, slot: int, parts: "list[PagePart]", scalings, columns: PageColumns) -> None:
         """The host tier's bring-in: an adapter's ``parts`` in this group (one per layer, PEFT's scaling of each in
         ``scalings``; ``columns``: theirs, :meth:`columns`) set as slot ``slot`` of their stacks, at their places in
         the slot's page, where one copy of the adapter's region put its weights already. PEFT's weights become views
@@ -723,8 +725,6 @@ class DevicePages:
         This runs for each layer of every adapter brought in, so the slot's ranks, scalings and offsets in every
         layer are written as one column per table, into the mirrors the stacks' host lists view; one pass over the
         layers with plain writes is left, no method call per layer: re-pointing PEFT's two weights is most of it."""
-        if columns is None:
-            columns = self.columns(parts)
         if slot >= self.width:
             for part in parts:
                 part.stack.ensure_capacity(slot + 1)

@@ -310,7 +310,7 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
         if len(calls) == nth:
             if where == "place":  # part way through the group's layers
                 pages, slot, parts, scalings, _ = args
-                real(pages, slot, parts[:4], scalings[:4])
+                real(pages, slot, parts[:4], scalings[:4], pages.columns(parts[:4]))
             raise RuntimeError("out of memory (injected)")
         return real(*args, **kwargs)
 
