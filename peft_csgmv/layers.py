@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -657,3 +658,50 @@ def unpatch_layer(layer: nn.Module) -> None:
 
 def is_patched(layer: nn.Module) -> bool:
     return "_csgmv_exec" in layer.__dict__
+
+
+# The parameter walks of torch.compile. dynamo, as it meets each module of a traced call (the model, each decoder
+# layer, its attention and MLP blocks, each LoRA layer), walks every parameter and buffer under it twice (marking them
+# static inputs, recording their names), unless the module's ``named_parameters`` / ``named_buffers`` are not
+# ``nn.Module``'s own, which it takes as a module that defines its own. Under each LoRA layer PEFT keeps three modules
+# and two parameters per adapter loaded, so with many adapters each walk covers many times the base model's tree,
+# parameters the graph never reads. The modules above csgmv's layers (and those layers) get instance-level
+# ``named_parameters`` / ``named_buffers`` that call their class's own: the same results for every caller, and no walk
+# by dynamo. The tensors a graph does read are marked static as it wraps them (dynamo marks every ``nn.Parameter``
+# and every tensor attribute of a module it meets), so compiled code is the same; its trace is shorter.
+
+
+@functools.wraps(nn.Module.named_parameters)
+def _named_parameters(self, *args, **kwargs):
+    return type(self).named_parameters(self, *args, **kwargs)
+
+
+@functools.wraps(nn.Module.named_buffers)
+def _named_buffers(self, *args, **kwargs):
+    return type(self).named_buffers(self, *args, **kwargs)
+
+
+_WALKS = (("named_parameters", _named_parameters), ("named_buffers", _named_buffers))
+
+
+def spare_walks(model: nn.Module, names) -> None:
+    """Give ``model``'s modules named ``names`` and every module above them the class's own ``named_parameters`` and
+    ``named_buffers`` as instance attributes (see above); a module with an instance-level one of its own keeps it."""
+    wanted = {""}
+    for name in names:
+        parts = name.split(".")
+        wanted.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for name, module in model.named_modules():
+        if name in wanted:
+            for attr, function in _WALKS:
+                if attr not in module.__dict__:
+                    module.__dict__[attr] = types.MethodType(function, module)
+
+
+def restore_walks(model: nn.Module) -> None:
+    """Undo :func:`spare_walks` on every module of ``model``."""
+    for module in model.modules():
+        state = module.__dict__
+        for attr, function in _WALKS:
+            if getattr(state.get(attr), "__func__", None) is function:
+                del state[attr]

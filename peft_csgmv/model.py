@@ -33,7 +33,16 @@ from transformers import GenerationConfig
 
 from ._compat import deferred_stop_check
 from .executor import CallContext, Executor
-from .layers import BACKENDS, is_patched, patch_layer, patch_peft_path, unpatch_layer, unpatched_type
+from .layers import (
+    BACKENDS,
+    is_patched,
+    patch_layer,
+    patch_peft_path,
+    restore_walks,
+    spare_walks,
+    unpatch_layer,
+    unpatched_type,
+)
 from .slots import (
     LoraStack,
     SlotRegistry,
@@ -265,6 +274,8 @@ class CsgmvState:
                 if new.get(mod_name) is not module:
                     unpatch_layer(module)
         self.layers, self.peft_path, self.known = found, peft_path, frozenset(known)
+        if found or peft_path:
+            spare_walks(model, [*found, *peft_path])
         self.fingerprint = fingerprint
         if regroup and len(found) > 1:  # sibling groups name stacks by handle: learned again (Executor.observe)
             self.executor.forget_groups(found.values())
@@ -843,6 +854,7 @@ def disable_csgmv(model):
     for module in model.modules():
         if is_patched(module):
             unpatch_layer(module)
+    restore_walks(model)
     model.__dict__.pop("forward", None)
     model.__dict__.pop("generate", None)
     return model

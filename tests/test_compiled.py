@@ -889,6 +889,32 @@ def test_lora_linear_launches_without_pdl_beside_the_base(monkeypatch):
     assert Executor("triton", lambda layer: None).beside_min_bytes == 2 * 2**20
 
 
+def test_compiled_code_walks_no_adapter_it_does_not_read():
+    """dynamo marks every parameter under each module it meets as a static input, walking that module's tree, unless
+    the module has a ``named_parameters`` of its own. The modules above csgmv's layers get one (their class's, as an
+    instance attribute: the same results for every caller): a compiled static-cache call then marks the base weights
+    its graph reads and none of the adapters' PEFT weights (a walk marks them all), with eager's tokens;
+    ``disable_csgmv`` takes the attributes back."""
+    model = _model()
+    params = [(n, id(p)) for n, p in model.named_parameters()]
+    buffers = [(n, id(b)) for n, b in model.named_buffers()]
+    enable_csgmv(model, backend="torch")
+    spared = [m for m in model.modules() if "named_parameters" in m.__dict__]
+    assert model in spared and model.get_base_model().model.layers[0] in spared
+    assert [(n, id(p)) for n, p in model.named_parameters()] == params
+    assert [(n, id(b)) for n, b in model.named_buffers()] == buffers
+    assert len(list(model.parameters())) == len(params) and list(model.state_dict()) == [n for n, _ in params]
+    input_ids, mask = make_batch(3, 5)
+    static, eager = _static_and_eager(model, input_ids, mask, ID_LISTS[0])
+    assert torch.equal(static, eager)
+    marked = {n for n, p in model.named_parameters() if hasattr(p, "_dynamo_static_input_type")}
+    assert any(n.endswith("q_proj.base_layer.weight") for n in marked), "the graph's own weights were not marked"
+    assert not [n for n in marked if ".lora_" in n], "dynamo walked the adapters' weights"
+    disable_csgmv(model)
+    assert not [m for m in model.modules() if {"named_parameters", "named_buffers"} & m.__dict__.keys()]
+    assert [(n, id(p)) for n, p in model.named_parameters()] == params
+
+
 def test_disable_after_compile_restores_stock_peft():
     model = _model()
     enable_csgmv(model, backend="torch")

@@ -597,5 +597,6 @@ def test_adapters_on_some_layers_take_slots_from_adapters_on_all(monkeypatch):
             stack = layer._csgmv_stack
             for slot, name in enumerate(state.registry.names):
                 want = layer.r.get(name, 0) if name is not None and name in layer.lora_A else 0
-                assert stack.ranks_host[slot] == want, f"slot {slot} ({name}): rank {stack.ranks_host[slot]}, not {want}"
+                got = stack.ranks_host[slot]
+                assert got == want, f"slot {slot} ({name}): rank {got}, not {want}"
     assert True in spans and False in spans, f"both ways of writing a column were not taken: {spans}"
