@@ -38,6 +38,7 @@ from .executor import _LIVE, Executor, PlanRun, executor_of, static_plan_attr, u
 from .kernels.launch import _interpreting
 from .plan import BatchPlan, aligned_parts
 from .slots import stack_by_handle, weights_device
+from .tier import adapter_params
 
 if TYPE_CHECKING:
     from .slots import LoraStack
@@ -617,9 +618,47 @@ def _restack_after(layer: nn.Module, method: str):
     return wrapper
 
 
+# PEFT methods of a layer that compute with adapter weights outside a forward (merges and delta weights; a DoRA merge
+# reads its magnitude too): with the host tier, the weights of an adapter that waits in host memory are lent to the
+# layer's device for the call (device copies, PEFT's parameters re-pointed at them and back), since stock PEFT, which
+# keeps every adapter on the device, computes there.
+_WEIGHT_READERS = ("merge", "unmerge", "get_delta_weight")
+
+
+def _adapters_read(layer: nn.Module, method: str, args: tuple, kwargs: dict) -> list:
+    """The adapters a call of PEFT's ``method`` on ``layer`` reads: ``get_delta_weight(adapter)``'s, those
+    ``unmerge()`` takes out, those ``merge(safe_merge, adapter_names)`` puts in (by default the active ones)."""
+    if method == "get_delta_weight":
+        return [args[0] if args else kwargs.get("adapter")]
+    if method == "unmerge":
+        return list(layer.merged_adapters)
+    names = kwargs["adapter_names"] if "adapter_names" in kwargs else args[1] if len(args) > 1 else None
+    return list(layer.active_adapters if names is None else names)
+
+
+def _lending(layer: nn.Module, method: str):
+    original = getattr(layer, method)
+
+    def wrapper(*args, **kwargs):
+        device = layer._csgmv_stack.device
+        lent = []
+        try:
+            for name in _adapters_read(layer, method, args, kwargs):
+                for p in adapter_params(layer, name):
+                    if p.device != device:
+                        lent.append((p, p.data))
+                        p.data = p.data.to(device)
+            return original(*args, **kwargs)
+        finally:
+            for p, data in lent:
+                p.data = data
+
+    return wrapper
+
+
 def patch_layer(layer: nn.Module, stack: "LoraStack", executor: Executor) -> None:
-    """Give a kernel layer the csgmv forward (see :func:`_patch`), and make its rescaling methods refresh the stack
-    (instance attributes; :func:`unpatch_layer` undoes both)."""
+    """Give a kernel layer the csgmv forward (see :func:`_patch`), make its rescaling methods refresh the stack, and
+    its merges lend host weights to the device (instance attributes; :func:`unpatch_layer` undoes them)."""
     layer._csgmv_stack = stack
     layer._csgmv_key = key = next(_keys)
     _KEYED[key] = layer
@@ -627,6 +666,9 @@ def patch_layer(layer: nn.Module, stack: "LoraStack", executor: Executor) -> Non
     for method in _RESCALING_METHODS:
         if hasattr(layer, method):
             layer.__dict__[method] = _restack_after(layer, method)
+    for method in _WEIGHT_READERS:
+        if hasattr(layer, method):
+            layer.__dict__[method] = _lending(layer, method)
 
 
 def patch_peft_path(module: nn.Module, executor: Executor) -> None:
@@ -652,6 +694,7 @@ def unpatch_layer(layer: nn.Module) -> None:
         "_csgmv_member",
         "_csgmv_key",
         *_RESCALING_METHODS,
+        *_WEIGHT_READERS,
     ):
         layer.__dict__.pop(attr, None)
 

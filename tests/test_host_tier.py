@@ -116,6 +116,33 @@ def test_stock_call_with_an_evicted_adapter_active(tiered):
     assert "a4" in csgmv_stats(model)["resident"]
 
 
+def test_merges_of_adapters_in_host_memory(tiered):
+    """PEFT's merges compute with adapter weights outside a forward: the weights of an adapter waiting in host memory
+    are lent to the layer's device for the call (on the GPU, host weights merged into device weights fail otherwise),
+    and stay where they were. ``merge_adapter`` / ``unmerge_adapter`` of an evicted adapter and ``get_delta_weight``
+    of another: stock PEFT's numbers."""
+    model, input_ids, mask, outs = tiered
+    hosted = [n for n in ADAPTERS if n not in csgmv_stats(model)["resident"]]
+    name, other = hosted[0], hosted[1]
+    where = [(p.device, p.data_ptr()) for p in _weights(model, name)]
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    base = layer.base_layer.weight.detach().clone()
+    model.set_adapter(name)
+    model.merge_adapter()
+    assert [(p.device, p.data_ptr()) for p in _weights(model, name)] == where, "the merge moved the adapter"
+    delta = layer.lora_B[name].weight.double().cpu() @ layer.lora_A[name].weight.double().cpu() * layer.scaling[name]
+    close(layer.base_layer.weight.cpu(), (base.double().cpu() + delta).to(base.dtype), "merged base weight")
+    model.unmerge_adapter()
+    close(layer.base_layer.weight, base, "unmerged base weight")
+    with torch.no_grad():
+        close(model(input_ids, attention_mask=mask).logits, outs[name], f"stock PEFT {name} after unmerge")
+    A, B = layer.lora_A[other].weight, layer.lora_B[other].weight
+    where = [(p.device, p.data_ptr()) for p in (A, B)]
+    got = layer.get_delta_weight(other)
+    assert got.device == base.device and [(p.device, p.data_ptr()) for p in (A, B)] == where
+    close(got.cpu(), (B.double().cpu() @ A.double().cpu() * layer.scaling[other]).to(got.dtype), "delta weight")
+
+
 def test_edits_survive_eviction_and_disable_brings_everything_back(tiered):
     model, input_ids, mask, outs = tiered
     with torch.no_grad():
