@@ -734,11 +734,11 @@ def spare_walks(model: nn.Module, names) -> None:
     for name in names:
         parts = name.split(".")
         wanted.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    for name, module in model.named_modules():
-        if name in wanted:
-            for attr, function in _WALKS:
-                if attr not in module.__dict__:
-                    module.__dict__[attr] = types.MethodType(function, module)
+    for name in wanted:  # (by name, not over every module: PEFT keeps three per adapter under each LoRA layer)
+        module = model.get_submodule(name)
+        for attr, function in _WALKS:
+            if attr not in module.__dict__:
+                module.__dict__[attr] = types.MethodType(function, module)
 
 
 def restore_walks(model: nn.Module) -> None:
