@@ -27,7 +27,7 @@ import math
 import os
 import types
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
@@ -636,22 +636,31 @@ def _adapters_read(layer: nn.Module, method: str, args: tuple, kwargs: dict) -> 
     return list(layer.active_adapters if names is None else names)
 
 
+@contextlib.contextmanager
+def weights_lent(pairs) -> Iterator[None]:
+    """For the block, the weights of each ``(kernel layer, adapter)`` of ``pairs`` that wait off the layer's device
+    (the host tier's) lent to it: PEFT's parameters re-pointed at device copies, and back after (what PEFT computes
+    with them there, it computes as with weights that never left the device)."""
+    lent = []
+    try:
+        for layer, name in pairs:
+            device = layer._csgmv_stack.device
+            for p in adapter_params(layer, name):
+                if p.device != device:
+                    lent.append((p, p.data))
+                    p.data = p.data.to(device)
+        yield
+    finally:
+        for p, data in lent:
+            p.data = data
+
+
 def _lending(layer: nn.Module, method: str):
     original = getattr(layer, method)
 
     def wrapper(*args, **kwargs):
-        device = layer._csgmv_stack.device
-        lent = []
-        try:
-            for name in _adapters_read(layer, method, args, kwargs):
-                for p in adapter_params(layer, name):
-                    if p.device != device:
-                        lent.append((p, p.data))
-                        p.data = p.data.to(device)
+        with weights_lent([(layer, name) for name in _adapters_read(layer, method, args, kwargs)]):
             return original(*args, **kwargs)
-        finally:
-            for p, data in lent:
-                p.data = data
 
     return wrapper
 

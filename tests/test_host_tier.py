@@ -6,6 +6,8 @@ anything runs or moves), and on stock PEFT calls with an evicted adapter active.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import ALL_LINEAR, BASE, DEVICE, add_adapters, close, make_batch, per_adapter, stitch, tiny_model
@@ -141,6 +143,32 @@ def test_merges_of_adapters_in_host_memory(tiered):
     got = layer.get_delta_weight(other)
     assert got.device == base.device and [(p.device, p.data_ptr()) for p in (A, B)] == where
     close(got.cpu(), (B.double().cpu() @ A.double().cpu() * layer.scaling[other]).to(got.dtype), "delta weight")
+
+
+@pytest.mark.parametrize("combination", ["cat", "svd"])
+def test_weighted_adapter_of_adapters_in_host_memory(combination):
+    """PEFT's ``add_weighted_adapter`` reads the weights it combines (``cat``: directly; ``svd``: through each layer's
+    delta weight): those of adapters waiting in host memory are lent to the device for the call (on the GPU they would
+    meet device weights otherwise) and stay in host memory. The new adapter: stock PEFT's, in a stock run and in a
+    call with ids."""
+    model, _ = tiny_model("llama")
+    specs = {name: dict(r=4 + 2 * i, lora_alpha=8, target_modules=ALL_LINEAR) for i, name in enumerate(ADAPTERS)}
+    model = add_adapters(model, specs).to(DEVICE)
+    twin = copy.deepcopy(model)
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    hosted = [n for n in ADAPTERS if n not in csgmv_stats(model)["resident"]]
+    where = [(p.device, p.data_ptr()) for n in hosted for p in _weights(model, n)]
+    input_ids, mask = make_batch(4, 6)
+    for m in (twin, model):
+        m.add_weighted_adapter(hosted[:2], [0.7, 1.3], "mix", combination_type=combination)
+    assert [(p.device, p.data_ptr()) for n in hosted for p in _weights(model, n)] == where
+    outs = per_adapter(twin, ["mix", "a0"], lambda: twin(input_ids, attention_mask=mask).logits)
+    _call(model, input_ids, mask, outs, ["mix", "a0", "mix", "a0"])
+    model.set_adapter("mix")
+    with torch.no_grad():
+        close(model(input_ids, attention_mask=mask).logits, outs["mix"], "stock run of the combined adapter")
+    disable_csgmv(model)
+    assert "add_weighted_adapter" not in model.base_model.__dict__
 
 
 def test_edits_survive_eviction_and_disable_brings_everything_back(tiered):
