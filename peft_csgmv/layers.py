@@ -750,10 +750,9 @@ def spare_walks(model: nn.Module, names) -> None:
                 module.__dict__[attr] = types.MethodType(function, module)
 
 
-def restore_walks(model: nn.Module) -> None:
-    """Undo :func:`spare_walks` on every module of ``model``."""
-    for module in model.modules():
-        state = module.__dict__
-        for attr, function in _WALKS:
-            if getattr(state.get(attr), "__func__", None) is function:
-                del state[attr]
+def restore_walks(module: nn.Module) -> None:
+    """Undo :func:`spare_walks` on ``module``."""
+    state = module.__dict__
+    for attr, function in _WALKS:
+        if getattr(state.get(attr), "__func__", None) is function:
+            del state[attr]

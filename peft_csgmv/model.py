@@ -765,18 +765,17 @@ def _generate(self, *args: Any, **kwargs: Any):
     return _run(self, type(self).generate, args, kwargs, generate=True)
 
 
-def _add_weighted_adapter_lending(tuner: nn.Module):
-    """``tuner.add_weighted_adapter`` (PEFT's LoRA model's) with the weights it combines lent to their layers'
-    devices for the call (:func:`~peft_csgmv.layers.weights_lent`): with the host tier, those of adapters waiting in
-    host memory would meet device weights there."""
+def _add_weighted_adapter_lending(tuner: nn.Module, state: CsgmvState):
+    """``tuner.add_weighted_adapter`` (PEFT's LoRA model's) with the weights it combines lent to their kernel layers'
+    devices for the call (:func:`~peft_csgmv.layers.weights_lent`; ``state``'s layers, where the host tier parks
+    adapters): with the host tier, those of adapters waiting in host memory would meet device weights there."""
     original = tuner.add_weighted_adapter
 
     @functools.wraps(original)
     def add_weighted_adapter(*args, **kwargs):
         names = args[0] if args else kwargs.get("adapters")
         names = list(names) if isinstance(names, (list, tuple)) else []
-        layers = [m for m in tuner.modules() if "_csgmv_stack" in m.__dict__]
-        with weights_lent([(layer, name) for layer in layers for name in names]):
+        with weights_lent([(layer, name) for layer in state.layers.values() for name in names]):
             return original(*args, **kwargs)
 
     add_weighted_adapter._csgmv_lending = True
@@ -862,7 +861,7 @@ def enable_csgmv(
     model.__dict__["generate"] = _generate.__get__(model)
     tuner = model.base_model
     if max_resident_adapters is not None and hasattr(tuner, "add_weighted_adapter"):
-        tuner.__dict__["add_weighted_adapter"] = _add_weighted_adapter_lending(tuner)
+        tuner.__dict__["add_weighted_adapter"] = _add_weighted_adapter_lending(tuner, state)
     return model
 
 
@@ -877,7 +876,7 @@ def disable_csgmv(model):
     for module in model.modules():
         if is_patched(module):
             unpatch_layer(module)
-    restore_walks(model)
+        restore_walks(module)
     if getattr(model.base_model.__dict__.get("add_weighted_adapter"), "_csgmv_lending", False):
         del model.base_model.__dict__["add_weighted_adapter"]
     model.__dict__.pop("forward", None)
