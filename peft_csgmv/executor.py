@@ -55,6 +55,9 @@ class CallContext:
     names: tuple[str, ...]  # adapter name of each input row in PEFT's spelling ("__base__" for base rows)
     arg_name: str  # "adapter_ids" or "adapter_names", for error messages
     alora_offsets: list | None = None  # PEFT's aLoRA offsets of the call's rows, for the layers' PEFT path
+    # Events of the host tier's copies to host memory that the call's moves queued (tier.copies_out): :meth:`Executor.
+    # end` waits for them, so that the call returns only once the weights it moved out are there.
+    copies_out: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.name_set = frozenset(self.names)
@@ -262,6 +265,8 @@ class Executor:
     def end(self, failed: bool = False) -> None:
         """Close the call in progress; an interrupted outer call is in progress again. A call that ``failed`` learns
         no groups: the runs it marked are dropped, and the next eager call learns them again."""
+        for event in self.call.copies_out if self.call is not None else ():
+            event.synchronize()
         self.stash.clear()
         if failed and not self.groups_learned:
             self.forget_groups(())

@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import os
@@ -582,19 +583,22 @@ def _patch(module: nn.Module, forward, executor: Executor) -> None:
         module._csgmv_orig_forward = module.forward
         module.forward = types.MethodType(forward, module)
     else:
-        module.__class__ = _patched_class(type(module), forward)
+        module.__class__ = patched_class(type(module), forward=forward)
 
 
 _PATCHED_CLASSES: dict = {}
 
 
-def _patched_class(cls: type, forward) -> type:
-    """The subclass of ``cls`` whose forward is ``forward`` (one per pair; ``_csgmv_base`` names ``cls``)."""
-    sub = _PATCHED_CLASSES.get((cls, forward))
+def patched_class(cls: type, **methods) -> type:
+    """The subclass of ``cls`` with ``methods`` (one per class and methods; same name; ``_csgmv_base`` names
+    ``cls``). Patching by class also leaves no reference cycle behind, where a bound method set on the instance would
+    make one (see :class:`WeakMethod`)."""
+    key = (cls, *sorted(methods.items()))
+    sub = _PATCHED_CLASSES.get(key)
     if sub is None:
-        namespace = {"forward": forward, "_csgmv_orig_forward": cls.forward, "_csgmv_base": cls,
+        namespace = {**methods, "_csgmv_orig_forward": cls.forward, "_csgmv_base": cls,
                      "__module__": cls.__module__, "__qualname__": cls.__qualname__}  # fmt: skip
-        sub = _PATCHED_CLASSES[(cls, forward)] = type(cls.__name__, (cls,), namespace)
+        sub = _PATCHED_CLASSES[key] = type(cls.__name__, (cls,), namespace)
     return sub
 
 
@@ -603,19 +607,58 @@ def unpatched_type(module: nn.Module) -> type:
     return type(module).__dict__.get("_csgmv_base", type(module))
 
 
+class WeakMethod:
+    """``function`` bound to ``owner`` as ``types.MethodType(function, owner)`` binds it, through a weak reference: for
+    the methods csgmv sets on an instance (its ``__dict__``). A bound method there is a reference cycle (owner → its
+    dict → the method → owner), and an object in a cycle is freed only when Python's cyclic collector next runs: a
+    model dropped with ``del model`` would keep its weights (GPU memory) until then, where a stock one is freed at
+    once. Called, introspected (``__func__``, ``__self__``, ``inspect.signature``: the bound method's) and named as
+    the bound method would be."""
+
+    def __init__(self, function, owner) -> None:
+        self.__func__ = function
+        self._owner = weakref.ref(owner)
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            if hasattr(function, attr):
+                setattr(self, attr, getattr(function, attr))
+
+    @property
+    def __self__(self):
+        return self._owner()
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(types.MethodType(self.__func__, self._owner()))
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self._owner(), *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<csgmv method {getattr(self.__func__, '__qualname__', self.__func__)!r} of {self._owner()!r}>"
+
+
+def method_function(owner: nn.Module, method: str):
+    """What ``getattr(owner, method)`` calls, as a function of the owner (for :class:`WeakMethod`): an instance-level
+    one set before csgmv's (kept as it is), else the class's."""
+    own = owner.__dict__.get(method)
+    if own is not None:
+        return functools.wraps(own)(lambda _, *args, **kwargs: own(*args, **kwargs))
+    return getattr(type(owner), method)
+
+
 # PEFT methods that change a layer's scaling in place: after each, the layer's stack is refreshed.
 _RESCALING_METHODS = ("set_scale", "scale_layer", "unscale_layer")
 
 
-def _restack_after(layer: nn.Module, method: str):
-    original = getattr(layer, method)
+def _restack_after(layer: nn.Module, method: str) -> WeakMethod:
+    original = method_function(layer, method)
 
-    def wrapper(*args, **kwargs):
-        result = original(*args, **kwargs)
+    def wrapper(layer, *args, **kwargs):
+        result = original(layer, *args, **kwargs)
         executor_of(layer._csgmv_exec).restack(layer)
         return result
 
-    return wrapper
+    return WeakMethod(functools.wraps(original)(wrapper), layer)
 
 
 # PEFT methods of a layer that compute with adapter weights outside a forward (merges and delta weights; a DoRA merge
@@ -655,14 +698,14 @@ def weights_lent(pairs) -> Iterator[None]:
             p.data = data
 
 
-def _lending(layer: nn.Module, method: str):
-    original = getattr(layer, method)
+def _lending(layer: nn.Module, method: str) -> WeakMethod:
+    original = method_function(layer, method)
 
-    def wrapper(*args, **kwargs):
+    def wrapper(layer, *args, **kwargs):
         with weights_lent([(layer, name) for name in _adapters_read(layer, method, args, kwargs)]):
-            return original(*args, **kwargs)
+            return original(layer, *args, **kwargs)
 
-    return wrapper
+    return WeakMethod(functools.wraps(original)(wrapper), layer)
 
 
 def patch_layer(layer: nn.Module, stack: "LoraStack", executor: Executor) -> None:
@@ -747,7 +790,7 @@ def spare_walks(model: nn.Module, names) -> None:
         module = model.get_submodule(name)
         for attr, function in _WALKS:
             if attr not in module.__dict__:
-                module.__dict__[attr] = types.MethodType(function, module)
+                module.__dict__[attr] = WeakMethod(function, module)
 
 
 def restore_walks(module: nn.Module) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -36,9 +37,12 @@ from ._compat import deferred_stop_check
 from .executor import CallContext, Executor
 from .layers import (
     BACKENDS,
+    WeakMethod,
     is_patched,
+    method_function,
     patch_layer,
     patch_peft_path,
+    patched_class,
     restore_walks,
     spare_walks,
     unpatch_layer,
@@ -56,7 +60,7 @@ from .slots import (
     weights_device,
 )
 from .static_cache import KeptStaticCache
-from .tier import HostTier, host_copies_done, move_adapter, no_gc_pauses
+from .tier import HostTier, copies_out, host_copies_done, move_adapter, no_gc_pauses, settle
 
 BASE = "__base__"
 BASE_NAMES = (None, BASE)
@@ -172,7 +176,7 @@ class CsgmvState:
         self.max_resident = max_resident
         self.tier = None if max_resident is None else HostTier()
         # Runs the layers' LoRA for each call; it restacks a layer through this state when PEFT rescales it.
-        self.executor = Executor(backend, self._restack)
+        self.executor = Executor(backend, WeakMethod(CsgmvState._restack, self))  # (no cycle through the executor)
         self.registry = SlotRegistry()
         self.layers: dict[str, nn.Module] = {}  # module name -> lora.Linear / lora.Embedding on the kernels
         self.peft_path: dict[str, nn.Module] = {}  # module name -> module on PEFT's mixed-batch path
@@ -429,27 +433,31 @@ class CsgmvState:
                 "or raise max_resident_adapters"
             )
 
-    def make_resident(self, needed) -> None:
+    def make_resident(self, needed) -> list:
         """Give every adapter in ``needed`` a slot (host tier only): the least recently used residents that are not
         needed go back to host memory, the needed ones come in (one copy of each into its slot's page; PEFT's weights
-        become views of it again). ``needed`` fits: :meth:`_check_residency` ran first."""
+        become views of it again). ``needed`` fits: :meth:`_check_residency` ran first. Returns the events of the
+        copies out still in flight (:func:`~peft_csgmv.tier.copies_out`), which the caller settles before host code
+        may read the weights that went out (as its call ends)."""
         tier = self.tier
         if tier is None:
-            return
+            return []
         missing = [n for n in needed if n not in self.registry.index]
+        out = []
         if missing:
             with no_gc_pauses():
                 try:
-                    self._bring_in(missing, needed)
+                    out = self._bring_in(missing, needed)
                 except BaseException:
                     self._abandon(missing)
                     raise
         for name in needed:
             tier.lru.move_to_end(name)
+        return out
 
-    def _bring_in(self, missing: list[str], needed) -> None:
+    def _bring_in(self, missing: list[str], needed) -> list:
         """:meth:`make_resident`'s moves: evict the least recently used residents that are not needed, then bring
-        ``missing`` into their slots."""
+        ``missing`` into their slots; the events of the copies out."""
         tier = self.tier
         victims = [n for n in tier.lru if n not in needed]
         # Slots whose adapter left, by the stacks that still describe it: a slot's next adapter writes the same
@@ -463,8 +471,7 @@ class CsgmvState:
                     held[slot] = self._evict(victim, empty=False)
                 self.registry.add(name)
                 tier.lru[name] = None
-            if held:
-                host_copies_done(self.layers.values())
+            out = copies_out(self.layers.values()) if held else []
             stacks = {layer._csgmv_stack for layer in self.layers.values()}
             for stack in stacks:
                 stack.ensure_capacity(self.registry.capacity)
@@ -478,6 +485,7 @@ class CsgmvState:
                 vacate(slot, left)
         for stack in stacks:
             stack.refresh()
+        return out
 
     def _abandon(self, missing: list[str]) -> None:
         """Undo a bring-in that failed part way (out of memory, an interrupt): the adapters it was bringing in leave
@@ -547,11 +555,12 @@ class CsgmvState:
             raise ValueError(PEFT_DORA_ERROR.format(arg=arg))
         self._check_residency(_adapters_in(ids), arg)
 
-    def slots_for(self, ids: Sequence[str | None]) -> tuple[int, ...]:
-        """The slot of each row of a validated call (``-1`` for base rows), its adapters made resident first."""
-        self.make_resident(_adapters_in(ids))
+    def slots_for(self, ids: Sequence[str | None]) -> tuple[tuple[int, ...], list]:
+        """The slot of each row of a validated call (``-1`` for base rows), its adapters made resident first; and
+        :meth:`make_resident`'s events, for the call to settle as it ends."""
+        out = self.make_resident(_adapters_in(ids))
         index = self.registry.index
-        return tuple(-1 if i in BASE_NAMES else index[i] for i in ids)
+        return tuple(-1 if i in BASE_NAMES else index[i] for i in ids), out
 
 
 def _adapters_in(ids) -> list[str]:
@@ -675,7 +684,7 @@ def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | N
             state.sync(model)
             active = [n for n in model.active_adapters if n in model.peft_config]
             state._check_residency(active, "active adapters")
-            state.make_resident(active)
+            settle(state.make_resident(active))
         return None
     state.sync(model)
     if state.peft_only is not None:
@@ -687,11 +696,17 @@ def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | N
     state.validate(model, ids, arg, args, kwargs)
     names = tuple(BASE if i in BASE_NAMES else i for i in ids)
     offsets = _alora_offsets(model, names, args, kwargs, generate)  # may raise PEFT's own error: before any move
-    row_slots = state.slots_for(ids)
-    state.restack_rescaled()
-    executor = state.executor
-    executor.check_groups()
-    executor.begin(CallContext(row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets))
+    row_slots, out = state.slots_for(ids)
+    try:
+        state.restack_rescaled()
+        executor = state.executor
+        executor.check_groups()
+        executor.begin(
+            CallContext(row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets, copies_out=out)
+        )
+    except BaseException:
+        settle(out)
+        raise
     return executor
 
 
@@ -757,29 +772,66 @@ def adapter_ids_scope(model, adapter_ids: Sequence[str | None]) -> Iterator[None
 # the model's own forward inside them is compiled, its LoRA layers included.
 @torch.compiler.disable(recursive=False)
 def _forward(self, *args: Any, **kwargs: Any):
-    return _run(self, type(self).forward, args, kwargs, generate=False)
+    return _run(self, _own_method(self, "forward"), args, kwargs, generate=False)
 
 
 @torch.compiler.disable(recursive=False)
 def _generate(self, *args: Any, **kwargs: Any):
-    return _run(self, type(self).generate, args, kwargs, generate=True)
+    return _run(self, _own_method(self, "generate"), args, kwargs, generate=True)
+
+
+_MODEL_METHODS = {"forward": _forward, "generate": _generate}
+
+
+def _own_method(model, name: str):
+    """The model's ``forward`` / ``generate`` as it was before :func:`_patch_model`, as a function of the model."""
+    own = model.__dict__.get("_csgmv_own")
+    if own is not None and name in own:
+        method = own[name]
+        return lambda _, *args, **kwargs: method(*args, **kwargs)
+    return getattr(unpatched_type(model), name)
+
+
+def _patch_model(model) -> None:
+    """csgmv's ``forward`` and ``generate`` for ``model``: by class (a subclass of its class, same name, as the
+    layers get: no reference cycle, so a dropped model is freed at once), or, where the model has an instance-level
+    ``forward`` / ``generate`` of its own (accelerate's ``prepare`` sets one), on the instance over them, which they
+    then call."""
+    own = {name: model.__dict__[name] for name in _MODEL_METHODS if name in model.__dict__}
+    if own:
+        model.__dict__["_csgmv_own"] = own
+        for name, function in _MODEL_METHODS.items():
+            model.__dict__[name] = types.MethodType(function, model)
+    else:
+        model.__class__ = patched_class(type(model), **_MODEL_METHODS)
+
+
+def _unpatch_model(model) -> None:
+    """Undo :func:`_patch_model`."""
+    own = model.__dict__.pop("_csgmv_own", None)
+    if own is not None:
+        for name in _MODEL_METHODS:
+            model.__dict__.pop(name, None)
+        model.__dict__.update(own)
+    model.__class__ = unpatched_type(model)
 
 
 def _add_weighted_adapter_lending(tuner: nn.Module, state: CsgmvState):
     """``tuner.add_weighted_adapter`` (PEFT's LoRA model's) with the weights it combines lent to their kernel layers'
     devices for the call (:func:`~peft_csgmv.layers.weights_lent`; ``state``'s layers, where the host tier parks
     adapters): with the host tier, those of adapters waiting in host memory would meet device weights there."""
-    original = tuner.add_weighted_adapter
+    original = method_function(tuner, "add_weighted_adapter")
 
     @functools.wraps(original)
-    def add_weighted_adapter(*args, **kwargs):
+    def add_weighted_adapter(tuner, *args, **kwargs):
         names = args[0] if args else kwargs.get("adapters")
         names = list(names) if isinstance(names, (list, tuple)) else []
         with weights_lent([(layer, name) for layer in state.layers.values() for name in names]):
-            return original(*args, **kwargs)
+            return original(tuner, *args, **kwargs)
 
-    add_weighted_adapter._csgmv_lending = True
-    return add_weighted_adapter
+    method = WeakMethod(add_weighted_adapter, tuner)
+    method._csgmv_lending = True
+    return method
 
 
 @_normal_tensors
@@ -857,8 +909,7 @@ def enable_csgmv(
         state.release()
         raise
     model.__dict__["_csgmv"] = state
-    model.__dict__["forward"] = _forward.__get__(model)
-    model.__dict__["generate"] = _generate.__get__(model)
+    _patch_model(model)
     tuner = model.base_model
     if max_resident_adapters is not None and hasattr(tuner, "add_weighted_adapter"):
         tuner.__dict__["add_weighted_adapter"] = _add_weighted_adapter_lending(tuner, state)
@@ -879,8 +930,7 @@ def disable_csgmv(model):
         restore_walks(module)
     if getattr(model.base_model.__dict__.get("add_weighted_adapter"), "_csgmv_lending", False):
         del model.base_model.__dict__["add_weighted_adapter"]
-    model.__dict__.pop("forward", None)
-    model.__dict__.pop("generate", None)
+    _unpatch_model(model)
     return model
 
 

@@ -278,6 +278,26 @@ def no_gc_pauses() -> Iterator[None]:
             gc.enable()
 
 
+def copies_out(layers) -> list:
+    """Events after the asynchronous copies of adapter weights to pinned host memory queued so far, one per CUDA
+    device of ``layers`` (none on the CPU, where they are done already): a call that moved adapters out waits for
+    them as it ends (:func:`settle`), before host code may read those weights, instead of before it brings others in.
+    The copies then overlap the bring-ins' host work, and the wait is for them alone, not for all queued work."""
+    events = []
+    for device in {layer._csgmv_stack.device for layer in layers}:
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+    return events
+
+
+def settle(events) -> None:
+    """Wait for the copies :func:`copies_out` marked."""
+    for event in events:
+        event.synchronize()
+
+
 def host_copies_done(layers) -> None:
     """Wait for the asynchronous copies of adapter weights to pinned host memory before host code may read them: once
     per call that moves adapters out, at its start, never inside a layer."""

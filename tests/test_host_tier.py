@@ -187,6 +187,32 @@ def test_edits_survive_eviction_and_disable_brings_everything_back(tiered):
             close(model(input_ids, attention_mask=mask).logits, outs[name], f"stock PEFT {name} after disable")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("call", ["ids", "stock"])
+def test_weights_moved_out_are_in_host_memory_when_the_call_returns(tiered, call):
+    """The copies to host memory are asynchronous and overlap the call's other moves (it waits for them as it ends,
+    not before it brings adapters in): an adapter moved out by a call with ids, or by a stock call whose active
+    adapter came in, has its device values, edits included, in host memory when the call returns, however much GPU
+    work was queued ahead of the copies."""
+    model, input_ids, mask, outs = tiered
+    moved = _weights(model, "a0")  # resident, the least recently used: the next move takes its slot
+    with torch.no_grad():
+        for p in moved:
+            p.add_(0.5)  # on the device only: its host region holds the values from before
+    expected = [p.detach().cpu() for p in moved]
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU work ahead of the call's copies
+    with torch.no_grad():
+        if call == "ids":
+            model(input_ids, attention_mask=mask, adapter_ids=["a3", BASE, "a3", "a3"])
+        else:
+            model.set_adapter("a3")
+            model(input_ids, attention_mask=mask)
+    got = [p.detach().clone() for p in moved]  # host memory as it is now: no wait on the GPU
+    assert all(p.device.type == "cpu" for p in moved) and "a0" not in csgmv_stats(model)["resident"]
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e), "a weight moved out was read back before its copy to host memory ended"
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_bad_max_resident(bad):
     model, targets = tiny_model("llama")
