@@ -508,6 +508,7 @@ class CsgmvState:
         for layer in layers:
             layer._csgmv_stack.refresh()
         host_copies_done(layers)
+        tier.page_out.clear()
 
     def _evict(self, name: str, empty: bool = True) -> list[LoraStack]:
         # Its weights leave the slot as they are (edits included), copied out first: a copy that fails leaves the

@@ -111,6 +111,8 @@ class HostTier:
         self.host = HostArena(pin=torch.cuda.is_available())
         self.pages: dict[tuple[torch.device, torch.dtype], DevicePages] = {}
         self.placements: dict[str, Placement] = {}
+        # (pages, slot) -> the event after that page's last copy out (:meth:`park`), until a copy in waits for it
+        self.page_out: dict[tuple[DevicePages, int], torch.cuda.Event] = {}
 
     def pages_for(self, device: torch.device, dtype: torch.dtype) -> DevicePages:
         key = (torch.device(device), dtype)
@@ -125,6 +127,7 @@ class HostTier:
         whose places moved (its weights replaced by others of another shape) gets memory of
         its own first, so that the restack that follows copies it into its new places whole."""
         layers = list(layers)
+        self.page_out.clear()  # (the caller waited for every copy out: host_copies_done)
         self.placements = {name: placement_of(layers, name, kernel_reason) for name in names}
         live = {layer._csgmv_stack.pages for layer in layers}
         self.pages = {key: pages for key, pages in self.pages.items() if pages in live}
@@ -184,10 +187,22 @@ class HostTier:
 
     def park(self, name: str, slot: int | None = None) -> None:
         """Adapter ``name``'s weights into its host regions, PEFT's parameters re-pointed at them (weights there
-        already stay). ``slot``: the adapter is resident there: each group's page leaves in one copy."""
+        already stay). ``slot``: the adapter is resident there: each group's page leaves in one copy, on CUDA on the
+        device's copy-out stream (:func:`out_stream`), after the work queued so far on the current one, so that it
+        runs beside the copies in of the adapters that come in (each waits for the copy out of its slot's page:
+        :meth:`bring_in`)."""
         for pages, region, params, views in self.regions(name):
             if slot is not None and pages is not None:
-                region.copy_(pages.page(slot, region.numel()), non_blocking=True)
+                page = pages.page(slot, region.numel())
+                if page.is_cuda:
+                    stream = out_stream(page.device)
+                    stream.wait_stream(torch.cuda.current_stream(page.device))
+                    with torch.cuda.stream(stream):
+                        region.copy_(page, non_blocking=True)
+                    done = self.page_out[(pages, slot)] = torch.cuda.Event()
+                    done.record(stream)
+                else:
+                    region.copy_(page)
             else:
                 _gather(region, params, views)
             for view, p in zip(views, params):
@@ -204,7 +219,11 @@ class HostTier:
         placement = self.placements[name]
         for pages, region, _, _ in self.regions(name):
             if pages is not None:
-                pages.page(slot, region.numel()).copy_(region, non_blocking=True)
+                page = pages.page(slot, region.numel())
+                out = self.page_out.pop((pages, slot), None)
+                if out is not None:  # the page's copy out to its last adapter's region first
+                    torch.cuda.current_stream(page.device).wait_event(out)
+                page.copy_(region, non_blocking=True)
         for p, device in placement.rest:
             if p.device != device:
                 p.data = p.data.to(device, copy=True, non_blocking=True)
@@ -278,17 +297,37 @@ def no_gc_pauses() -> Iterator[None]:
             gc.enable()
 
 
-def copies_out(layers) -> list:
-    """Events after the asynchronous copies of adapter weights to pinned host memory queued so far, one per CUDA
-    device of ``layers`` (none on the CPU, where they are done already): a call that moved adapters out waits for
-    them as it ends (:func:`settle`), before host code may read those weights, instead of before it brings others in.
-    The copies then overlap the bring-ins' host work, and the wait is for them alone, not for all queued work."""
-    events = []
+_OUT_STREAMS: dict = {}
+
+
+def out_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stream that copies device pages out to host memory on CUDA ``device`` (one per device)."""
+    stream = _OUT_STREAMS.get(device)
+    if stream is None:
+        stream = _OUT_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def _copy_streams(layers) -> Iterator["torch.cuda.Stream"]:
+    """The streams that copy adapter weights to host memory for ``layers`` on CUDA: each device's current stream
+    (the weights that move parameter by parameter) and its copy-out stream (the pages)."""
     for device in {layer._csgmv_stack.device for layer in layers}:
         if device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            events.append(event)
+            yield torch.cuda.current_stream(device)
+            yield out_stream(device)
+
+
+def copies_out(layers) -> list:
+    """Events after the asynchronous copies of adapter weights to pinned host memory queued so far, on each stream
+    that makes them for ``layers`` (none on the CPU, where they are done already): a call that moved adapters out
+    waits for them as it ends (:func:`settle`), before host code may read those weights, instead of before it brings
+    others in. The copies then overlap the bring-ins' host work and their copies in, and the wait is for them alone,
+    not for all queued work."""
+    events = []
+    for stream in _copy_streams(layers):
+        event = torch.cuda.Event()
+        event.record(stream)
+        events.append(event)
     return events
 
 
@@ -299,11 +338,10 @@ def settle(events) -> None:
 
 
 def host_copies_done(layers) -> None:
-    """Wait for the asynchronous copies of adapter weights to pinned host memory before host code may read them: once
-    per call that moves adapters out, at its start, never inside a layer."""
-    for device in {layer._csgmv_stack.device for layer in layers}:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+    """Wait for every asynchronous copy of adapter weights to pinned host memory for ``layers`` (and all work queued
+    before them) before host code may read them: where adapters are laid out anew, and after a failed bring-in."""
+    for stream in _copy_streams(layers):
+        stream.synchronize()
 
 
 def packed_views(flat: torch.Tensor, params, offsets=None) -> list[torch.Tensor]:

@@ -190,27 +190,31 @@ def test_edits_survive_eviction_and_disable_brings_everything_back(tiered):
 @pytest.mark.gpu
 @pytest.mark.parametrize("call", ["ids", "stock"])
 def test_weights_moved_out_are_in_host_memory_when_the_call_returns(tiered, call):
-    """The copies to host memory are asynchronous and overlap the call's other moves (it waits for them as it ends,
-    not before it brings adapters in): an adapter moved out by a call with ids, or by a stock call whose active
-    adapter came in, has its device values, edits included, in host memory when the call returns, however much GPU
-    work was queued ahead of the copies."""
+    """The copies to host memory are asynchronous, on a stream of their own beside the copies in (the call waits for
+    them as it ends, not before it brings adapters in): an adapter moved out by a call with ids, or by a stock call
+    whose active adapter came in, has its device values, including an edit queued just before the call, in host
+    memory when the call returns, however much GPU work was queued ahead; the adapter that took its slot gives stock
+    PEFT's logits (its copy in waited for the copy out)."""
     model, input_ids, mask, outs = tiered
     moved = _weights(model, "a0")  # resident, the least recently used: the next move takes its slot
+    expected = [p.detach().cpu() + 0.5 for p in moved]
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU work ahead of the edit and the call's copies
     with torch.no_grad():
         for p in moved:
-            p.add_(0.5)  # on the device only: its host region holds the values from before
-    expected = [p.detach().cpu() for p in moved]
-    torch.cuda._sleep(2_000_000_000)  # about a second of GPU work ahead of the call's copies
+            p.add_(0.5)  # on the device only, queued behind the sleep: its host region holds the values from before
     with torch.no_grad():
         if call == "ids":
-            model(input_ids, attention_mask=mask, adapter_ids=["a3", BASE, "a3", "a3"])
+            names = ["a3", BASE, "a3", "a3"]
+            logits = model(input_ids, attention_mask=mask, adapter_ids=names).logits
         else:
+            names = ["a3"] * 4
             model.set_adapter("a3")
-            model(input_ids, attention_mask=mask)
+            logits = model(input_ids, attention_mask=mask).logits
     got = [p.detach().clone() for p in moved]  # host memory as it is now: no wait on the GPU
     assert all(p.device.type == "cpu" for p in moved) and "a0" not in csgmv_stats(model)["resident"]
     for g, e in zip(got, expected):
         assert torch.equal(g, e), "a weight moved out was read back before its copy to host memory ended"
+    close(logits, stitch(outs, names), "the adapter that came into the slot")
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
