@@ -297,15 +297,10 @@ def no_gc_pauses() -> Iterator[None]:
             gc.enable()
 
 
-_OUT_STREAMS: dict = {}
-
-
+@functools.cache
 def out_stream(device: torch.device) -> "torch.cuda.Stream":
     """The stream that copies device pages out to host memory on CUDA ``device`` (one per device)."""
-    stream = _OUT_STREAMS.get(device)
-    if stream is None:
-        stream = _OUT_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
+    return torch.cuda.Stream(device)
 
 
 def _copy_streams(layers) -> Iterator["torch.cuda.Stream"]:
