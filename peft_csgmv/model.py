@@ -556,12 +556,17 @@ class CsgmvState:
             raise ValueError(PEFT_DORA_ERROR.format(arg=arg))
         self._check_residency(_adapters_in(ids), arg)
 
-    def slots_for(self, ids: Sequence[str | None]) -> tuple[tuple[int, ...], list]:
-        """The slot of each row of a validated call (``-1`` for base rows), its adapters made resident first; and
-        :meth:`make_resident`'s events, for the call to settle as it ends."""
+    def slots_for(self, ids: Sequence[str | None], copies_out: list | None = None) -> tuple[int, ...]:
+        """The slot of each row of a validated call (``-1`` for base rows), its adapters made resident first.
+        ``copies_out``: a call's list, which takes :meth:`make_resident`'s events for the call to settle as it ends;
+        without it they are settled before this returns."""
         out = self.make_resident(_adapters_in(ids))
+        if copies_out is None:
+            settle(out)
+        else:
+            copies_out += out
         index = self.registry.index
-        return tuple(-1 if i in BASE_NAMES else index[i] for i in ids), out
+        return tuple(-1 if i in BASE_NAMES else index[i] for i in ids)
 
 
 def _adapters_in(ids) -> list[str]:
@@ -697,7 +702,8 @@ def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | N
     state.validate(model, ids, arg, args, kwargs)
     names = tuple(BASE if i in BASE_NAMES else i for i in ids)
     offsets = _alora_offsets(model, names, args, kwargs, generate)  # may raise PEFT's own error: before any move
-    row_slots, out = state.slots_for(ids)
+    out: list = []
+    row_slots = state.slots_for(ids, out)
     try:
         state.restack_rescaled()
         executor = state.executor
