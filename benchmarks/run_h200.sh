@@ -16,6 +16,8 @@
 #   memory   adapter memory with csgmv vs PEFT alone; 1000 adapters with the host tier; the tier's bookkeeping per move
 #            (~6 min) -> memory_1b.json, tier_host.log
 #   tier     the host tier's bookkeeping per move alone (bench_tier_host.py --phases, ~2 min)  -> tier_host.log
+#   tiercold the host tier's cold calls alone (1000 adapters loaded, 4 calls of 32 from host memory), then tier
+#            -> memory_1b_cold.json, memory_1b_cold.log, tier_host.log
 #   multi    two GPUs (the nvidia-h200-x2 kind): 8B with device_map over both vs one; data-parallel generate -> multi_gpu.json
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
 #   beside   GPU time of compiled 1B/8B blocks, the LoRA after vs beside the base product (~2 min) -> beside.json
@@ -97,6 +99,11 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       grep "^|" "$OUT/memory_1b.log" || tail -25 "$OUT/memory_1b.log"
       tier_host ;;
     tier)
+      tier_host ;;
+    tiercold)  # the host tier's cold calls (32 adapters from host memory, 1000 loaded) and its bookkeeping per move
+      python3 benchmarks/bench_memory.py --memory-cases "" --cold-rounds 4 --out "$OUT/memory_1b_cold.json" 2>&1 \
+        | grep --line-buffered -v -i warn > "$OUT/memory_1b_cold.log"
+      grep -E "^\||cold calls" "$OUT/memory_1b_cold.log" || tail -25 "$OUT/memory_1b_cold.log"
       tier_host ;;
     fp32)
       for m in 1b 8b; do
