@@ -170,6 +170,12 @@ class StaticPlan:
 # executor through one source, ``_LIVE[handle]()``, which dynamo guards once, where the same object held by every layer
 # would cost one Python aliasing guard per layer at every step (see :func:`executor_of`).
 _LIVE: "dict[int, weakref.ref[Executor]]" = {}
+
+NO_COPIES = (
+    "copy.deepcopy of a model with csgmv enabled, and pickling it (torch.save(model)), are not supported: copy or "
+    "pickle it before enable_csgmv, or disable_csgmv(model) first and enable it again afterwards (a copy that was "
+    "not enabled would take adapter_ids as stock PEFT does); model.save_pretrained works while enabled"
+)
 _ids = itertools.count()
 
 
@@ -245,10 +251,7 @@ class Executor:
     def __deepcopy__(self, memo):
         # Patched modules name their executor by handle, so a copy of an enabled model would run its calls through
         # the original's executor and stacks: refused, loudly.
-        raise TypeError(
-            "copy.deepcopy of a model with csgmv enabled is not supported: copy it before enable_csgmv, or "
-            "disable_csgmv(model) first and enable both afterwards"
-        )
+        raise TypeError(NO_COPIES)
 
     def beside_on(self, device: torch.device) -> bool:
         """Whether compiled code on ``device`` runs a layer's LoRA beside its base product (see :attr:`beside`)."""

@@ -34,7 +34,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from ._compat import deferred_stop_check
-from .executor import CallContext, Executor
+from .executor import NO_COPIES, CallContext, Executor
 from .layers import (
     BACKENDS,
     WeakMethod,
@@ -787,7 +787,21 @@ def _generate(self, *args: Any, **kwargs: Any):
     return _run(self, _own_method(self, "generate"), args, kwargs, generate=True)
 
 
+def _reduce_ex(self, protocol):
+    # pickle and copy.deepcopy of an enabled model: its modules name the executor by handle (a copy would run its
+    # calls through the original's state), and its classes are csgmv's (not importable by name): refused, loudly.
+    raise TypeError(NO_COPIES)
+
+
+def _copy(self):
+    """``copy.copy``: a shallow copy, as for the class csgmv patched (the same modules, state and adapters)."""
+    clone = type(self).__new__(type(self))
+    clone.__dict__.update(self.__dict__)
+    return clone
+
+
 _MODEL_METHODS = {"forward": _forward, "generate": _generate}
+_MODEL_CLASS_METHODS = {**_MODEL_METHODS, "__reduce_ex__": _reduce_ex, "__copy__": _copy}  # (read from the class)
 
 
 def _own_method(model, name: str):
@@ -801,7 +815,8 @@ def _own_method(model, name: str):
 
 def _patch_model(model) -> None:
     """csgmv's ``forward`` and ``generate`` for ``model``: by class (a subclass of its class, same name, as the
-    layers get: no reference cycle, so a dropped model is freed at once), or, where the model has an instance-level
+    layers get: no reference cycle, so a dropped model is freed at once; it also refuses pickling and
+    ``copy.deepcopy`` with a message that says what to do), or, where the model has an instance-level
     ``forward`` / ``generate`` of its own (accelerate's ``prepare`` sets one), on the instance over them, which they
     then call."""
     own = {name: model.__dict__[name] for name in _MODEL_METHODS if name in model.__dict__}
@@ -810,7 +825,7 @@ def _patch_model(model) -> None:
         for name, function in _MODEL_METHODS.items():
             model.__dict__[name] = types.MethodType(function, model)
     else:
-        model.__class__ = patched_class(type(model), **_MODEL_METHODS)
+        model.__class__ = patched_class(type(model), **_MODEL_CLASS_METHODS)
 
 
 def _unpatch_model(model) -> None:

@@ -475,8 +475,12 @@ def test_patching_is_undone_exactly_and_keeps_instance_forwards():
 
 def test_deepcopy_of_an_enabled_model_is_refused_loudly():
     """Patched modules name their executor by handle, so a copy would run its calls through the original's state:
-    ``copy.deepcopy`` of an enabled model raises, and leaves the model working; a copy made before enabling works."""
+    ``copy.deepcopy`` of an enabled model raises, and so does pickling it (``torch.save(model)``), with one message
+    that says what to do, and the model keeps working; a copy made before enabling works; ``copy.copy`` (the same
+    modules and state) works; after ``disable_csgmv`` the model pickles again, as stock PEFT's does."""
     import copy
+    import io
+    import pickle
 
     model, targets = tiny_model("llama")
     model = add_adapters(model, {"a0": dict(r=4, lora_alpha=8, target_modules=targets)}).to(DEVICE)
@@ -484,8 +488,15 @@ def test_deepcopy_of_an_enabled_model_is_refused_loudly():
     expected = per_adapter(model, ["a0"], lambda: model(input_ids, attention_mask=mask).logits)["a0"]
     twin = copy.deepcopy(model)
     enable_csgmv(model, backend="torch")
-    with pytest.raises(TypeError, match="deepcopy of a model with csgmv enabled"):
-        copy.deepcopy(model)
-    for m in (model, enable_csgmv(twin, backend="torch")):
+    for refused in (copy.deepcopy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(TypeError, match="deepcopy of a model with csgmv enabled, and pickling it"):
+            refused(model)
+    shallow = copy.copy(model)
+    assert type(shallow) is type(model) and shallow.base_model is model.base_model
+    for m in (model, enable_csgmv(twin, backend="torch"), shallow):
         with torch.no_grad():
             close(m(input_ids, attention_mask=mask, adapter_ids=["a0", "a0"]).logits, expected, "after the refusal")
+    disable_csgmv(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    with torch.no_grad():
+        close(loaded(input_ids, attention_mask=mask).logits, expected, "stock PEFT's model, pickled after disabling")
