@@ -194,7 +194,7 @@ class HostTier:
         for pages, region, params, views in self.regions(name):
             if slot is not None and pages is not None:
                 page = pages.page(slot, region.numel())
-                if page.is_cuda:
+                if streamed(page.device):
                     stream = out_stream(page.device)
                     stream.wait_stream(torch.cuda.current_stream(page.device))
                     with torch.cuda.stream(stream):
@@ -297,6 +297,12 @@ def no_gc_pauses() -> Iterator[None]:
             gc.enable()
 
 
+def streamed(device: torch.device) -> bool:
+    """Whether copies between ``device`` and host memory are asynchronous (CUDA): they then run on streams and are
+    awaited through events (on the CPU they are done when they return)."""
+    return device.type == "cuda"
+
+
 @functools.cache
 def out_stream(device: torch.device) -> "torch.cuda.Stream":
     """The stream that copies device pages out to host memory on CUDA ``device`` (one per device)."""
@@ -307,7 +313,7 @@ def _copy_streams(layers) -> Iterator["torch.cuda.Stream"]:
     """The streams that copy adapter weights to host memory for ``layers`` on CUDA: each device's current stream
     (the weights that move parameter by parameter) and its copy-out stream (the pages)."""
     for device in {layer._csgmv_stack.device for layer in layers}:
-        if device.type == "cuda":
+        if streamed(device):
             yield torch.cuda.current_stream(device)
             yield out_stream(device)
 

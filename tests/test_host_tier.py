@@ -217,6 +217,119 @@ def test_weights_moved_out_are_in_host_memory_when_the_call_returns(tiered, call
     close(logits, stitch(outs, names), "the adapter that came into the slot")
 
 
+class _Streams:
+    """Stand-ins for CUDA's streams and events that log what the host tier asks of them (the copies themselves run
+    on the CPU, done when they return): the order of the asynchronous moves, checked without a GPU."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.current = self.active = _Stream(self, "current")
+        self.made: list = []
+
+    def event(self):
+        return _Event(self)
+
+    def stream(self, device=None):
+        stream = _Stream(self, f"out{len(self.made)}")
+        self.made.append(stream)
+        return stream
+
+    def current_stream(self, device=None):
+        return self.active
+
+    def on(self, stream):
+        streams = self
+
+        class _On:
+            def __enter__(self):
+                streams.active = stream
+                streams.log.append(("on", stream.name))
+
+            def __exit__(self, *exc):
+                streams.active = streams.current
+                streams.log.append(("off", stream.name))
+
+        return _On()
+
+
+class _Stream:
+    def __init__(self, streams, name):
+        self.streams, self.name = streams, name
+
+    def wait_stream(self, other):
+        self.streams.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event):
+        self.streams.log.append(("wait_event", self.name, event.id))
+
+    def synchronize(self):
+        self.streams.log.append(("sync", self.name))
+
+
+class _Event:
+    count = 0
+
+    def __init__(self, streams):
+        self.streams = streams
+
+    def record(self, stream):
+        _Event.count += 1
+        self.id, self.stream = _Event.count, stream.name
+        self.streams.log.append(("record", stream.name, self.id))
+
+    def synchronize(self):
+        self.streams.log.append(("event_sync", self.id))
+
+
+def test_moves_order_their_copies_through_streams_and_events(monkeypatch):
+    """The host tier's asynchronous moves, as on CUDA (stand-in streams and events log each step): each page leaves on
+    the copy-out stream once it has waited for the current stream (whose work may still write the page); the
+    adapter that takes the page waits for that page's event on the current stream before its copy in; the call
+    never waits for a whole stream, and it waits for events recorded after all its copies out before it returns.
+    Logits stay stock PEFT's throughout."""
+    from peft_csgmv import tier as tier_module
+
+    model, _ = tiny_model("llama")
+    specs = {name: dict(r=4 + 2 * i, lora_alpha=8, target_modules=ALL_LINEAR) for i, name in enumerate(ADAPTERS)}
+    model = add_adapters(model, specs)  # on the CPU, whatever the machine: the streams are stand-ins
+    input_ids, mask = make_batch(4, 6)
+    outs = per_adapter(model, [*ADAPTERS, BASE], lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    streams = _Streams()
+    monkeypatch.setattr(tier_module, "streamed", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "Event", streams.event)
+    monkeypatch.setattr(torch.cuda, "Stream", streams.stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", streams.current_stream)
+    monkeypatch.setattr(torch.cuda, "stream", streams.on)
+    tier_module.out_stream.cache_clear()
+    try:
+        # (residents a0, a1 after enabling; then each call's missing adapters evict the least recently used)
+        for names, moves in (
+            (["a2", "a3", BASE, "a2"], 2),
+            (["a0", BASE, "a0", "a0"], 1),
+            (["a4", "a1", "a4", BASE], 2),
+        ):
+            streams.log.clear()
+            _call(model, input_ids, mask, outs, names)
+            log = streams.log
+            assert ("sync", "current") not in log and ("sync", "out0") not in log, "a call waited for a whole stream"
+            outs_recorded = {}  # event id -> position, for the events after a page's copy out
+            for i, step in enumerate(log):
+                if step[0] == "on":
+                    assert log[i - 1] == ("wait_stream", "out0", "current"), "a copy out did not wait for the stream"
+                    assert log[i + 1] == ("off", "out0") and log[i + 2][:2] == ("record", "out0")
+                    outs_recorded[log[i + 2][2]] = i + 2
+            assert len(outs_recorded) == moves, f"ids {names}: {len(outs_recorded)} pages copied out, not {moves}"
+            waits = [step[2] for step in log if step[0] == "wait_event"]
+            assert sorted(waits) == sorted(outs_recorded), "a copy in did not wait for its page's copy out alone"
+            last_out = max(outs_recorded.values())
+            finals = {step[2] for i, step in enumerate(log) if step[0] == "record" and i > last_out}
+            awaited = {step[1] for step in log if step[0] == "event_sync"}
+            assert finals and finals <= awaited, "the call returned before its copies out were awaited"
+    finally:
+        tier_module.out_stream.cache_clear()
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_bad_max_resident(bad):
     model, targets = tiny_model("llama")
