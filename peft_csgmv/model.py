@@ -264,6 +264,7 @@ class CsgmvState:
                 # Every adapter's place in its page; those without a slot wait in host memory, and residents whose
                 # weights wait there (admitted now) come in from it.
                 tier.lay_out(found.values(), names, self.registry, self.kernel_reason)
+                tier.reserve(names)
                 hosted = [n for n in names if n not in self.registry.index]
                 for name in hosted:
                     tier.park(name)
@@ -272,7 +273,6 @@ class CsgmvState:
                         tier.bring_in(name, slot, _dora_scale, self.dora_refused)
                 if hosted:
                     host_copies_done(found.values())
-                tier.reserve(names)
             for layer in found.values():
                 self.stack_layer(layer, force or layer in restack)
         for old, new in ((self.layers, found), (self.peft_path, peft_path)):

@@ -808,16 +808,38 @@ class HostArena:
     out of slabs. The pinned allocator rounds every allocation up to a power of two, so one buffer per adapter would
     cost up to 2× its bytes (a 22 MiB adapter of the 1B layout takes 32 MiB); a slab of 1 GiB holds 46 of them.
 
+    Slabs are sized to what is asked for: the tier tells the arena the bytes of the regions it is about to take
+    (:meth:`expect`, every adapter's when the model is enabled), and a new slab holds what is left of that (pinned:
+    rounded up to the power of two the allocator takes anyway), up to ``slab_bytes``; with nothing announced, a new
+    slab is as large as the arena already is (regions taken one by one double it), up to ``slab_bytes``. So a model
+    of small adapters pins about their bytes, not a gigabyte.
+
     Each adapter keeps its region (one per dtype) for as long as it is loaded: evicting it again copies into the same
     memory, and a deleted adapter's region is reused by the next one of the same size."""
+
+    ALIGN = 64  # bytes: every region starts on a 64-byte boundary
 
     def __init__(self, pin: bool, slab_bytes: int = 1 << 30) -> None:
         self.pin = pin
         self.slab_bytes = slab_bytes
         self.slabs: list[torch.Tensor] = []
         self.used = 0  # bytes taken in the last slab
+        self.expected = 0  # bytes of regions announced and not yet carved (:meth:`expect`)
         self.regions: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
         self.spare: dict[int, list[torch.Tensor]] = {}  # freed regions (uint8) by size
+
+    def expect(self, nbytes: int) -> None:
+        """The regions about to be taken need ``nbytes`` of new memory in all (:meth:`missing`); 0 once taken."""
+        self.expected = nbytes
+
+    def missing(self, name: str, dtype: torch.dtype, numel: int, tag: str = "") -> int:
+        """The new memory :meth:`region` with these arguments would carve: 0 where the region is held already or a
+        freed region of its size waits (:meth:`forget`)."""
+        held = self.regions.get((name, dtype, tag))
+        if held is not None and held.numel() == numel:
+            return 0
+        nbytes = -(-numel * dtype.itemsize // self.ALIGN) * self.ALIGN
+        return 0 if self.spare.get(nbytes) else nbytes
 
     def region(self, name: str, dtype: torch.dtype, numel: int, tag: str = "") -> torch.Tensor:
         """Adapter ``name``'s host memory for ``numel`` elements of ``dtype`` (the same memory on every call); ``tag``
@@ -828,7 +850,7 @@ class HostArena:
             return held
         if held is not None:
             self._give_back(key)
-        nbytes = -(-numel * dtype.itemsize // 64) * 64  # 64-byte aligned regions
+        nbytes = -(-numel * dtype.itemsize // self.ALIGN) * self.ALIGN
         spare = self.spare.get(nbytes)
         raw = spare.pop() if spare else self._carve(nbytes)
         held = self.regions[key] = raw[: numel * dtype.itemsize].view(dtype)
@@ -836,17 +858,21 @@ class HostArena:
 
     def _carve(self, nbytes: int) -> torch.Tensor:
         if not self.slabs or self.used + nbytes > self.slabs[-1].numel():
-            size = max(self.slab_bytes, nbytes)
+            size = min(self.slab_bytes, self.expected or self.nbytes)
+            if self.pin and size > 0:
+                size = min(self.slab_bytes, 1 << (size - 1).bit_length())
+            size = max(size, nbytes)
             self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
             self.used = 0
         raw = self.slabs[-1][self.used : self.used + nbytes]
         self.used += nbytes
+        self.expected = max(0, self.expected - nbytes)
         return raw
 
     def _give_back(self, key) -> None:
         held = self.regions.pop(key)
         raw = held.view(torch.uint8)
-        nbytes = -(-raw.numel() // 64) * 64
+        nbytes = -(-raw.numel() // self.ALIGN) * self.ALIGN
         base = raw.untyped_storage()
         offset = raw.storage_offset()
         whole = torch.empty(0, dtype=torch.uint8).set_(base, offset, (nbytes,))

@@ -159,16 +159,9 @@ class HostTier:
         pages, laid out as the page, with the parameters that are views of the page while it is resident; one per
         dtype for the rest (``pages`` None), packed. Made once per region (an adapter keeps its regions)."""
         placement = self.placements[name]
-        wanted: list = []
-        for pages, numel in placement.numel.items():
-            wanted.append((pages, self.host.region(name, pages.dtype, numel, tag=str(pages.device))))
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p, _ in placement.rest:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for dtype, params in by_dtype.items():
-            wanted.append((params, self.host.region(name, dtype, sum(p.numel() for p in params), tag="rest")))
         out = []
-        for group, region in wanted:
+        for group, dtype, numel, tag in self._wanted(name):
+            region = self.host.region(name, dtype, numel, tag)
             key = (region.data_ptr(), region.dtype, region.numel())
             held = placement.views.get(key)
             if held is None:
@@ -180,6 +173,18 @@ class HostTier:
                 placement.views[key] = held
             out.append(held)
         return out
+
+    def _wanted(self, name: str) -> list[tuple]:
+        """Adapter ``name``'s host regions as ``(group, dtype, numel, tag)``: a group of pages, or the parameters that
+        move on their own (one region per dtype)."""
+        placement = self.placements[name]
+        wanted: list = [(pages, pages.dtype, numel, str(pages.device)) for pages, numel in placement.numel.items()]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p, _ in placement.rest:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for dtype, params in by_dtype.items():
+            wanted.append((params, dtype, sum(p.numel() for p in params), "rest"))
+        return wanted
 
     def hosted(self, name: str) -> bool:
         """Whether adapter ``name``'s page weights wait in host memory (not on their stacks' devices)."""
@@ -209,9 +214,18 @@ class HostTier:
                 p.data = view
 
     def reserve(self, names) -> None:
-        """Host regions for ``names`` now (pinning host memory is slow: no call should pay for it)."""
+        """Host regions for ``names`` now (pinning host memory is slow: no call should pay for it), the host memory
+        for all of them asked for at once (:meth:`HostArena.expect`), so that it is sized to them."""
+        self.host.expect(
+            sum(
+                self.host.missing(name, dtype, numel, tag)
+                for name in names
+                for _, dtype, numel, tag in self._wanted(name)
+            )
+        )
         for name in names:
             self.regions(name)
+        self.host.expect(0)
 
     def bring_in(self, name: str, slot: int, dora_scale, dora_refused: set) -> None:
         """Adapter ``name`` from its host regions into slot ``slot``: one copy per group of pages, the rest of its

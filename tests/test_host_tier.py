@@ -358,28 +358,32 @@ def test_error_raised_after_validation_moves_nothing():
 
 
 def test_host_arena_packs_adapters_into_slabs_and_reuses_regions():
-    """Host memory comes out of slabs (the pinned allocator would round each adapter's buffer up to a power of two);
-    an adapter's region is the same memory every time, and a deleted adapter's region goes to the next one of its
-    size."""
+    """Host memory comes out of slabs (the pinned allocator would round each adapter's buffer up to a power of two),
+    sized to what the tier announces (or doubling the arena); an adapter's region is the same memory every time, and a
+    deleted adapter's region goes to the next one of its size."""
     from peft_csgmv.slots import HostArena
 
     arena = HostArena(pin=False, slab_bytes=4096)
-    a = arena.region("a", torch.float32, 300)  # 1200 bytes, 1216 with alignment
-    b = arena.region("b", torch.bfloat16, 300)
-    c = arena.region("c", torch.float32, 300)
-    assert len(arena.slabs) == 1 and arena.nbytes == 4096, "three regions fit one slab"
+    wanted = [("a", torch.float32, 300), ("b", torch.bfloat16, 300), ("c", torch.float32, 300)]
+    assert [arena.missing(*w) for w in wanted] == [1216, 640, 1216], "bytes rounded up to 64"
+    arena.expect(sum(arena.missing(*w) for w in wanted))
+    a, b, c = (arena.region(*w) for w in wanted)
+    assert len(arena.slabs) == 1 and arena.nbytes == 3072, "one slab, sized to the three regions announced"
     assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0 and c.data_ptr() % 64 == 0
     assert arena.region("a", torch.float32, 300).data_ptr() == a.data_ptr(), "an adapter keeps its region"
+    assert arena.missing("a", torch.float32, 300) == 0
     a.fill_(1.0)
     c.fill_(3.0)
     assert torch.equal(a, torch.ones(300)) and torch.equal(c, torch.full((300,), 3.0)), "regions overlap"
-    d = arena.region("d", torch.float32, 300)  # no room left: a new slab
-    assert len(arena.slabs) == 2 and d.data_ptr() not in (a.data_ptr(), c.data_ptr())
+    arena.expect(0)
+    d = arena.region("d", torch.float32, 300)  # no room left, nothing announced: a new slab as large as the arena
+    assert len(arena.slabs) == 2 and arena.nbytes == 6144 and d.data_ptr() not in (a.data_ptr(), c.data_ptr())
     arena.forget("a")
+    assert arena.missing("e", torch.float32, 300) == 0, "a freed region of its size waits"
     e = arena.region("e", torch.float32, 300)  # a's size: a's memory
     assert e.data_ptr() == a.data_ptr() and len(arena.slabs) == 2
     big = arena.region("big", torch.float32, 5000)  # larger than a slab: a slab of its own
-    assert big.numel() == 5000 and len(arena.slabs) == 3
+    assert big.numel() == 5000 and len(arena.slabs) == 3 and arena.slabs[-1].numel() == 20032
 
 
 def test_every_adapter_holds_its_host_region_from_the_start(tiered):
@@ -390,6 +394,8 @@ def test_every_adapter_holds_its_host_region_from_the_start(tiered):
     assert {key[0] for key in host.regions} == set(ADAPTERS)
     reserved = {key: region.data_ptr() for key, region in host.regions.items()}
     slabs = host.nbytes
+    needed = sum(-(-region.nbytes // 64) * 64 for region in host.regions.values())
+    assert needed <= slabs <= (2 * needed if host.pin else needed), "host memory sized to the adapters"
     _call(model, input_ids, mask, outs, ["a3", "a4", BASE, "a3"])  # a0 and a1 leave for the regions they hold
     _call(model, input_ids, mask, outs, ["a0", "a2", BASE, "a0"])  # a0 comes back, a2 in; a3 and a4 leave
     assert host.nbytes == slabs, "a call allocated host memory"
