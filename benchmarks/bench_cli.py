@@ -36,6 +36,11 @@ def main(argv=None) -> int:
     p.add_argument("--words", default="25,34", help="words per prompt: LOW,HIGH")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--adapter-dtype",
+        default="model",
+        help="the command's --adapter-dtype: model (bf16 adapters, as this benchmark's earlier figures) or fp32",
+    )
     p.add_argument("--caches", default="dynamic,static", help="the runs, by --cache-implementation, in order")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -49,7 +54,8 @@ def main(argv=None) -> int:
         inp = os.path.join(folder, "in.jsonl")
         write_prompts(inp, args.rows, (low, high))
         common = ["generate", "--base", base, "--input", inp, "--batch-size", str(args.batch_size),
-                  "--max-new-tokens", str(args.new_tokens), "--no-progress"]  # fmt: skip
+                  "--max-new-tokens", str(args.new_tokens), "--no-progress",
+                  "--adapter-dtype", args.adapter_dtype]  # fmt: skip
         for name, path in adapters.items():
             common += ["--adapter", f"{name}={path}"]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))

@@ -157,7 +157,8 @@ def data_parallel_rows(args) -> list[dict]:
         inp = os.path.join(folder, "in.jsonl")
         write_prompts(inp, args.rows, (20, 60))
         common = ["generate", "--base", base, "--input", inp, "--batch-size", str(args.dp_batch),
-                  "--max-new-tokens", str(args.new_tokens), "--no-progress"]  # fmt: skip
+                  "--max-new-tokens", str(args.new_tokens), "--no-progress",
+                  "--adapter-dtype", args.adapter_dtype]  # fmt: skip
         for name, path in adapters.items():
             common += ["--adapter", f"{name}={path}"]
         env = dict(os.environ)
@@ -188,6 +189,11 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=1024, help="prompts in the data-parallel JSONL")
     p.add_argument("--dp-batch", type=int, default=64, help="--batch-size of the generate command")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--adapter-dtype",
+        default="model",
+        help="the command's --adapter-dtype: model (bf16 adapters, as this benchmark's earlier figures) or fp32",
+    )
     p.add_argument("--parts", default="device-map,data-parallel")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

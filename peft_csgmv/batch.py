@@ -313,10 +313,37 @@ def finish_output(out_path: str, parsed: InputFile) -> None:
     _remove(parts)
 
 
-def batches_by_length(rows: list[Row], lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Indices into ``rows`` grouped into batches of similar prompt length (less padding)."""
-    order = sorted(range(len(rows)), key=lambda i: lengths[i])
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+def batches_by_length(
+    rows: list[Row], lengths: list[int], batch_size: int, max_adapters: int | None = None
+) -> list[list[int]]:
+    """Indices into ``rows`` grouped into batches of similar prompt length (less padding).
+
+    ``max_adapters``: at most that many distinct adapters in a batch (base rows take none), for a model that keeps
+    that many on the device (``enable_csgmv``'s ``max_resident_adapters``). Rows are then ordered by
+    :func:`prompt_bucket`, adapter and length, so that each batch holds as few adapters as its bucket allows and an
+    adapter moves onto the device about once per bucket, not once per batch."""
+    if max_adapters is None:
+        order = sorted(range(len(rows)), key=lambda i: lengths[i])
+        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    order = sorted(
+        range(len(rows)),
+        key=lambda i: (prompt_bucket(lengths[i]), rows[i].adapter is not None, rows[i].adapter or "", lengths[i]),
+    )
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    held: set[str] = set()
+    for i in order:
+        adapter = rows[i].adapter
+        new_adapter = adapter is not None and adapter not in held
+        if batch and (len(batch) == batch_size or (new_adapter and len(held) == max_adapters)):
+            batches.append(batch)
+            batch, held = [], set()
+        batch.append(i)
+        if adapter is not None:
+            held.add(adapter)
+    if batch:
+        batches.append(batch)
+    return batches
 
 
 def prompt_bucket(length: int) -> int:
@@ -339,8 +366,9 @@ def generate_rows(
     **generate_kwargs,
 ) -> dict:
     """Generate a completion for every row (mixed adapters per batch) and append each batch's records to
-    ``out_path`` as soon as it finishes (one write of complete lines, flushed). ``model`` must be csgmv-enabled.
-    Returns counts and timing.
+    ``out_path`` as soon as it finishes (one write of complete lines, flushed). ``model`` must be csgmv-enabled;
+    where it keeps at most N adapters on the device (``max_resident_adapters``), no batch holds more than N
+    (:func:`batches_by_length`). Returns counts and timing.
 
     With ``cache_implementation="static"`` (transformers' static cache, whose decode step it compiles for each batch
     shape) every call has the same shape where it can: prompts are left-padded to :func:`prompt_bucket` of the batch's
@@ -350,6 +378,8 @@ def generate_rows(
     records its CUDA graph once per bucket, not once per batch."""
     from tqdm.auto import tqdm
 
+    from .model import csgmv_stats, is_csgmv_enabled
+
     lengths = [len(ids) for ids in tokenizer([r.prompt for r in rows])["input_ids"]] if rows else []
     device = _input_device(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -358,7 +388,8 @@ def generate_rows(
     bar = tqdm(total=len(rows), unit="row", disable=not progress, dynamic_ncols=True)
     try:
         with open(out_path, "a", encoding="utf-8") as out:
-            for batch in batches_by_length(rows, lengths, batch_size):
+            max_adapters = csgmv_stats(model)["max_resident_adapters"] if is_csgmv_enabled(model) else None
+            for batch in batches_by_length(rows, lengths, batch_size, max_adapters):
                 brows = [rows[i] for i in batch]
                 called = brows + [brows[-1]] * (batch_size - len(brows)) if static else brows
                 padding = {"padding": True}
@@ -419,8 +450,16 @@ def load_model(
     device_map: str | None = None,
     device: str | None = None,
     backend: str = "auto",
+    adapter_dtype: str = "fp32",
+    max_resident_adapters: int | None = None,
 ):
-    """Load the base model, its tokenizer and every adapter, and enable csgmv. Returns ``(model, tokenizer)``."""
+    """Load the base model, its tokenizer and every adapter, and enable csgmv. Returns ``(model, tokenizer)``.
+
+    ``adapter_dtype``: ``"fp32"`` keeps the adapters in float32 on a bf16 / fp16 model, as PEFT does by default
+    (``autocast_adapter_dtype=True``: PEFT's numerics); ``"model"`` gives them the base model's dtype
+    (``autocast_adapter_dtype=False``: half their bytes, faster). ``max_resident_adapters``: at most that many
+    adapters on the device, the others in host memory (``enable_csgmv``'s option); while they load, every N of them
+    the ones beyond N leave for host memory, so the device never holds more than about 2 × N adapters."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -439,10 +478,19 @@ def load_model(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     _drop_unused_inputs(model, tokenizer)
+    if adapter_dtype not in ("fp32", "model"):
+        raise ValueError(f"adapter_dtype must be 'fp32' or 'model'; got {adapter_dtype!r}")
+    autocast = adapter_dtype == "fp32"
     names = iter(adapters.items())
     name, path = next(names)
-    model = PeftModel.from_pretrained(model, path, adapter_name=name, autocast_adapter_dtype=False)
-    for name, path in names:
-        model.load_adapter(path, adapter_name=name, autocast_adapter_dtype=False)
+    model = PeftModel.from_pretrained(model, path, adapter_name=name, autocast_adapter_dtype=autocast)
     model.eval()
-    return enable_csgmv(model, backend=backend), tokenizer
+    tier = max_resident_adapters is not None
+    if tier:  # from the first adapter on, so that those loaded next can leave the device as they come
+        enable_csgmv(model, backend=backend, max_resident_adapters=max_resident_adapters)
+    for loaded, (name, path) in enumerate(names, start=2):
+        model.load_adapter(path, adapter_name=name, autocast_adapter_dtype=autocast)
+        if tier and loaded % max_resident_adapters == 0:
+            model._csgmv.sync(model)  # the adapters beyond the first N to host memory
+    model.eval()
+    return enable_csgmv(model, backend=backend, max_resident_adapters=max_resident_adapters), tokenizer

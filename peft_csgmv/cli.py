@@ -115,6 +115,9 @@ checks: paths, adapters and options are checked before the model loads: each pro
         Ctrl-C stops after writing the finished batches (exit 130): rerun the same command to resume.
 speed:  --cache-implementation static runs transformers' compiled decode (CUDA), one compile per batch shape:
         prompts are padded to a power of two and the last batch filled, so a run compiles a few shapes.
+        --adapter-dtype model: bf16 adapters on a bf16 model (the default, fp32, is PEFT's).
+memory: --max-resident-adapters N keeps N adapters on the GPU, the rest in host memory; batches then hold at most
+        N distinct adapters.
 gpus:   accelerate launch --num_processes N -m peft_csgmv generate ... (or torchrun) runs N processes, one per GPU,
         each on every N-th line still to do, writing OUTPUT.part-R-of-N; the first merges the parts when all are
         done. A later run, with any number of processes, resumes from the output and any parts left."""
@@ -323,7 +326,16 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
     mine = shard.take(todo)
     if mine:
         device = str(shard.device) if shard.world > 1 else args.device
-        model, tokenizer = batch.load_model(args.base, adapters, args.dtype, args.device_map, device, args.backend)
+        model, tokenizer = batch.load_model(
+            args.base,
+            adapters,
+            args.dtype,
+            args.device_map,
+            device,
+            args.backend,
+            adapter_dtype=args.adapter_dtype,
+            max_resident_adapters=args.max_resident_adapters,
+        )
         torch.manual_seed(args.seed)
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
         if args.cache_implementation == "static":
@@ -417,6 +429,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         choices=["auto", "bf16", "fp16", "fp32"],
         default="auto",
         help="dtype the base model is loaded in; auto: the checkpoint's own",
+    )
+    p_gen.add_argument(
+        "--adapter-dtype",
+        choices=["fp32", "model"],
+        default="fp32",
+        help="dtype of the adapters' weights: fp32 on a bf16 / fp16 model too, as PEFT keeps them by default "
+        "(autocast_adapter_dtype=True: PEFT's numerics); model: the base model's dtype (autocast_adapter_dtype=False: "
+        "half the adapter memory, faster)",
+    )
+    p_gen.add_argument(
+        "--max-resident-adapters",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="keep at most N adapters on the GPU, the others in host memory, brought in as batches need them "
+        "(least recently used out); batches then hold at most N distinct adapters, rows ordered by prompt length "
+        "and adapter (default: every adapter on the GPU)",
     )
     p_gen.add_argument(
         "--device-map", default=None, help="accelerate device map, e.g. auto (default: none, the model on --device)"

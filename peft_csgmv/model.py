@@ -961,8 +961,9 @@ def csgmv_stats(model) -> dict:
     ``peft_path_modules`` (counts), ``stack_bytes`` (device memory of every stack), ``shared_bytes`` (of that, PEFT's
     own adapter weights, which are views into the stacks: stored once), ``plans_cached`` (host-built plans
     kept for later calls with the same ids), ``static_plans`` (plans of compiled shapes), ``resident`` (the adapters
-    with a slot on the device, least recently used first with ``max_resident_adapters``), ``static_cache_bytes`` (the
-    static KV cache kept for the next ``generate``, see ``keep_static_cache``)."""
+    with a slot on the device, least recently used first with ``max_resident_adapters``), ``max_resident_adapters``
+    (the option; None without the host tier), ``host_bytes`` (host memory held for the host tier's adapters),
+    ``static_cache_bytes`` (the static KV cache kept for the next ``generate``, see ``keep_static_cache``)."""
     state: CsgmvState = model.__dict__["_csgmv"]
     return dict(
         kernel_layers=len(state.layers),
@@ -973,6 +974,8 @@ def csgmv_stats(model) -> dict:
         plans_cached=state.executor.num_plans,
         static_plans=len(state.executor.statics),
         resident=state.resident,
+        max_resident_adapters=state.max_resident,
+        host_bytes=0 if state.tier is None else state.tier.host.nbytes,
         static_cache_bytes=0 if state.static_cache is None else state.static_cache.nbytes,
     )
 

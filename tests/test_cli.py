@@ -98,6 +98,94 @@ def test_generate_matches_stock_peft(checkout, tmp_path):
         assert ("id" in rec) == ("id" in row) and rec.get("id") == row.get("id")
 
 
+def test_generate_with_host_tier_matches_stock_peft(checkout, tmp_path, monkeypatch):
+    """``--max-resident-adapters 1``: one adapter on the device at a time (the other in host memory, brought in when a
+    batch needs it), no batch with more than one distinct adapter, and stock PEFT's completions."""
+    from peft_csgmv import batch, csgmv_stats
+
+    seen, loaded = [], []
+    real_batches, real_load = batch.batches_by_length, batch.load_model
+
+    def spy_batches(rows, lengths, batch_size, max_adapters=None):
+        out = real_batches(rows, lengths, batch_size, max_adapters)
+        seen.extend({rows[i].adapter for i in b} - {None} for b in out)
+        return out
+
+    def spy_load(*args, **kwargs):
+        model, tok = real_load(*args, **kwargs)
+        loaded.append(csgmv_stats(model))
+        return model, tok
+
+    monkeypatch.setattr(batch, "batches_by_length", spy_batches)
+    monkeypatch.setattr(batch, "load_model", spy_load)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, PROMPTS)
+    assert main(_args(checkout, inp, out, "--max-resident-adapters", "1")) == 0
+    (stats,) = loaded
+    assert stats["max_resident_adapters"] == 1 and len(stats["resident"]) == 1 and stats["host_bytes"] > 0
+    assert seen and all(len(adapters) <= 1 for adapters in seen), seen
+    assert {"legal"} in seen and {"chat"} in seen
+    records = {r["line"]: r for r in _records(out)}
+    assert sorted(records) == list(range(1, len(PROMPTS) + 1))
+    for line, want in enumerate(_stock_completions(checkout), start=1):
+        assert records[line]["completion"] == want, f"line {line}: {records[line]['completion']!r} != {want!r}"
+
+
+def test_batches_hold_at_most_max_adapters():
+    """Batches of at most ``batch_size`` rows and ``max_adapters`` distinct adapters (base rows take none), every row
+    once, rows of one adapter kept together within a prompt bucket; without the cap, plain length order."""
+    import random
+
+    from peft_csgmv.batch import Row, batches_by_length, prompt_bucket
+
+    rng = random.Random(0)
+    rows = [Row(i, "p", rng.choice([None, "a", "b", "c", "d", "e"])) for i in range(200)]
+    lengths = [rng.randint(1, 70) for _ in rows]
+    plain = batches_by_length(rows, lengths, 8)
+    assert [i for b in plain for i in b] == sorted(range(200), key=lambda i: lengths[i])
+    for cap in (1, 2, 5):
+        out = batches_by_length(rows, lengths, 8, max_adapters=cap)
+        assert sorted(i for b in out for i in b) == list(range(200))
+        for b in out:
+            assert 1 <= len(b) <= 8 and len({rows[i].adapter for i in b} - {None}) <= cap
+        # each adapter's rows of a bucket come in consecutive batches: it moves onto the device once per bucket
+        runs = [(prompt_bucket(lengths[i]), rows[i].adapter) for b in out for i in b]
+        changes = [key for n, key in enumerate(runs) if n == 0 or runs[n - 1] != key]
+        assert len(changes) == len(set(changes)), f"cap {cap}: an adapter's rows split within a bucket"
+    with_cap = batches_by_length(rows, lengths, 8, max_adapters=6)
+    assert max(len({rows[i].adapter for i in b} - {None}) for b in with_cap) > 1, "a cap above the adapters splits"
+
+
+def test_adapters_load_in_fp32_as_peft_keeps_them_unless_model_dtype(checkout):
+    """``--adapter-dtype fp32`` (the default): on a bf16 model the adapters stay in fp32, as PEFT's
+    ``from_pretrained`` keeps them, and csgmv's logits are stock PEFT's for each adapter; ``model``: bf16 adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from peft_csgmv import batch
+
+    base, adapters = checkout
+    model, tok = batch.load_model(base, adapters, dtype="bf16", device="cpu")
+    lora = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    assert lora == {torch.float32} and model.get_base_model().dtype == torch.bfloat16
+    stock = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    names = list(adapters)
+    stock = PeftModel.from_pretrained(stock, adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        stock.load_adapter(adapters[name], adapter_name=name)
+    stock.eval()
+    enc = tok(["the contract says"] * len(names), return_tensors="pt")
+    with torch.no_grad():
+        got = model(input_ids=enc["input_ids"], adapter_ids=names).logits
+        for i, name in enumerate(names):
+            stock.set_adapter(name)
+            want = stock(input_ids=enc["input_ids"]).logits[i]
+            assert torch.allclose(got[i].float(), want.float(), rtol=0, atol=1e-2), name
+            assert not torch.allclose(got[1 - i].float(), want.float(), rtol=0, atol=1e-2), "the adapters agree"
+    model, _ = batch.load_model(base, adapters, dtype="bf16", device="cpu", adapter_dtype="model")
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.bfloat16}
+
+
 def test_generate_static_cache_matches_stock_peft(checkout, tmp_path, static_caches):
     """``--cache-implementation static``: the same completions as stock PEFT's per-prompt runs, prompts padded to a
     power of two and the short last batch filled (what the static cache's shapes need; their outputs dropped). The
