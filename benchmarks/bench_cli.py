@@ -41,6 +41,12 @@ def main(argv=None) -> int:
         default="model",
         help="the command's --adapter-dtype: model (bf16 adapters, as this benchmark's earlier figures) or fp32",
     )
+    p.add_argument(
+        "--max-resident-adapters",
+        type=int,
+        default=None,
+        help="the command's --max-resident-adapters (the host tier) for every run; default: not given",
+    )
     p.add_argument("--caches", default="dynamic,static", help="the runs, by --cache-implementation, in order")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -58,6 +64,8 @@ def main(argv=None) -> int:
                   "--adapter-dtype", args.adapter_dtype]  # fmt: skip
         for name, path in adapters.items():
             common += ["--adapter", f"{name}={path}"]
+        if args.max_resident_adapters is not None:
+            common += ["--max-resident-adapters", str(args.max_resident_adapters)]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
         outputs = {}
         for cache in args.caches.split(","):

@@ -22,6 +22,8 @@
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
 #   beside   GPU time of compiled 1B/8B blocks, the LoRA after vs beside the base product (~2 min) -> beside.json
 #   cli      the batch command, 1B, 2048 rows: dynamic vs static cache (--cache-implementation static) -> cli_1b.json
+#   clitier  the batch command, 1B, 2048 rows, 32 adapters: fp32 adapters (its default), then bf16 with
+#            --max-resident-adapters 8 (the host tier), both caches each (~6 min) -> cli_1b_{fp32,tier}.*
 #   pstatic8b  as pstatic, for the 8B layout                                     -> profile_static_8b.*
 #   sbeside  static cache, 8B and 1B: base model, csgmv 32 distinct (the LoRA beside the base product), and the LoRA
 #            after the base product (~6 min) -> static_{8b,1b}_beside.json
@@ -114,6 +116,13 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     cli)
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
       grep -E "^\||identical" "$OUT/cli_1b.log" || tail -25 "$OUT/cli_1b.log" ;;
+    clitier)
+      python3 benchmarks/bench_cli.py --adapter-dtype fp32 --out "$OUT/cli_1b_fp32.json" 2>&1 \
+        | grep --line-buffered -v -i warn > "$OUT/cli_1b_fp32.log"
+      grep -E "^\||identical" "$OUT/cli_1b_fp32.log" || tail -25 "$OUT/cli_1b_fp32.log"
+      python3 benchmarks/bench_cli.py --max-resident-adapters 8 --out "$OUT/cli_1b_tier.json" 2>&1 \
+        | grep --line-buffered -v -i warn > "$OUT/cli_1b_tier.log"
+      grep -E "^\||identical" "$OUT/cli_1b_tier.log" || tail -25 "$OUT/cli_1b_tier.log" ;;
     pstatic8b)
       python3 benchmarks/profile_static.py --model 8b --cprofile 25 --out "$OUT/profile_static_8b.json" 2>&1 \
         | grep --line-buffered -v -i -E "warn|USDT|profiler" > "$OUT/profile_static_8b.log"
