@@ -100,3 +100,20 @@ def test_device_map_generate_over_two_gpus(builds):
     assert torch.equal(got, stitch(outs, NAMES))
     # One plan per device for the prompt and one per device for the decode steps (cached across them).
     assert sorted(d.index for d in builds) == [0, 0, 1, 1], f"plans built on {builds}"
+
+
+@two_gpus
+def test_host_tier_with_device_map_over_two_gpus():
+    """The host tier on a model spread over two GPUs: each GPU holds pages of its own layers, one adapter resident
+    (``max_resident_adapters=1``), and calls that move adapters in and out on both GPUs give stock PEFT's results."""
+    model = _split_model()
+    input_ids, mask = _prompts(7, seed=2)
+    outs = per_adapter(model, NAMES, lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, max_resident_adapters=1)
+    assert {pages.device.index for pages in model._csgmv.tier.pages.values()} == {0, 1}
+    for names in (["a0", BASE, "a0", BASE, "a0", BASE], ["a1", BASE, "a1", "a1", BASE, BASE], ["a0"] * 6):
+        with torch.no_grad():
+            got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+        close(got, stitch(outs, names), f"device_map over two GPUs, host tier, ids {names}")
+    with pytest.raises(ValueError, match="distinct adapters"):
+        model(input_ids, attention_mask=mask, adapter_ids=NAMES)
