@@ -288,6 +288,10 @@ def print_table(
 
     print(f"\nstock: {counts(stock)}")
     print(f"csgmv: {counts(csgmv)}")
+    ran = [csgmv[i] for i in all_ids if i in csgmv and csgmv[i]["result"] == "passed"]
+    if ran:
+        engaged = sum(1 for r in ran if r["csgmv_calls"])
+        print(f"csgmv engaged (its forward or generate took the call) in {engaged} of the {len(ran)} passed tests")
     tiny = sorted({m for r in list(stock.values()) + list(csgmv.values()) for m in r.get("tiny_models", [])})
     if tiny:
         print("hub models replaced by tiny config-built models: " + ", ".join(tiny))

@@ -12,14 +12,15 @@ Loaded with ``-p peer_plugin`` (``benchmarks/`` on ``PYTHONPATH``); configured b
 
 The csgmv wrapper: ``forward`` and ``generate`` of ``peft.PeftModel`` and of every subclass that defines its own
 (``PeftModelForCausalLM``, ``...Seq2SeqLM``, ...) are replaced at class level by a wrapper. On a call with
-``adapter_names`` not None it runs ``enable_csgmv(self)`` once per instance, then calls the instance method that
-``enable_csgmv`` installed (``self.__dict__["forward"]``), which takes the ids and calls the class method again,
-which then goes straight to PEFT's own code (a per-model re-entry guard, since csgmv may hand ``adapter_names`` on to
-PEFT for adapters it leaves to PEFT). Calls without ``adapter_names`` are untouched (and once enabled,
-``model(...)`` reaches csgmv's instance method directly anyway). Every PEFT test in the selection calls the
-``PeftModel`` (``model(...)``, ``model.forward(...)``, ``model.generate(...)``), never the tuner model, so this
-catches all of them; a call with ``adapter_names`` that reaches a tuner model or layer directly is counted
-(``tuner_calls``) so that the table shows it.
+``adapter_names`` not None it runs ``enable_csgmv(self)`` once per instance, then calls the method that
+``enable_csgmv`` gave the model (the model's class becomes csgmv's subclass of it, which defines ``forward`` and
+``generate``; a model with a method of its own gets an instance attribute), which takes the ids and calls PEFT's
+method of the class below, i.e. this wrapper again, which then goes straight to PEFT's own code (a per-model re-entry
+guard, since csgmv may hand ``adapter_names`` on to PEFT for adapters it leaves to PEFT). Calls without
+``adapter_names`` are untouched (and once enabled, ``model(...)`` reaches csgmv's method directly anyway). Every
+PEFT test in the selection calls the ``PeftModel`` (``model(...)``, ``model.forward(...)``, ``model.generate(...)``),
+never the tuner model, so this catches all of them; a call with ``adapter_names`` that reaches a tuner model or
+layer directly is counted (``tuner_calls``) so that the table shows it.
 """
 
 from __future__ import annotations
@@ -97,11 +98,17 @@ def _wrap_peft_method(cls, name: str) -> None:
                     )
                     raise
                 _LOG["enabled"] += 1
+            # csgmv's method: the model's class is csgmv's subclass of its class, which defines it (or, for a model
+            # with a method of its own, an instance attribute)
             patched = self.__dict__.get(name)
+            if patched is None:
+                own = getattr(type(self), name, None)
+                if own is not None and getattr(own, "__peer_original__", None) is None:
+                    patched = own.__get__(self, type(self))
             if patched is not None:
                 _LOG["csgmv_calls"] += 1
-                # csgmv's instance method takes the ids, then calls type(self).<name>, i.e. this wrapper again, which
-                # must then go to PEFT's own method (below) even where csgmv passes adapter_names on to PEFT.
+                # csgmv's method takes the ids, then calls PEFT's method of the class below, i.e. this wrapper again,
+                # which must then go to PEFT's own method (below) even where csgmv passes adapter_names on to PEFT.
                 _INSIDE.add(id(self))
                 try:
                     return patched(*args, **kwargs)
