@@ -152,6 +152,7 @@ def run_pytest(workdir: Path, mode: str, args, results: Path) -> int:
     env["PEER_BACKEND"] = args.backend
     env["PEER_RESULTS"] = str(results)
     env["PEER_TINY_MODELS"] = "0" if args.hub else "1"
+    env["PEER_DTYPE"] = args.dtype
     if not args.hub:
         env["HF_HUB_OFFLINE"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -231,7 +232,12 @@ def first_line(msg: str) -> str:
 
 
 def print_table(
-    stock: dict, csgmv: dict, selected: set[str] | None, show_all: bool = False, workdir: Path | None = None
+    stock: dict,
+    csgmv: dict,
+    selected: set[str] | None,
+    show_all: bool = False,
+    workdir: Path | None = None,
+    suffix: str = "",
 ) -> None:
     ids = sorted(set(stock) | set(csgmv)) if selected is None else sorted(selected)
     if not ids:
@@ -295,8 +301,8 @@ def print_table(
     tiny = sorted({m for r in list(stock.values()) + list(csgmv.values()) for m in r.get("tiny_models", [])})
     if tiny:
         print("hub models replaced by tiny config-built models: " + ", ".join(tiny))
-    if workdir is not None and (workdir / "state-csgmv.json").exists():
-        st = json.loads((workdir / "state-csgmv.json").read_text())
+    if workdir is not None and (workdir / f"state-csgmv{suffix}.json").exists():
+        st = json.loads((workdir / f"state-csgmv{suffix}.json").read_text())
         mod = ", ".join(st.get("modified", [])) or "none"
         print(
             f"csgmv code tested: HEAD {st.get('head', '?')}, modified under peft_csgmv/: {mod}; "
@@ -315,6 +321,13 @@ def main() -> None:
     p.add_argument("--backend", default="auto", help="enable_csgmv backend (auto | triton | torch)")
     p.add_argument("--all", action="store_true", help="also list the tests skipped in both runs")
     p.add_argument("--hub", action="store_true", help="load the real hub models instead of tiny config-built ones")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="bf16: the transformers models the tests load are bf16 (their adapters fp32, PEFT's default); results "
+        "saved apart from the fp32 run's",
+    )
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args()
 
@@ -322,10 +335,11 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.gettempdir()) / f"peft_peer_tests-{version}"
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    stock_file, csgmv_file = workdir / "results-stock.jsonl", workdir / "results-csgmv.jsonl"
+    suffix = "" if args.dtype == "fp32" else f"-{args.dtype}"
+    stock_file, csgmv_file = workdir / f"results-stock{suffix}.jsonl", workdir / f"results-csgmv{suffix}.jsonl"
 
     if args.table:
-        print_table(load(stock_file), load(csgmv_file), None, args.all, workdir)
+        print_table(load(stock_file), load(csgmv_file), None, args.all, workdir, suffix)
         return
 
     if args.tests_dir:
@@ -337,12 +351,12 @@ def main() -> None:
     # Each run writes its records to a fresh file; they are merged into the saved results afterwards, so that a -k
     # subset updates only its own rows.
     def run(mode: str, saved: Path) -> dict:
-        fresh = workdir / f"run-{mode}.jsonl"
+        fresh = workdir / f"run-{mode}{suffix}.jsonl"
         state = code_state()
         rc = run_pytest(workdir, mode, args, fresh)
         if mode == "csgmv" and state["sources_sha256"] != code_state()["sources_sha256"]:
             print("[csgmv] warning: peft_csgmv/ changed while the tests ran; results may mix two versions")
-        (workdir / f"state-{mode}.json").write_text(json.dumps(state))
+        (workdir / f"state-{mode}{suffix}.json").write_text(json.dumps(state))
         new = load(fresh)
         merged = {**load(saved), **new}
         saved.write_text("".join(json.dumps(r) + "\n" for r in merged.values()))
@@ -351,7 +365,7 @@ def main() -> None:
 
     if args.stock:
         new = run("stock", stock_file)
-        print_table(load(stock_file), load(csgmv_file), set(new), args.all, workdir)
+        print_table(load(stock_file), load(csgmv_file), set(new), args.all, workdir, suffix)
         return
     if args.rerun_stock:
         run("stock", stock_file)
@@ -359,7 +373,7 @@ def main() -> None:
     if set(new) - set(load(stock_file)):
         print("no stock result saved for some of these tests: running the stock baseline on the same selection")
         run("stock", stock_file)
-    print_table(load(stock_file), load(csgmv_file), set(new), args.all, workdir)
+    print_table(load(stock_file), load(csgmv_file), set(new), args.all, workdir, suffix)
 
 
 if __name__ == "__main__":

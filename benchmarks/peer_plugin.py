@@ -7,6 +7,9 @@ Loaded with ``-p peer_plugin`` (``benchmarks/`` on ``PYTHONPATH``); configured b
 * ``PEER_MODE``: ``stock`` (no patching) or ``csgmv`` (default ``stock``).
 * ``PEER_BACKEND``: ``enable_csgmv(..., backend=...)`` (default ``auto``).
 * ``PEER_RESULTS``: path of a JSON-lines file that gets one record per test (outcome, exception, csgmv activity).
+* ``PEER_DTYPE``: ``bf16`` loads every transformers model the tests load (hub id or tiny) in bf16, where the test
+  gives no dtype of its own (PEFT then keeps the adapters in fp32); ``fp32`` (default) leaves them as the tests load
+  them.
 * ``PEER_TINY_MODELS``: ``1`` (default) builds a tiny random-weight model from a config for each hub model id the
   tests load (the hub is out of reach here), ``0`` loads the real hub models.
 
@@ -37,6 +40,7 @@ MODE = os.environ.get("PEER_MODE", "stock")
 BACKEND = os.environ.get("PEER_BACKEND", "auto")
 RESULTS = os.environ.get("PEER_RESULTS")
 TINY_MODELS = os.environ.get("PEER_TINY_MODELS", "1") == "1"
+DTYPE = os.environ.get("PEER_DTYPE", "fp32")
 
 # The tests this harness runs: (file name, class name or None, test function name or None for the whole class).
 SELECTION = [
@@ -328,10 +332,29 @@ def install_tiny_models() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def install_dtype() -> None:
+    """``from_pretrained`` of transformers models without a dtype of the test's own loads them in bf16."""
+    import torch
+    import transformers
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    for owner in (_BaseAutoModelClass, transformers.PreTrainedModel):
+        original = owner.__dict__["from_pretrained"].__func__
+
+        def from_pretrained(cls, *args, __original=original, **kwargs):
+            if kwargs.get("dtype") is None and kwargs.get("torch_dtype") is None:
+                kwargs["dtype"] = torch.bfloat16
+            return __original(cls, *args, **kwargs)
+
+        owner.from_pretrained = classmethod(from_pretrained)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "regression: PEFT regression tests (not run here)")
     if TINY_MODELS:
         install_tiny_models()
+    if DTYPE == "bf16":
+        install_dtype()
     if MODE == "csgmv":
         install_csgmv_wrappers()
     if RESULTS:
