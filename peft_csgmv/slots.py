@@ -809,10 +809,11 @@ class HostArena:
     cost up to 2× its bytes (a 22 MiB adapter of the 1B layout takes 32 MiB); a slab of 1 GiB holds 46 of them.
 
     Slabs are sized to what is asked for: the tier tells the arena the bytes of the regions it is about to take
-    (:meth:`expect`, every adapter's when the model is enabled), and a new slab holds what is left of that (pinned:
-    rounded up to the power of two the allocator takes anyway), up to ``slab_bytes``; with nothing announced, a new
-    slab is as large as the arena already is (regions taken one by one double it), up to ``slab_bytes``. So a model
-    of small adapters pins about their bytes, not a gigabyte.
+    (:meth:`expect`: every adapter's when the model is enabled, the new ones' when adapters are loaded later), and a
+    new slab holds what is left of that, or as much as the arena held when it was told, whichever is more (so the
+    first announcement is met exactly and later ones double the arena: few slow pinned allocations), up to
+    ``slab_bytes`` a slab; pinned, rounded up to the power of two the allocator takes anyway. So a model of small
+    adapters pins about their bytes, not a gigabyte.
 
     Each adapter keeps its region (one per dtype) for as long as it is loaded: evicting it again copies into the same
     memory, and a deleted adapter's region is reused by the next one of the same size."""
@@ -825,12 +826,13 @@ class HostArena:
         self.slabs: list[torch.Tensor] = []
         self.used = 0  # bytes taken in the last slab
         self.expected = 0  # bytes of regions announced and not yet carved (:meth:`expect`)
+        self.grow = 0  # bytes held when the last announcement came: a new slab holds at least that much
         self.regions: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
         self.spare: dict[int, list[torch.Tensor]] = {}  # freed regions (uint8) by size
 
     def expect(self, nbytes: int) -> None:
         """The regions about to be taken need ``nbytes`` of new memory in all (:meth:`missing`); 0 once taken."""
-        self.expected = nbytes
+        self.expected, self.grow = nbytes, self.nbytes
 
     def missing(self, name: str, dtype: torch.dtype, numel: int, tag: str = "") -> int:
         """The new memory :meth:`region` with these arguments would carve: 0 where the region is held already or a
@@ -858,7 +860,7 @@ class HostArena:
 
     def _carve(self, nbytes: int) -> torch.Tensor:
         if not self.slabs or self.used + nbytes > self.slabs[-1].numel():
-            size = min(self.slab_bytes, self.expected or self.nbytes)
+            size = min(self.slab_bytes, max(self.expected, self.grow))
             if self.pin and size > 0:
                 size = min(self.slab_bytes, 1 << (size - 1).bit_length())
             size = max(size, nbytes)

@@ -375,15 +375,31 @@ def test_host_arena_packs_adapters_into_slabs_and_reuses_regions():
     a.fill_(1.0)
     c.fill_(3.0)
     assert torch.equal(a, torch.ones(300)) and torch.equal(c, torch.full((300,), 3.0)), "regions overlap"
-    arena.expect(0)
-    d = arena.region("d", torch.float32, 300)  # no room left, nothing announced: a new slab as large as the arena
+    arena.expect(arena.missing("d", torch.float32, 300))
+    d = arena.region("d", torch.float32, 300)  # no room left, a small region announced: the arena doubles
     assert len(arena.slabs) == 2 and arena.nbytes == 6144 and d.data_ptr() not in (a.data_ptr(), c.data_ptr())
+    arena.expect(0)
     arena.forget("a")
     assert arena.missing("e", torch.float32, 300) == 0, "a freed region of its size waits"
     e = arena.region("e", torch.float32, 300)  # a's size: a's memory
     assert e.data_ptr() == a.data_ptr() and len(arena.slabs) == 2
     big = arena.region("big", torch.float32, 5000)  # larger than a slab: a slab of its own
     assert big.numel() == 5000 and len(arena.slabs) == 3 and arena.slabs[-1].numel() == 20032
+
+
+def test_adapters_loaded_later_grow_the_host_memory_by_doubling(tiered):
+    """An adapter loaded after enabling gets its host region on the next call; the arena, sized to the first
+    adapters, grows by a slab as large as it was (not one slab per adapter), and the late adapter serves calls."""
+    from peft import LoraConfig
+
+    model, input_ids, mask, outs = tiered
+    host = model._csgmv.tier.host
+    first = host.nbytes
+    model.add_adapter("late", LoraConfig(r=6, lora_alpha=8, target_modules=ALL_LINEAR, init_lora_weights=False))
+    late = per_adapter(model, ["late"], lambda: model(input_ids, attention_mask=mask).logits)
+    _call(model, input_ids, mask, {**outs, **late}, ["late", BASE, "a0", "late"])
+    assert any(key[0] == "late" for key in host.regions)
+    assert len(host.slabs) == 2 and host.slabs[-1].numel() >= first, "the arena doubled"
 
 
 def test_every_adapter_holds_its_host_region_from_the_start(tiered):
@@ -396,6 +412,7 @@ def test_every_adapter_holds_its_host_region_from_the_start(tiered):
     slabs = host.nbytes
     needed = sum(-(-region.nbytes // 64) * 64 for region in host.regions.values())
     assert needed <= slabs <= (2 * needed if host.pin else needed), "host memory sized to the adapters"
+    assert len(host.slabs) == 1
     _call(model, input_ids, mask, outs, ["a3", "a4", BASE, "a3"])  # a0 and a1 leave for the regions they hold
     _call(model, input_ids, mask, outs, ["a0", "a2", BASE, "a0"])  # a0 comes back, a2 in; a3 and a4 leave
     assert host.nbytes == slabs, "a call allocated host memory"
