@@ -257,7 +257,8 @@ def main(argv=None) -> int:
         static, busy = static_ms(pm)
         scale["tier"] = dict(
             adapters=args.scale, resident=args.resident, load_s=load_s, enable_s=enable_s, peft_gib=peft_gib,
-            gib=tier_gib, decode_ms=decode_ms(pm), call_us=call_us(pm), static_ms=static, busy_ms=busy,
+            gib=tier_gib, host_gib=csgmv_stats(pm)["host_bytes"] / GIB,
+            decode_ms=decode_ms(pm), call_us=call_us(pm), static_ms=static, busy_ms=busy,
             cold_call_ms=cold_ms, cold_calls_ms=cold_times,
             warm_call_ms=warm_ms,
             per_adapter_load_ms=per_adapter_ms, adapter_mib=one_adapter_bytes / 2**20, h2d_gb_s=bw_gbs,
@@ -279,17 +280,17 @@ def main(argv=None) -> int:
     if scale:
         t, one = scale["tier"], scale["loaded_32"]
         print()
-        print("| adapters loaded | on the GPU | adapter GiB on the GPU | decode-step ms, 32 distinct | call host µs "
-              "| static-cache generate ms (32 tokens), GPU busy ms |")  # fmt: skip
-        print("|---|---|---|---|---|---|")
+        print("| adapters loaded | on the GPU | adapter GiB on the GPU | host GiB (pinned) | decode-step ms, "
+              "32 distinct | call host µs | static-cache generate ms (32 tokens), GPU busy ms |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
 
         def static(row) -> str:
             return "—" if row["static_ms"] is None else f"{row['static_ms']:.1f}, {row['busy_ms']:.1f}"
 
-        print(f"| 32 | all | {one['gib']:.2f} | {one['decode_ms']:.2f} | {one['call_us']:.0f} | {static(one)} |")
+        print(f"| 32 | all | {one['gib']:.2f} | — | {one['decode_ms']:.2f} | {one['call_us']:.0f} | {static(one)} |")
         print(
-            f"| {t['adapters']} | {t['resident']} (max_resident_adapters) | {t['gib']:.2f} | {t['decode_ms']:.2f} | "
-            f"{t['call_us']:.0f} | {static(t)} |"
+            f"| {t['adapters']} | {t['resident']} (max_resident_adapters) | {t['gib']:.2f} | {t['host_gib']:.2f} | "
+            f"{t['decode_ms']:.2f} | {t['call_us']:.0f} | {static(t)} |"
         )
         print()
         print("| adapter MiB | cold call ms (32 from host) | warm call ms | per adapter ms | its bytes over PCIe ms "
