@@ -117,3 +117,26 @@ def test_host_tier_with_device_map_over_two_gpus():
         close(got, stitch(outs, names), f"device_map over two GPUs, host tier, ids {names}")
     with pytest.raises(ValueError, match="distinct adapters"):
         model(input_ids, attention_mask=mask, adapter_ids=NAMES)
+
+
+@two_gpus
+def test_device_map_static_cache_over_two_gpus_as_stock_peft():
+    """transformers' static cache (compiled decode) on a model spread over two GPUs: where stock PEFT generates with
+    it, csgmv's mixed batch gives each row its adapter's tokens; where transformers refuses the placement, csgmv raises
+    what stock PEFT raises."""
+    model = _split_model()
+    input_ids, mask = _prompts(5, seed=3)
+    kw = greedy_kwargs(4, cache_implementation="static")
+    try:
+        outs = per_adapter(model, NAMES, lambda: model.generate(input_ids=input_ids, attention_mask=mask, **kw))
+        stock_error = None
+    except Exception as exc:  # noqa: BLE001 (what stock PEFT raises is the expectation)
+        stock_error = exc
+    enable_csgmv(model)
+    if stock_error is not None:
+        with pytest.raises(type(stock_error)):
+            model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=NAMES, **kw)
+        return
+    with torch.no_grad():
+        got = model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=NAMES, **kw)
+    assert torch.equal(got, stitch(outs, NAMES))
