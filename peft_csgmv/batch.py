@@ -458,8 +458,8 @@ def load_model(
     ``adapter_dtype``: ``"fp32"`` keeps the adapters in float32 on a bf16 / fp16 model, as PEFT does by default
     (``autocast_adapter_dtype=True``: PEFT's numerics); ``"model"`` gives them the base model's dtype
     (``autocast_adapter_dtype=False``: half their bytes, faster). ``max_resident_adapters``: at most that many
-    adapters on the device, the others in host memory (``enable_csgmv``'s option); while they load, every N of them
-    the ones beyond N leave for host memory, so the device never holds more than about 2 × N adapters."""
+    adapters on the device, the others in host memory (``enable_csgmv``'s option, enabled after the first adapter,
+    so that each one loaded beyond N leaves the device as it is loaded)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -486,11 +486,9 @@ def load_model(
     model = PeftModel.from_pretrained(model, path, adapter_name=name, autocast_adapter_dtype=autocast)
     model.eval()
     tier = max_resident_adapters is not None
-    if tier:  # from the first adapter on, so that those loaded next can leave the device as they come
+    if tier:  # from the first adapter on: those loaded beyond N leave the device as they are loaded
         enable_csgmv(model, backend=backend, max_resident_adapters=max_resident_adapters)
-    for loaded, (name, path) in enumerate(names, start=2):
+    for name, path in names:
         model.load_adapter(path, adapter_name=name, autocast_adapter_dtype=autocast)
-        if tier and loaded % max_resident_adapters == 0:
-            model._csgmv.sync(model)  # the adapters beyond the first N to host memory
     model.eval()
     return enable_csgmv(model, backend=backend, max_resident_adapters=max_resident_adapters), tokenizer

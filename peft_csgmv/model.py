@@ -175,6 +175,7 @@ class CsgmvState:
         # used out. None: every adapter has a slot.
         self.max_resident = max_resident
         self.tier = None if max_resident is None else HostTier()
+        self.loading = 0  # PEFT's load_adapter under way (its add_adapter then waits for the load to sync)
         # Runs the layers' LoRA for each call; it restacks a layer through this state when PEFT rescales it.
         self.executor = Executor(backend, WeakMethod(CsgmvState._restack, self))  # (no cycle through the executor)
         self.registry = SlotRegistry()
@@ -787,6 +788,46 @@ def _generate(self, *args: Any, **kwargs: Any):
     return _run(self, _own_method(self, "generate"), args, kwargs, generate=True)
 
 
+def _load_adapter(self, *args: Any, **kwargs: Any):
+    """PEFT's ``load_adapter``; with the host tier, the adapters beyond ``max_resident_adapters`` then go to host
+    memory at once (:func:`_park_loaded`), so that loading many adapters never holds more than N + 1 on the device."""
+    state = self.__dict__.get("_csgmv")
+    if state is None or state.tier is None:
+        return _own_method(self, "load_adapter")(self, *args, **kwargs)
+    state.loading += 1  # (PEFT's load_adapter calls add_adapter, whose weights are not loaded yet: no sync there)
+    try:
+        out = _own_method(self, "load_adapter")(self, *args, **kwargs)
+    finally:
+        state.loading -= 1
+    _park_loaded(self, state)
+    return out
+
+
+def _add_adapter(self, *args: Any, **kwargs: Any):
+    """PEFT's ``add_adapter``; with the host tier, as :func:`_load_adapter` (not for ``low_cpu_mem_usage=True``, whose
+    weights are empty, on the meta device, until a state dict is loaded into them)."""
+    out = _own_method(self, "add_adapter")(self, *args, **kwargs)
+    state = self.__dict__.get("_csgmv")
+    empty = kwargs.get("low_cpu_mem_usage", args[2] if len(args) > 2 else False)
+    if state is not None and state.tier is not None and not state.loading and not empty:
+        _park_loaded(self, state)
+    return out
+
+
+@_normal_tensors
+def _park_loaded(model, state: "CsgmvState") -> None:
+    """Bring the slots and the host tier in line with the adapters PEFT now holds (a call would do it first): new
+    adapters beyond ``max_resident_adapters`` leave the device for host memory now. Where that fails, PEFT's load
+    stands and the next call tries again (and raises what it meets)."""
+    try:
+        state.sync(model)
+    except Exception as exc:  # noqa: BLE001 (the load itself succeeded, as stock PEFT's would)
+        warnings.warn(
+            f"csgmv: the adapters loaded stay on the device until the next call ({type(exc).__name__}: {exc})",
+            stacklevel=3,
+        )
+
+
 def _reduce_ex(self, protocol):
     # pickle and copy.deepcopy of an enabled model: its modules name the executor by handle (a copy would run its
     # calls through the original's state), and its classes are csgmv's (not importable by name): refused, loudly.
@@ -800,7 +841,12 @@ def _copy(self):
     return clone
 
 
-_MODEL_METHODS = {"forward": _forward, "generate": _generate}
+_MODEL_METHODS = {
+    "forward": _forward,
+    "generate": _generate,
+    "load_adapter": _load_adapter,
+    "add_adapter": _add_adapter,
+}
 _MODEL_CLASS_METHODS = {**_MODEL_METHODS, "__reduce_ex__": _reduce_ex, "__copy__": _copy}  # (read from the class)
 
 

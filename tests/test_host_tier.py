@@ -7,6 +7,7 @@ anything runs or moves), and on stock PEFT calls with an evicted adapter active.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -402,6 +403,33 @@ def test_adapters_loaded_later_grow_the_host_memory_by_doubling(tiered):
     assert len(host.slabs) == 2 and host.slabs[-1].numel() >= first, "the arena doubled"
 
 
+@pytest.mark.parametrize("low_cpu_mem_usage", [False, True])
+def test_adapters_loaded_after_enabling_leave_the_device_as_they_load(tiered, tmp_path, low_cpu_mem_usage):
+    """With the host tier, ``load_adapter`` and ``add_adapter`` after enabling send an adapter beyond
+    ``max_resident_adapters`` to host memory at once, before any call (PEFT puts it on the device first): loading many
+    adapters never holds more than N + 1 on the device. PEFT's ``low_cpu_mem_usage`` load (its weights empty until
+    the state dict comes) works too; the adapters then serve calls with stock PEFT's results."""
+    from peft import LoraConfig
+
+    model, input_ids, mask, outs = tiered
+    tier = model._csgmv.tier
+    model.save_pretrained(str(tmp_path), selected_adapters=["a2"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_adapter(str(tmp_path / "a2"), adapter_name="again", low_cpu_mem_usage=low_cpu_mem_usage)
+        model.add_adapter("added", LoraConfig(r=6, lora_alpha=8, target_modules=ALL_LINEAR, init_lora_weights=False))
+    assert not [w for w in caught if str(w.message).startswith("csgmv")], [str(w.message) for w in caught]
+    resident = csgmv_stats(model)["resident"]
+    assert len(resident) == 2 and "again" not in resident and "added" not in resident
+    for name in ("again", "added"):
+        regions = [r for key, r in tier.host.regions.items() if key[0] == name]
+        assert regions, f"{name} has no host region"
+        for p in _weights(model, name):
+            assert any(r.data_ptr() <= p.data_ptr() < r.data_ptr() + r.nbytes for r in regions), f"{name} on device"
+    added = per_adapter(model, ["added"], lambda: model(input_ids, attention_mask=mask).logits)
+    _call(model, input_ids, mask, {**outs, **added, "again": outs["a2"]}, ["again", BASE, "added", "again"])
+
+
 def test_every_adapter_holds_its_host_region_from_the_start(tiered):
     """Residents get their host regions when the model is enabled (pinning host memory is slow: no call pays for it):
     evictions copy into those regions, and calls that move adapters both ways allocate no host memory."""
@@ -621,19 +649,19 @@ def test_a_larger_adapter_loaded_later_grows_the_pages():
     model = add_adapters(model, specs).to(DEVICE)
     reference = copy.deepcopy(model)
     enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    (pages,) = model._csgmv.tier.pages.values()
+    small = pages.page_numel
     big = dict(r=12, lora_alpha=16, target_modules=ALL_LINEAR, init_lora_weights=False)
     for m in (model, reference):
         torch.manual_seed(5)
-        m.add_adapter("big", LoraConfig(**big))
+        m.add_adapter("big", LoraConfig(**big))  # (with the tier, the pages grow here: big goes to host memory)
+    assert pages.page_numel > 2 * small
     input_ids, mask = make_batch(4, 6)
     outs = per_adapter(
         reference, ["a0", "a1", "a2", "big", BASE], lambda: reference(input_ids, attention_mask=mask).logits
     )
-    (pages,) = model._csgmv.tier.pages.values()
-    small = pages.page_numel
     _call(model, input_ids, mask, outs, ["a0", "a1", BASE, "a0"])
-    _call(model, input_ids, mask, outs, ["big", "a0", BASE, "big"])  # the pages grow, a0 stays resident
-    assert pages.page_numel > 2 * small
+    _call(model, input_ids, mask, outs, ["big", "a0", BASE, "big"])  # big comes into the grown pages, a0 stays
     a0 = _weights(model, "a0")  # resident through the growth: its weights moved with its page
     assert {_storage(p) for p in a0} == {_storage(pages.data)}, "a0's weights still view the old pages"
     # Every slot gets small adapters again, at the places they had in the old pages (slot 0's start is the same):
