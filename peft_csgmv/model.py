@@ -265,7 +265,8 @@ class CsgmvState:
                 # Every adapter's place in its page; those without a slot wait in host memory, and residents whose
                 # weights wait there (admitted now) come in from it.
                 tier.lay_out(found.values(), names, self.registry, self.kernel_reason)
-                tier.reserve(names)
+                if len(names) > self.max_resident:  # (while every adapter has a slot, none can leave: no host memory)
+                    tier.reserve(names)
                 hosted = [n for n in names if n not in self.registry.index]
                 for name in hosted:
                     tier.park(name)

@@ -430,6 +430,24 @@ def test_adapters_loaded_after_enabling_leave_the_device_as_they_load(tiered, tm
     _call(model, input_ids, mask, {**outs, **added, "again": outs["a2"]}, ["again", BASE, "added", "again"])
 
 
+def test_no_host_memory_while_every_adapter_has_a_slot():
+    """``max_resident_adapters`` at or above the adapters loaded: none can leave the device, so the tier holds no host
+    memory; the adapter that makes them more than N reserves every adapter's region at once (and leaves itself)."""
+    from peft import LoraConfig
+
+    model, _ = tiny_model("llama")
+    model = add_adapters(model, {n: dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR) for n in ("a0", "a1")})
+    enable_csgmv(model.to(DEVICE), backend="torch", max_resident_adapters=3)
+    model.add_adapter("a2", LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR))
+    stats = csgmv_stats(model)
+    assert stats["host_bytes"] == 0 and len(stats["resident"]) == 3
+    model.add_adapter("a3", LoraConfig(r=8, lora_alpha=8, target_modules=ALL_LINEAR, init_lora_weights=False))
+    stats = csgmv_stats(model)
+    assert "a3" not in stats["resident"] and stats["host_bytes"] > 0
+    assert {key[0] for key in model._csgmv.tier.host.regions} == {"a0", "a1", "a2", "a3"}
+    assert len(model._csgmv.tier.host.slabs) == 1, "one announcement for the four"
+
+
 def test_every_adapter_holds_its_host_region_from_the_start(tiered):
     """Residents get their host regions when the model is enabled (pinning host memory is slow: no call pays for it):
     evictions copy into those regions, and calls that move adapters both ways allocate no host memory."""
