@@ -328,8 +328,17 @@ def main() -> None:
         help="bf16: the transformers models the tests load are bf16 (their adapters fp32, PEFT's default); results "
         "saved apart from the fp32 run's",
     )
+    p.add_argument(
+        "--fetch",
+        metavar="VERSION",
+        help="only download PEFT VERSION's tests/ into wheels/peft-VERSION/tests (for a machine without PyPI, e.g. "
+        "the GPU image's PEFT: carry wheels/ and pass --tests-dir there)",
+    )
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args()
+    if args.fetch:
+        print(obtain_tests(HERE.parent / "wheels" / f"peft-{args.fetch}", args.fetch))
+        return
 
     version = peft_version()
     workdir = args.workdir or Path(tempfile.gettempdir()) / f"peft_peer_tests-{version}"

@@ -22,6 +22,9 @@
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
 #   beside   GPU time of compiled 1B/8B blocks, the LoRA after vs beside the base product (~2 min) -> beside.json
 #   cli      the batch command, 1B, 2048 rows: dynamic vs static cache (--cache-implementation static) -> cli_1b.json
+#   peer     PEFT's own mixed-batch tests through csgmv's Triton kernels, fp32 then bf16 models (needs
+#            `python benchmarks/peer_peft_tests.py --fetch <the image's PEFT version>` here first; carry wheels)
+#            -> peer_fp32.log, peer_bf16.log
 #   clitier  the batch command, 1B, 2048 rows, 32 adapters: fp32 adapters (its default), then bf16 with
 #            --max-resident-adapters 8 (the host tier), both caches each (~6 min) -> cli_1b_{fp32,tier}.*
 #   pstatic8b  as pstatic, for the 8B layout                                     -> profile_static_8b.*
@@ -116,6 +119,17 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     cli)
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
       grep -E "^\||identical" "$OUT/cli_1b.log" || tail -25 "$OUT/cli_1b.log" ;;
+    peer)
+      version=$(python3 -c "import peft; print(peft.__version__)")
+      if [ ! -d "wheels/peft-$version/tests" ]; then
+        echo "no wheels/peft-$version/tests: run python benchmarks/peer_peft_tests.py --fetch $version, carry wheels"
+      else
+        for dtype in fp32 bf16; do
+          python3 benchmarks/peer_peft_tests.py --tests-dir "wheels/peft-$version/tests" --workdir "$OUT/peer" \
+            --backend triton --dtype "$dtype" 2>&1 | grep --line-buffered -v -i warn > "$OUT/peer_$dtype.log"
+          grep -E "^(stock|csgmv)" "$OUT/peer_$dtype.log" || tail -25 "$OUT/peer_$dtype.log"
+        done
+      fi ;;
     clitier)
       python3 benchmarks/bench_cli.py --adapter-dtype fp32 --out "$OUT/cli_1b_fp32.json" 2>&1 \
         | grep --line-buffered -v -i warn > "$OUT/cli_1b_fp32.log"
