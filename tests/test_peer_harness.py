@@ -16,14 +16,14 @@ import sys
 import torch
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import peer_plugin
-from helpers import ALL_LINEAR, add_adapters, close, make_batch, per_adapter, stitch, tiny_model
+from helpers import ALL_LINEAR, DEVICE, add_adapters, close, make_batch, per_adapter, stitch, tiny_model
 from peft_csgmv import csgmv_stats, is_csgmv_enabled
 
-peer_plugin.BACKEND = "torch"
+peer_plugin.BACKEND = "auto"
 peer_plugin.install_csgmv_wrappers()
 model, _ = tiny_model("llama")
 model = add_adapters(model, {"a": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
-                             "b": dict(r=8, lora_alpha=8, target_modules=ALL_LINEAR)})
+                             "b": dict(r=8, lora_alpha=8, target_modules=ALL_LINEAR)}).to(DEVICE)
 input_ids, mask = make_batch(3, 5)
 names = ["a", "__base__", "b"]
 outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
