@@ -400,7 +400,9 @@ def test_adapters_loaded_later_grow_the_host_memory_by_doubling(tiered):
     late = per_adapter(model, ["late"], lambda: model(input_ids, attention_mask=mask).logits)
     _call(model, input_ids, mask, {**outs, **late}, ["late", BASE, "a0", "late"])
     assert any(key[0] == "late" for key in host.regions)
-    assert len(host.slabs) == 2 and host.slabs[-1].numel() >= first, "the arena doubled"
+    # (pinned, the first slab is rounded up to a power of two: the late region may fit what is left of it)
+    assert host.pin or len(host.slabs) == 2
+    assert all(slab.numel() >= first for slab in host.slabs[1:]), "a new slab smaller than the arena was"
 
 
 @pytest.mark.parametrize("low_cpu_mem_usage", [False, True])
