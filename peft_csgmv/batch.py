@@ -486,9 +486,9 @@ def load_model(
     model = PeftModel.from_pretrained(model, path, adapter_name=name, autocast_adapter_dtype=autocast)
     model.eval()
     tier = max_resident_adapters is not None
-    if tier:  # from the first adapter on: those loaded beyond N leave the device as they are loaded
+    if tier:  # from the first adapter on: those loaded beyond N leave the device as they are loaded (synced there)
         enable_csgmv(model, backend=backend, max_resident_adapters=max_resident_adapters)
     for name, path in names:
         model.load_adapter(path, adapter_name=name, autocast_adapter_dtype=autocast)
     model.eval()
-    return enable_csgmv(model, backend=backend, max_resident_adapters=max_resident_adapters), tokenizer
+    return (model if tier else enable_csgmv(model, backend=backend)), tokenizer

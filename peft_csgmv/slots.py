@@ -840,7 +840,7 @@ class HostArena:
         held = self.regions.get((name, dtype, tag))
         if held is not None and held.numel() == numel:
             return 0
-        nbytes = -(-numel * dtype.itemsize // self.ALIGN) * self.ALIGN
+        nbytes = self._aligned(numel * dtype.itemsize)
         return 0 if self.spare.get(nbytes) else nbytes
 
     def region(self, name: str, dtype: torch.dtype, numel: int, tag: str = "") -> torch.Tensor:
@@ -852,11 +852,16 @@ class HostArena:
             return held
         if held is not None:
             self._give_back(key)
-        nbytes = -(-numel * dtype.itemsize // self.ALIGN) * self.ALIGN
+        nbytes = self._aligned(numel * dtype.itemsize)
         spare = self.spare.get(nbytes)
         raw = spare.pop() if spare else self._carve(nbytes)
         held = self.regions[key] = raw[: numel * dtype.itemsize].view(dtype)
         return held
+
+    @classmethod
+    def _aligned(cls, nbytes: int) -> int:
+        """``nbytes`` rounded up to :attr:`ALIGN`: the memory a region of ``nbytes`` takes."""
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
 
     def _carve(self, nbytes: int) -> torch.Tensor:
         if not self.slabs or self.used + nbytes > self.slabs[-1].numel():
@@ -874,7 +879,7 @@ class HostArena:
     def _give_back(self, key) -> None:
         held = self.regions.pop(key)
         raw = held.view(torch.uint8)
-        nbytes = -(-raw.numel() // self.ALIGN) * self.ALIGN
+        nbytes = self._aligned(raw.numel())
         base = raw.untyped_storage()
         offset = raw.storage_offset()
         whole = torch.empty(0, dtype=torch.uint8).set_(base, offset, (nbytes,))
