@@ -102,14 +102,10 @@ def _wrap_peft_method(cls, name: str) -> None:
                     )
                     raise
                 _LOG["enabled"] += 1
-            # csgmv's method: the model's class is csgmv's subclass of its class, which defines it (or, for a model
-            # with a method of its own, an instance attribute)
-            patched = self.__dict__.get(name)
-            if patched is None:
-                own = getattr(type(self), name, None)
-                if own is not None and getattr(own, "__peer_original__", None) is None:
-                    patched = own.__get__(self, type(self))
-            if patched is not None:
+            # csgmv's method (its subclass of the model's class defines it; a model with a method of its own gets an
+            # instance attribute): whatever the model resolves to, unless that is still this wrapper
+            patched = getattr(self, name)
+            if getattr(getattr(patched, "__func__", None), "__peer_original__", None) is None:
                 _LOG["csgmv_calls"] += 1
                 # csgmv's method takes the ids, then calls PEFT's method of the class below, i.e. this wrapper again,
                 # which must then go to PEFT's own method (below) even where csgmv passes adapter_names on to PEFT.
