@@ -3,6 +3,8 @@
     python benchmarks/bench_tier_host.py                  # CPU or GPU: 100 adapters, 64 resident, calls of 32
     python benchmarks/bench_tier_host.py --phases         # and where the time goes (timers around each step;
                                                           # evict includes park, bring_in includes place)
+    python benchmarks/bench_tier_host.py --repoint        # and the floor of this design: re-pointing PEFT's weights
+                                                          # alone (page views, then host views), per adapter
 
 A Llama of the 1B layout's depth (16 layers, LoRA on all 7 projections: 112 LoRA layers, 224 weights per adapter) at
 small widths, so that the copies are cheap and what is left is the bookkeeping per weight that the tier pays on every
@@ -56,6 +58,11 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--phases", action="store_true", help="also time the steps of a move (adds a little overhead)")
     p.add_argument("--cprofile", type=int, default=0, help="then print the N functions with the most own host time")
+    p.add_argument(
+        "--repoint",
+        action="store_true",
+        help="also time re-pointing each adapter's PEFT weights at a page and back, nothing else",
+    )
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
     if args.adapters < args.resident + args.per_call:
@@ -120,7 +127,49 @@ def main(argv=None) -> int:
         print("\n| step | ms per adapter |\n|---|---|")
         for name, total in totals.most_common():
             print(f"| {name} | {total * 1e3 / moved:.2f} |")
+    if args.repoint:
+        repoint(model, order)
     return 0
+
+
+def repoint(model, names: list[str]) -> None:
+    """Time what a move cannot do without: re-pointing an adapter's PEFT weights at a slot's page views and back at
+    its host region's views (``.data`` set twice per weight), the adapter's own weights and nothing else. Once with one
+    adapter over and over (the objects in the CPU's caches), once cycling through ``names`` (hosted adapters, as the
+    timed calls take them: each one's objects untouched since its last move). The weights are left as they were."""
+    state = model._csgmv
+    tier = state.tier
+    slot = next(iter(state.registry.index.values()))
+    names = [name for name in names if name not in state.registry.index]  # in host memory: their weights put back
+    held = {
+        name: (list(tier.placements[name].all_parts()), [r for r in tier.regions(name) if r[0] is not None])
+        for name in names
+    }
+    first = next(iter(held.values()))[0]
+    page_views = [(part.stack.slot_a(slot), part.stack.slot_b(slot)) for part in first]
+
+    def there_and_back(name: str) -> None:
+        parts, regions = held[name]
+        for part, (dst_a, dst_b) in zip(parts, page_views):
+            part.a.data, part.b.data = dst_a, dst_b
+        for _, _, params, views in regions:  # (each page's region: its views and the parameters they belong to)
+            for view, p in zip(views, params):
+                p.data = view
+
+    hot = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        there_and_back(names[0])
+        hot.append(time.perf_counter() - t0)
+    cold = []
+    for name in names:
+        t0 = time.perf_counter()
+        there_and_back(name)
+        cold.append(time.perf_counter() - t0)
+    weights = 2 * len(first)
+    print(f"\n| re-pointing PEFT's weights, page and back ({weights} weights) | ms per adapter |\n|---|---|")
+    print(f"| one adapter over and over | {statistics.median(hot) * 1e3:.3f} |")
+    print(f"| {len(names)} adapters in turn | {statistics.median(cold) * 1e3:.3f} |")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 tier_host() {  # the host tier's bookkeeping per move (stages memory and tier)
-  python3 benchmarks/bench_tier_host.py --phases 2>&1 | grep "^|" | tee "$OUT/tier_host.log"
+  python3 benchmarks/bench_tier_host.py --phases --repoint 2>&1 | grep "^|" | tee "$OUT/tier_host.log"
 }
 for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
   echo "== $stage $(date -u +%T)"
