@@ -133,27 +133,33 @@ def main(argv=None) -> int:
 
 
 def repoint(model, names: list[str]) -> None:
-    """Time what a move cannot do without: re-pointing an adapter's PEFT weights at a slot's page views and back at
-    its host region's views (``.data`` set twice per weight), the adapter's own weights and nothing else. Once with one
-    adapter over and over (the objects in the CPU's caches), once cycling through ``names`` (hosted adapters, as the
-    timed calls take them: each one's objects untouched since its last move). The weights are left as they were."""
+    """Time what a move cannot do without: re-pointing an adapter's PEFT weights that view its page at a slot's page
+    (views made as its host region's are, :func:`~peft_csgmv.tier.packed_views`) and back at its host region's views
+    (``.data`` set twice per weight), those weights and nothing else. Once with one adapter over and over (the objects
+    in the CPU's caches), once cycling through the hosted adapters of ``names``, as the timed calls take them (each
+    one's objects untouched since its last move). The weights are left as they were."""
+    from peft_csgmv.tier import packed_views
+
     state = model._csgmv
     tier = state.tier
     slot = next(iter(state.registry.index.values()))
     names = [name for name in names if name not in state.registry.index]  # in host memory: their weights put back
-    held = {
-        name: (list(tier.placements[name].all_parts()), [r for r in tier.regions(name) if r[0] is not None])
-        for name in names
-    }
-    first = next(iter(held.values()))[0]
-    page_views = [(part.stack.slot_a(slot), part.stack.slot_b(slot)) for part in first]
+    moves = {}  # name -> (parameters, their page views, their host views) per group of pages
+    for name in names:
+        placement = tier.placements[name]
+        moves[name] = []
+        for pages, region, params, host_views in tier.regions(name):
+            if pages is not None:
+                offsets = placement.shared(pages)[1]
+                moves[name].append(
+                    (params, packed_views(pages.page(slot, region.numel()), params, offsets), host_views)
+                )
 
     def there_and_back(name: str) -> None:
-        parts, regions = held[name]
-        for part, (dst_a, dst_b) in zip(parts, page_views):
-            part.a.data, part.b.data = dst_a, dst_b
-        for _, _, params, views in regions:  # (each page's region: its views and the parameters they belong to)
-            for view, p in zip(views, params):
+        for params, page_views, host_views in moves[name]:
+            for view, p in zip(page_views, params):
+                p.data = view
+            for view, p in zip(host_views, params):
                 p.data = view
 
     hot = []
@@ -166,7 +172,7 @@ def repoint(model, names: list[str]) -> None:
         t0 = time.perf_counter()
         there_and_back(name)
         cold.append(time.perf_counter() - t0)
-    weights = 2 * len(first)
+    weights = sum(len(params) for params, _, _ in moves[names[0]])
     print(f"\n| re-pointing PEFT's weights, page and back ({weights} weights) | ms per adapter |\n|---|---|")
     print(f"| one adapter over and over | {statistics.median(hot) * 1e3:.3f} |")
     print(f"| {len(names)} adapters in turn | {statistics.median(cold) * 1e3:.3f} |")

@@ -15,7 +15,7 @@
 #            if need be: bench_static.py --model 1b / 8b) -> static_{1b,8b}.json
 #   memory   adapter memory with csgmv vs PEFT alone; 1000 adapters with the host tier; the tier's bookkeeping per move
 #            (~6 min) -> memory_1b.json, tier_host.log
-#   tier     the host tier's bookkeeping per move alone (bench_tier_host.py --phases, ~2 min)  -> tier_host.log
+#   tier     the host tier's bookkeeping per move alone (bench_tier_host.py --phases --repoint, ~2 min) -> tier_host.log
 #   tiercold the host tier's cold calls alone (1000 adapters loaded, 4 calls of 32 from host memory), then tier
 #            -> memory_1b_cold.json, memory_1b_cold.log, tier_host.log
 #   multi    two GPUs (the nvidia-h200-x2 kind): 8B with device_map over both vs one; data-parallel generate -> multi_gpu.json
