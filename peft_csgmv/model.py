@@ -344,8 +344,6 @@ class CsgmvState:
         ``peft.helpers.rescale_adapter_scale`` sets). The host tier brings adapters into slots on its own
         (:meth:`~peft_csgmv.tier.HostTier.bring_in`)."""
         stack: LoraStack = layer._csgmv_stack
-        if force:
-            stack.sources.clear()
         names = self.registry.names
         peft_rows = set()
         for slot, name in enumerate(names):
@@ -360,14 +358,13 @@ class CsgmvState:
                 stack.clear_slot(slot)
                 continue
             a, b = weights
-            if stack.sources.get(slot) is not a:
+            held = stack.held.get(slot)
+            if force or held is None or held.a is not a:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
                 lora_bias = None if stack.embedding else module_param(layer._modules["lora_B"][name], "bias")
                 # PEFT's weights become views into the stack where dtype and device allow: one copy of each adapter.
                 share = isinstance(a, nn.Parameter) and a.dtype == b.dtype == stack.dtype and a.device == stack.device
-                stack.set_slot(
-                    slot, a, b, layer.scaling[name], source=a, dora=dora, lora_bias=lora_bias, share=share
-                )  # fmt: skip
+                stack.set_slot(slot, a, b, layer.scaling[name], dora=dora, lora_bias=lora_bias, share=share)
         stack.ensure_capacity(self.registry.capacity)
         for slot in range(len(names), stack.capacity):
             stack.clear_slot(slot)

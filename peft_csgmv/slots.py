@@ -202,7 +202,7 @@ class LoraStack:
     ) -> None:
         """``reserve``: elements of storage to allocate up front (:meth:`slot_elements` of the adapters to come).
         ``pages``: the host tier's :class:`DevicePages` of this device and dtype, whose memory is the stack's storage
-        (slots then go where the tier reserves them, :attr:`reserved`, never packed or moved by the stack)."""
+        (slots then go where the tier reserves them, never packed or moved by the stack)."""
         self.handle = next(_handles)
         _STACKS[self.handle] = self
         self.launch_shape: tuple[int, int] | None = None  # (largest rank, rank alignment) the views were built with
@@ -216,13 +216,16 @@ class LoraStack:
         self.dtype = dtype
         self.device = device
         self.pages = pages
-        self.reserved: dict[int, int] = {}  # with pages: slot -> where the tier put its weights in this layer
         if pages is None:
             self.data = torch.empty(reserve, dtype=dtype, device=device)
         else:
             self.data = pages.data
             self.row = pages.join(self)
-        self.extents: dict[int, tuple[int, int]] = {}  # slot -> (start, length) in data
+        # slot -> what it holds here, one record each (:class:`SlotRecord`): its place (``rel``: from the slot's base,
+        # :meth:`base`), rank and length, the weights it came from (``a``: a restack copies a slot whose ``a`` is not
+        # its adapter's weight), whether PEFT's parameters view it (``share``). With pages, a slot the tier reserved
+        # but has not filled yet has a record without weights (``a`` None).
+        self.held: dict[int, SlotRecord] = {}
         self.tail = 0  # end of the last extent allocated at the end of data
         self.a_off = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.b_off = torch.zeros(capacity, dtype=torch.int64, device=device)
@@ -232,9 +235,6 @@ class LoraStack:
         self.b_off_host = [0] * capacity
         self.ranks_host = [0] * capacity
         self.scalings_host = [0.0] * capacity
-        self.sources: dict[int, nn.Module] = {}  # slot -> the lora_A module its weights came from
-        # slot -> PEFT's (lora_A, lora_B) weights that are views into this stack (see set_slot's ``share``)
-        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.lora_bias: torch.Tensor | None = (
             None  # (capacity, out) fp32 lora_B bias, once a lora_bias adapter is stacked
         )
@@ -339,7 +339,7 @@ class LoraStack:
     @property
     def used_bytes(self) -> int:
         """Bytes of :attr:`data` that hold a slot's weights (the rest: holes left by freed slots, room to grow)."""
-        return sum(length for _, length in self.extents.values()) * self.data.element_size()
+        return sum(rec.length for rec in self.held.values()) * self.data.element_size()
 
     def ensure_capacity(self, capacity: int) -> None:
         """Make room for slots ``0 .. capacity-1`` (new slots have rank 0)."""
@@ -370,7 +370,7 @@ class LoraStack:
             start, self.tail = self.tail, self.tail + length
             return start
         end = 0
-        for start, used in sorted(self.extents.values()):
+        for start, used in sorted((rec.rel, rec.length) for rec in self.held.values()):
             if start - end >= length:
                 return end
             end = start + used
@@ -382,48 +382,46 @@ class LoraStack:
         """Storage of exactly the live slots, packed back to back, where holes and room to grow take more than 2%."""
         if self.pages is not None:  # the tier's pages: fixed places, nothing to pack
             return
-        used = sum(length for _, length in self.extents.values())
+        used = sum(rec.length for rec in self.held.values())
         if self.data.numel() > used + used // 50:
             self._repack(0, room=False)
 
     def _repack(self, extra: int, room: bool = True) -> None:
         """New storage: the live slots back to back, then room for ``extra`` elements and (``room``) 1/16 of the whole
         more."""
-        used = sum(length for _, length in self.extents.values())
+        used = sum(rec.length for rec in self.held.values())
         size = used + extra + ((used + extra) // 16 if room else 0)
         data = torch.empty(size, dtype=self.dtype, device=self.device)
-        pos, extents = 0, {}
-        for slot, (start, length) in sorted(self.extents.items(), key=lambda kv: kv[1][0]):
-            data[pos : pos + length] = self.data[start : start + length]
-            extents[slot] = (pos, length)
+        pos, held = 0, {}
+        for slot, rec in sorted(self.held.items(), key=lambda kv: kv[1].rel):
+            data[pos : pos + rec.length] = self.data[rec.rel : rec.rel + rec.length]
+            held[slot] = rec._replace(rel=pos, b_rel=pos + rec.b_rel - rec.rel)
             self._set_offsets(slot, pos, self.ranks_host[slot])
-            pos += length
-        self.data, self.extents, self.tail = data, extents, pos
+            pos += rec.length
+        self.data, self.held, self.tail = data, held, pos
         self._views = None
         self._point_shared()
 
     def repage(self, old_page_numel: int) -> None:
         """:attr:`pages` were rebuilt with pages of another size (``old_page_numel`` before): every slot is at the same
-        place in its new page; PEFT's views follow."""
-        new = self.pages.page_numel
-
-        def moved(slot: int, start: int) -> int:
-            return slot * new + start - slot * old_page_numel
-
-        for slot, (start, length) in list(self.extents.items()):
-            self.extents[slot] = (moved(slot, start), length)
-            self._set_offsets(slot, moved(slot, start), self.ranks_host[slot])
-        self.reserved = {slot: moved(slot, start) for slot, start in self.reserved.items()}
+        place in its new page (its record's ``rel`` holds); its offsets and PEFT's views follow."""
+        for slot, rec in self.held.items():
+            self._set_offsets(slot, self.base(slot) + rec.rel, self.ranks_host[slot])
         self._point_shared()
+
+    def base(self, slot: int) -> int:
+        """Where the places of slot ``slot``'s records count from in :attr:`data`: its page's start with
+        :attr:`pages`, else the start of the storage."""
+        return self.pages.start(slot) if self.pages is not None else 0
 
     def _set_offsets(self, slot: int, start: int, rank: int) -> None:
         self.a_off_host[slot], self.b_off_host[slot] = start, start + self.b_start(rank, self.in_features)
         self._views = None  # the device copies follow on refresh
 
     def _free(self, slot: int) -> None:
-        extent = self.extents.pop(slot, None)
-        if extent is not None and extent[0] + extent[1] == self.tail:
-            self.tail = extent[0]
+        rec = self.held.pop(slot, None)
+        if rec is not None and self.pages is None and rec.rel + rec.length == self.tail:
+            self.tail = rec.rel
 
     # -- slots --------------------------------------------------------------------------------------------------------
 
@@ -433,7 +431,6 @@ class LoraStack:
         lora_a: torch.Tensor,
         lora_b: torch.Tensor,
         scaling: float,
-        source=None,
         dora: tuple[torch.Tensor, torch.Tensor | None] | None = None,
         lora_bias: torch.Tensor | None = None,
         share: bool = False,
@@ -462,13 +459,15 @@ class LoraStack:
         else:  # memory of their own, or elsewhere (pinned host memory): one asynchronous copy into the slot
             a_val, b_val = lora_a.detach(), lora_b.detach()
         length = self.slot_elements(r, self.in_features, self.out_features)
-        extent = self.extents.get(slot)
-        if self.pages is not None:  # where the host tier laid this adapter out in its page
-            self.extents[slot] = (self.reserved[slot], length)
-        elif extent is None or extent[1] != length:
+        rec = self.held.get(slot)
+        if self.pages is not None:  # where the host tier laid this adapter out in its page (a record, maybe reserved)
+            rel = self.held[slot].rel
+        elif rec is None or rec.length != length:
             self._free(slot)
-            self.extents[slot] = (self._alloc(length), length)
-        self._set_offsets(slot, self.extents[slot][0], r)
+            rel = self._alloc(length)
+        else:
+            rel = rec.rel
+        self._set_offsets(slot, self.base(slot) + rel, r)
         self.ranks_host[slot] = r
         dst_a, dst_b = self.slot_a(slot), self.slot_b(slot)
         dst_a.copy_(a_val, non_blocking=True)
@@ -476,9 +475,8 @@ class LoraStack:
         if share:
             lora_a.data, lora_b.data = dst_a, dst_b
         self.scalings_host[slot] = float(scaling)
-        self.sources[slot] = source
-        if share:
-            self.shared[slot] = (lora_a, lora_b)
+        b_rel = rel + self.b_start(r, self.in_features)
+        self.held[slot] = SlotRecord(rel, b_rel, r, length, lora_a, lora_b, share, lora_bias)
         self.set_extras(slot, dora, lora_bias)
 
     def set_extras(
@@ -513,30 +511,38 @@ class LoraStack:
 
     def _point_shared(self) -> None:
         """Re-point every shared parameter at its view of the current storage."""
-        for slot, (pa, pb) in self.shared.items():
-            pa.data, pb.data = self.slot_a(slot), self.slot_b(slot)
+        for slot, rec in self.held.items():
+            if rec.share:
+                rec.a.data, rec.b.data = self.slot_a(slot), self.slot_b(slot)
 
     def _release(self, slot: int) -> None:
         """Give a shared slot's parameters their own memory again (a copy of their values)."""
-        pair = self.shared.pop(slot, None)
-        if pair is not None:
-            for p in pair:
-                p.data = p.data.clone()
+        rec = self.held.get(slot)
+        if rec is not None and rec.share:
+            rec.a.data, rec.b.data = rec.a.data.clone(), rec.b.data.clone()
+            self.held[slot] = rec._replace(share=False)
 
     def release_slot(self, slot: int) -> None:
-        """Slot ``slot``'s shared parameters own their memory again, and its next restack copies them in afresh."""
+        """Slot ``slot``'s shared parameters own their memory again, and its next restack copies them in afresh (its
+        record keeps the slot's place, forgets its weights)."""
         self._release(slot)
-        self.sources.pop(slot, None)
+        rec = self.held.get(slot)
+        if rec is not None:
+            self.held[slot] = rec._replace(a=None, b=None)
 
     def release_shared(self) -> None:
         """Every shared parameter owns its memory again (``disable_csgmv``, a layer unpatched or restacked)."""
-        for slot in list(self.shared):
+        for slot in list(self.held):
             self._release(slot)
 
     @property
     def shared_bytes(self) -> int:
         """Bytes of PEFT's adapter weights that live in this stack instead of a second copy."""
-        return sum(p.numel() * p.element_size() for pair in self.shared.values() for p in pair)
+        return sum(
+            rec.a.numel() * rec.a.element_size() + rec.b.numel() * rec.b.element_size()
+            for rec in self.held.values()
+            if rec.share
+        )
 
     def clear_slot(self, slot: int) -> None:
         """Make ``slot`` a no-op in this layer (rank 0); its storage is freed for other slots."""
@@ -556,7 +562,6 @@ class LoraStack:
             self.set_extras(slot, None, None)
         self.ranks_host[slot] = 0
         self.scalings_host[slot] = 0.0
-        self.sources.pop(slot, None)
 
     @torch.inference_mode(False)  # PEFT's weights view the new tensors (see model._normal_tensors)
     def to(self, device: torch.device) -> "LoraStack":
@@ -580,28 +585,29 @@ def vacate(slot: int, stacks) -> None:
     parameters that viewed it are left as they are (the tier has pointed them at host memory). No copies to make, so
     :meth:`LoraStack.clear_slot` without its release; one loop over the layers, not a call per layer."""
     for stack in stacks:
-        stack.shared.pop(slot, None)  # no longer this slot's: they keep the host views the tier gave them
+        stack.held.pop(slot, None)  # no longer this slot's: they keep the host views the tier gave them
         if slot < len(stack.ranks_host):
             stack._empty(slot)
 
 
-class PagePart(NamedTuple):
-    """One layer's part of an adapter's page, as :meth:`DevicePages.place` reads it. Its place in the page and its
-    rank are fixed once the host tier has laid the adapter out, so they are worked out then, not on every bring-in."""
+class SlotRecord(NamedTuple):
+    """What one layer's slot holds (:attr:`LoraStack.held`), and, with the host tier, one layer's part of an adapter's
+    page as :meth:`DevicePages.place` reads it: the tier works each part's place and rank out once, when it lays the
+    adapter out, and a bring-in stores the part itself as the slot's record (one write per layer). It names no stack
+    (a stack holds its records: no reference cycle); the tier keeps each part's stack beside it."""
 
-    stack: "LoraStack"
-    rel: int  # where its A starts, in elements from the page's start
+    rel: int  # where its A starts, in elements from the slot's base (its page's start: :meth:`LoraStack.base`)
     b_rel: int  # where its B starts (after the aligned A)
     rank: int
     length: int  # the elements it takes (:meth:`LoraStack.slot_elements`)
-    a: torch.Tensor  # PEFT's lora_A / lora_B weights
-    b: torch.Tensor
+    a: torch.Tensor | None  # PEFT's lora_A / lora_B weights (None: a place reserved, no weights in it yet)
+    b: torch.Tensor | None
     share: bool  # PEFT's parameters, of the stack's dtype: views of the page (else copied into it)
     bias: torch.Tensor | None  # lora_B's bias (PEFT's lora_bias=True)
 
 
 class PageColumns(NamedTuple):
-    """An adapter's parts (:class:`PagePart`, one per layer of a group) as the columns of the group's tables that a
+    """An adapter's parts (:class:`SlotRecord`, one per layer of a group) as the columns of the group's tables that a
     bring-in writes, worked out once per adapter (:meth:`DevicePages.columns`): with ``span``, the parts' rows are
     consecutive, first to last, and each table's column is written in one strided slice."""
 
@@ -706,18 +712,22 @@ class DevicePages:
         self.dirty = False
         self.dirty_slots = set()
 
-    def columns(self, parts: "list[PagePart]") -> PageColumns:
-        """``parts``' :class:`PageColumns` (once per adapter: the host tier keeps them with its placement)."""
-        rows = tuple(part.stack.row for part in parts)
+    def columns(self, stacks: "list[LoraStack]", parts: "list[SlotRecord]") -> PageColumns:
+        """``parts``' :class:`PageColumns` (``stacks``: each one's; once per adapter: the host tier keeps them with its
+        placement)."""
+        rows = tuple(stack.row for stack in stacks)
         span = (rows[0], rows[-1] + 1) if rows and rows == tuple(range(rows[0], rows[-1] + 1)) else None
         rel, b_rel = tuple(part.rel for part in parts), tuple(part.b_rel for part in parts)
         ranks = array.array("i", [part.rank for part in parts])
         layout = self.layouts.setdefault((rows, rel, tuple(ranks)), len(self.layouts))
         return PageColumns(span, rows, ranks, rel, b_rel, layout)
 
-    def place(self, slot: int, parts: "list[PagePart]", scalings, columns: PageColumns) -> None:
-        """The host tier's bring-in: an adapter's ``parts`` in this group (one per layer, PEFT's scaling of each in
-        ``scalings``; ``columns``: theirs, :meth:`columns`) set as slot ``slot`` of their stacks, at their places in
+    def place(
+        self, slot: int, stacks: "list[LoraStack]", parts: "list[SlotRecord]", scalings, columns: PageColumns
+    ) -> None:
+        """The host tier's bring-in: an adapter's ``parts`` in this group (one per layer, each of the stack at its
+        place in ``stacks``, PEFT's scaling of each in ``scalings``; ``columns``: theirs, :meth:`columns`) set as slot
+        ``slot`` of their stacks, at their places in
         the slot's page, where one copy of the adapter's region put its weights already. PEFT's weights become views
         of the slot (``share``, as :meth:`LoraStack.set_slot`'s) or, weights of another dtype, are copied in. Only
         this slot is touched: only its column of the tables is uploaded.
@@ -726,8 +736,8 @@ class DevicePages:
         layer are written as one column per table, into the mirrors the stacks' host lists view; one pass over the
         layers with plain writes is left, no method call per layer: re-pointing PEFT's two weights is most of it."""
         if slot >= self.width:
-            for part in parts:
-                part.stack.ensure_capacity(slot + 1)
+            for stack in stacks:
+                stack.ensure_capacity(slot + 1)
         if self.dirty or slot >= self.width:  # the mirrors as wide as the stacks, their host lists views of them
             self.upload()
         base, width = slot * self.page_numel, self.width
@@ -746,23 +756,47 @@ class DevicePages:
                 a_off_m[cell], b_off_m[cell] = a_col[i], b_col[i]
         views = self.views.get((slot, columns.layout))
         if views is None:
-            if len(self.views) >= 2 * max(self.count, 1):  # many layouts (mixed ranks): keep the host memory bounded
-                self.views.clear()
-            views = self.views[(slot, columns.layout)] = [(p.stack.slot_a(slot), p.stack.slot_b(slot)) for p in parts]
-        for (stack, rel, _, _, length, a, b, share, bias), (dst_a, dst_b) in zip(parts, views):
-            start = base + rel
-            stack.reserved[slot] = start
-            stack.extents[slot] = (start, length)
-            stack.sources[slot] = a
+            views = self.slot_views(slot, stacks, parts, columns.layout)
+        for stack, part, (dst_a, dst_b) in zip(stacks, parts, views):
+            a, b = part.a, part.b
+            stack.held[slot] = part  # the slot's record in this layer: the part itself
             stack.__dict__["_views"] = None  # (set directly: the stack's __setattr__ would mark the whole group dirty)
-            if share:
+            if part.share:
                 a.data, b.data = dst_a, dst_b
-                stack.shared[slot] = (a, b)
             else:
                 dst_a.copy_(a.detach(), non_blocking=True)
                 dst_b.copy_(b.detach(), non_blocking=True)
-            if bias is not None or stack.mag is not None or stack.lora_bias is not None:
-                stack.set_extras(slot, None, bias)
+            if part.bias is not None or stack.mag is not None or stack.lora_bias is not None:
+                stack.set_extras(slot, None, part.bias)
+
+    def slot_views(
+        self, slot: int, stacks: "list[LoraStack]", parts: "list[SlotRecord]", layout: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each part's ``A`` and ``B`` as views of slot ``slot``'s page (``stacks``: each one's; ``layout``: theirs,
+        :attr:`PageColumns.layout`), kept for the next adapter of that layout in this slot (a view costs the host
+        ~2 µs: ~1 ms for an adapter of 224 weights)."""
+        if len(self.views) >= 2 * max(self.count, 1):  # many layouts (mixed ranks): keep the host memory bounded
+            self.views.clear()
+        data, base = self.data, self.data.storage_offset() + slot * self.page_numel
+        views = self.views[(slot, layout)] = [
+            (
+                data.as_strided((part.rank, stack.in_features), (stack.in_features, 1), base + part.rel),
+                data.as_strided((stack.out_features, part.rank), (part.rank, 1), base + part.b_rel),
+            )
+            for stack, part in zip(stacks, parts)
+        ]
+        return views
+
+    def prepare_views(self, layouts: "dict[int, tuple[list[LoraStack], list[SlotRecord]]]") -> None:
+        """Every slot's views for each of ``layouts`` (layout -> the stacks and parts of an adapter of it) ahead of
+        the calls, where they are few (one or two: adapters of the same ranks and targets), so that no call's first
+        move into a slot makes them."""
+        if not 0 < len(layouts) <= 2:
+            return
+        for slot in range(self.count):
+            for layout, (stacks, parts) in layouts.items():
+                if (slot, layout) not in self.views:
+                    self.slot_views(slot, stacks, parts, layout)
 
     def start(self, slot: int) -> int:
         """Where slot ``slot``'s page starts in :attr:`data`."""

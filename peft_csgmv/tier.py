@@ -28,7 +28,7 @@ from .slots import (
     HostArena,
     LoraStack,
     PageColumns,
-    PagePart,
+    SlotRecord,
     layer_adapter,
     module_param,
     set_peft_rows,
@@ -38,13 +38,14 @@ from .slots import (
 
 @dataclass
 class Placement:
-    """Where one adapter's kernel-layer weights go: its :class:`~peft_csgmv.slots.PagePart` per kernel layer that
+    """Where one adapter's kernel-layer weights go: its :class:`~peft_csgmv.slots.SlotRecord` per kernel layer that
     serves it, by group of pages and in layer order, with each part's layer (``layers``: PEFT's scaling is read from
     it at every bring-in), those layers' DoRA entries (``dora``: layer, stack, ``lora_B`` bias), the elements its page
     takes in each group's pages, the parameters that move on their own (``rest``, with their layer's device), and the
     layers where PEFT's path serves its rows."""
 
-    parts: dict[DevicePages, list[PagePart]] = field(default_factory=dict)
+    parts: dict[DevicePages, list[SlotRecord]] = field(default_factory=dict)
+    part_stacks: dict[DevicePages, list[LoraStack]] = field(default_factory=dict)  # each part's stack, in step
     layers: dict[DevicePages, list[nn.Module]] = field(default_factory=dict)
     dora: list[tuple[nn.Module, LoraStack, torch.Tensor | None]] = field(default_factory=list)
     numel: dict[DevicePages, int] = field(default_factory=dict)
@@ -55,10 +56,10 @@ class Placement:
     stacks: frozenset = frozenset()  # the same, as a set
     columns: dict[DevicePages, PageColumns] = field(default_factory=dict)  # its parts as table columns, per group
 
-    def all_parts(self) -> Iterator[PagePart]:
-        """Every part, group by group."""
-        for parts in self.parts.values():
-            yield from parts
+    def all_parts(self) -> Iterator[tuple[LoraStack, SlotRecord]]:
+        """Every part with its stack, group by group."""
+        for pages, parts in self.parts.items():
+            yield from zip(self.part_stacks[pages], parts)
 
     def shared(self, pages: DevicePages) -> tuple[list[torch.Tensor], list[int]]:
         """The parameters of group ``pages`` that are views of the page, and their element offsets in it."""
@@ -91,13 +92,14 @@ def placement_of(layers, name: str, kernel_reason: Callable[[nn.Module, str], st
         placement.numel[pages] = rel + length
         share = isinstance(a, nn.Parameter) and a.dtype == b.dtype == stack.dtype
         bias = None if stack.embedding else module_param(layer._modules["lora_B"][name], "bias")
-        part = PagePart(stack, rel, rel + LoraStack.b_start(r, k), r, length, a, b, share, bias)
+        part = SlotRecord(rel, rel + LoraStack.b_start(r, k), r, length, a, b, share, bias)
         placement.parts.setdefault(pages, []).append(part)
+        placement.part_stacks.setdefault(pages, []).append(stack)
         placement.layers.setdefault(pages, []).append(layer)
         if layer.use_dora.get(name, False):
             placement.dora.append((layer, stack, bias))
         placement.rest += [(p, stack.device) for p in params if not (share and (p is a or p is b))]
-    placement.stack_list = [part.stack for part in placement.all_parts()]
+    placement.stack_list = [stack for stack, _ in placement.all_parts()]
     placement.stacks = frozenset(placement.stack_list)
     return placement
 
@@ -125,7 +127,9 @@ class HostTier:
         """Every adapter's placement, pages to fit them (one per slot), each layer's held ranks (its launch shape
         then stays put as adapters come and go), and each resident's places reserved in its slot's page. A resident
         whose places moved (its weights replaced by others of another shape) gets memory of
-        its own first, so that the restack that follows copies it into its new places whole."""
+        its own first, so that the restack that follows copies it into its new places whole. Each adapter's table
+        columns and, where the adapters have one or two layouts, every slot's page views for them are made here, so
+        that a call's moves only use them."""
         layers = list(layers)
         self.page_out.clear()  # (the caller waited for every copy out: host_copies_done)
         self.placements = {name: placement_of(layers, name, kernel_reason) for name in names}
@@ -139,20 +143,35 @@ class HostTier:
             pages.fit(max(registry.capacity, 1), need.get(pages, 0))
         held: dict[LoraStack, set[int]] = {}
         for placement in self.placements.values():
-            for part in placement.all_parts():
-                held.setdefault(part.stack, set()).add(part.rank)
+            for stack, part in placement.all_parts():
+                held.setdefault(stack, set()).add(part.rank)
         for layer in layers:
             layer._csgmv_stack.hold_ranks(held.get(layer._csgmv_stack, ()))
+        places = [
+            (slot, stack, part)
+            for slot, name in enumerate(registry.names)
+            for stack, part in (self.placements[name].all_parts() if name is not None else ())
+        ]
         moved = set()
-        for slot, name in enumerate(registry.names):
-            for part in self.placements[name].all_parts() if name is not None else ():
-                start = part.stack.pages.start(slot) + part.rel
-                if part.stack.reserved.get(slot, start) != start:
-                    moved.add(slot)
-                part.stack.reserved[slot] = start
+        for slot, stack, part in places:
+            record = stack.held.get(slot)
+            if record is not None and record.rel != part.rel:
+                moved.add(slot)
         for slot in moved:
             for layer in layers:
                 layer._csgmv_stack.release_slot(slot)
+        layouts: dict[DevicePages, dict] = {}
+        for placement in self.placements.values():  # each adapter's columns, once, and the pages' views of them
+            for pages, parts in placement.parts.items():
+                stacks = placement.part_stacks[pages]
+                columns = placement.columns[pages] = pages.columns(stacks, parts)
+                layouts.setdefault(pages, {}).setdefault(columns.layout, (stacks, parts))
+        for pages, of_pages in layouts.items():
+            pages.prepare_views(of_pages)
+        for slot, stack, part in places:  # reserved: the restack that follows (or a bring-in) fills it
+            record = stack.held.get(slot)
+            if record is None or record.rel != part.rel:
+                stack.held[slot] = part._replace(a=None, b=None, share=False)
 
     def regions(self, name: str) -> list[tuple[DevicePages | None, torch.Tensor, list, list]]:
         """Adapter ``name``'s host regions as ``(pages, region, parameters, their views of it)``: one per group of
@@ -188,7 +207,7 @@ class HostTier:
 
     def hosted(self, name: str) -> bool:
         """Whether adapter ``name``'s page weights wait in host memory (not on their stacks' devices)."""
-        return any(part.share and part.a.device != part.stack.device for part in self.placements[name].all_parts())
+        return any(part.share and part.a.device != stack.device for stack, part in self.placements[name].all_parts())
 
     def park(self, name: str, slot: int | None = None) -> None:
         """Adapter ``name``'s weights into its host regions, PEFT's parameters re-pointed at them (weights there
@@ -242,10 +261,11 @@ class HostTier:
             if p.device != device:
                 p.data = p.data.to(device, copy=True, non_blocking=True)
         for pages, parts in placement.parts.items():
+            stacks = placement.part_stacks[pages]
             columns = placement.columns.get(pages)
             if columns is None:
-                columns = placement.columns[pages] = pages.columns(parts)
-            pages.place(slot, parts, [layer.scaling[name] for layer in placement.layers[pages]], columns)
+                columns = placement.columns[pages] = pages.columns(stacks, parts)
+            pages.place(slot, stacks, parts, [layer.scaling[name] for layer in placement.layers[pages]], columns)
         for layer, stack, bias in placement.dora:
             stack.set_extras(slot, dora_scale(layer, name), bias)
         for layer in placement.peft_layers:
@@ -265,7 +285,7 @@ class HostTier:
             vacate(slot, stacks)
         else:
             for stack in stacks:
-                stack.shared.pop(slot, None)
+                stack.held.pop(slot, None)  # (PEFT's parameters now view host memory: no longer the slot's)
         for layer in placement.peft_layers:
             set_peft_rows(layer, layer._csgmv_peft - {name})
         return stacks

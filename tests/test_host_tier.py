@@ -95,7 +95,7 @@ def test_a_slot_refilled_at_once_is_emptied_only_where_its_new_adapter_has_no_pa
     state = model._csgmv
     slot = state.registry.index["a2"]
     embed = model.base_model.model.model.embed_tokens._csgmv_stack
-    assert embed.ranks_host[slot] == 0 and slot not in embed.extents
+    assert embed.ranks_host[slot] == 0 and slot not in embed.held
     linear = [layer._csgmv_stack for layer in state.layers.values() if layer._csgmv_stack is not embed]
     assert all(stack.ranks_host[slot] == 8 for stack in linear), "a2 (rank 8) is not in its slot in every layer"
 
@@ -293,7 +293,7 @@ def test_moves_order_their_copies_through_streams_and_events(monkeypatch):
     model, _ = tiny_model("llama")
     specs = {name: dict(r=4 + 2 * i, lora_alpha=8, target_modules=ALL_LINEAR) for i, name in enumerate(ADAPTERS)}
     model = add_adapters(model, specs)  # on the CPU, whatever the machine: the streams are stand-ins
-    input_ids, mask = make_batch(4, 6)
+    input_ids, mask = (t.cpu() for t in make_batch(4, 6))
     outs = per_adapter(model, [*ADAPTERS, BASE], lambda: model(input_ids, attention_mask=mask).logits)
     enable_csgmv(model, backend="torch", max_resident_adapters=2)
     streams = _Streams()
@@ -578,8 +578,8 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
         calls.append(1)
         if len(calls) == nth:
             if where == "place":  # part way through the group's layers
-                pages, slot, parts, scalings, _ = args
-                real(pages, slot, parts[:4], scalings[:4], pages.columns(parts[:4]))
+                pages, slot, stacks, parts, scalings, _ = args
+                real(pages, slot, stacks[:4], parts[:4], scalings[:4], pages.columns(stacks[:4], parts[:4]))
             raise RuntimeError("out of memory (injected)")
         return real(*args, **kwargs)
 
@@ -849,8 +849,8 @@ def test_adapters_on_some_layers_take_slots_from_adapters_on_all(monkeypatch):
     spans = []
     real_columns = DevicePages.columns
 
-    def columns(self, parts):
-        made = real_columns(self, parts)
+    def columns(self, stacks, parts):
+        made = real_columns(self, stacks, parts)
         spans.append(made.span is not None)
         return made
 
@@ -869,3 +869,39 @@ def test_adapters_on_some_layers_take_slots_from_adapters_on_all(monkeypatch):
                 got = stack.ranks_host[slot]
                 assert got == want, f"slot {slot} ({name}): rank {got}, not {want}"
     assert True in spans and False in spans, f"both ways of writing a column were not taken: {spans}"
+
+
+@pytest.mark.parametrize("ranks", [(8,), (4, 8)], ids=["one layout", "two layouts"])
+def test_page_views_are_made_when_enabling_not_in_the_calls(monkeypatch, ranks):
+    """Adapters of one or two layouts (same targets, one or two ranks): every slot's page views for them are made when
+    the model is enabled, so that no call makes one, even the first move into a slot; PEFT's weights of every
+    resident view its slot's page where its own layout puts them, and every call and a stock call on an evicted
+    adapter give stock PEFT's results."""
+    from peft_csgmv.slots import DevicePages
+
+    model, _ = tiny_model("llama")
+    specs = {name: dict(r=ranks[i % len(ranks)], lora_alpha=8, target_modules=ALL_LINEAR) for i, name in
+             enumerate(ADAPTERS)}  # fmt: skip
+    model = add_adapters(model, specs).to(DEVICE)
+    input_ids, mask = make_batch(4, 6)
+    outs = per_adapter(model, [*ADAPTERS, BASE], lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    (pages,) = model._csgmv.tier.pages.values()
+    assert {slot for slot, _ in pages.views} == set(range(pages.count))
+    assert len({layout for _, layout in pages.views}) == len(ranks)
+    made = []
+    real = DevicePages.slot_views
+    monkeypatch.setattr(DevicePages, "slot_views", lambda *args: made.append(args[1]) or real(*args))
+    for names in (["a2", "a3", BASE, "a2"], ["a4", "a0", "a4", BASE], ["a1", BASE, "a2", "a1"], ["a3", "a0"] * 2):
+        _call(model, input_ids, mask, outs, names)
+        slots = model._csgmv.registry.index
+        for name in csgmv_stats(model)["resident"]:
+            got = {p.data_ptr() for p in _weights(model, name)}
+            page = pages.data[pages.start(slots[name]) : pages.start(slots[name] + 1)]
+            lo, hi = page.data_ptr(), page.data_ptr() + page.numel() * page.element_size()
+            assert all(lo <= ptr < hi for ptr in got), f"{name}'s weights are not in its slot's page"
+    assert made == [], f"calls made page views for slots {made}"
+    hosted = next(n for n in ADAPTERS if n not in csgmv_stats(model)["resident"])
+    model.set_adapter(hosted)
+    with torch.no_grad():
+        close(model(input_ids, attention_mask=mask).logits, outs[hosted], f"stock PEFT {hosted}, evicted")
