@@ -238,7 +238,7 @@ def main(argv=None) -> int:
                 pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=cold)
                 torch.cuda.synchronize(device) if device.type == "cuda" else None
                 cold_times.append((time.perf_counter() - t0) * 1e3)
-        cold_ms = sorted(cold_times)[len(cold_times) // 2]
+        cold_ms = statistics.median(cold_times)  # (of an even count: the mean of the middle two)
         print(f"cold calls ms: {[round(t, 1) for t in cold_times]}", flush=True)
         one_adapter_bytes = sum(
             p.numel() * p.element_size() for n, p in pm.named_parameters() if f".{cold_names[0]}." in n

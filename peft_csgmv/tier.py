@@ -166,8 +166,9 @@ class HostTier:
                 stacks = placement.part_stacks[pages]
                 columns = placement.columns[pages] = pages.columns(stacks, parts)
                 layouts.setdefault(pages, {}).setdefault(columns.layout, (stacks, parts))
-        for pages, of_pages in layouts.items():
-            pages.prepare_views(of_pages)
+        if any(name not in registry.index for name in names):  # (while every adapter has a slot, none moves)
+            for pages, of_pages in layouts.items():
+                pages.prepare_views(of_pages)
         for slot, stack, part in places:  # reserved: the restack that follows (or a bring-in) fills it
             record = stack.held.get(slot)
             if record is None or record.rel != part.rel:

@@ -434,7 +434,8 @@ def test_adapters_loaded_after_enabling_leave_the_device_as_they_load(tiered, tm
 
 def test_no_host_memory_while_every_adapter_has_a_slot():
     """``max_resident_adapters`` at or above the adapters loaded: none can leave the device, so the tier holds no host
-    memory; the adapter that makes them more than N reserves every adapter's region at once (and leaves itself)."""
+    memory, nor page views made ahead for moves; the adapter that makes them more than N reserves every adapter's region
+    at once (and leaves itself), and the pages get their views."""
     from peft import LoraConfig
 
     model, _ = tiny_model("llama")
@@ -443,11 +444,14 @@ def test_no_host_memory_while_every_adapter_has_a_slot():
     model.add_adapter("a2", LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR))
     stats = csgmv_stats(model)
     assert stats["host_bytes"] == 0 and len(stats["resident"]) == 3
+    (pages,) = model._csgmv.tier.pages.values()
+    assert not pages.views
     model.add_adapter("a3", LoraConfig(r=8, lora_alpha=8, target_modules=ALL_LINEAR, init_lora_weights=False))
     stats = csgmv_stats(model)
     assert "a3" not in stats["resident"] and stats["host_bytes"] > 0
     assert {key[0] for key in model._csgmv.tier.host.regions} == {"a0", "a1", "a2", "a3"}
     assert len(model._csgmv.tier.host.slabs) == 1, "one announcement for the four"
+    assert {slot for slot, _ in pages.views} == set(range(pages.count))
 
 
 def test_every_adapter_holds_its_host_region_from_the_start(tiered):
