@@ -237,3 +237,24 @@ def test_state_made_under_inference_mode_is_usable_outside_it(tier):
         disable_csgmv(model)
     assert not any(p.is_inference() for p in _lora_params(model).values())
     model.set_adapter("a1")
+
+
+@pytest.mark.parametrize("tier", [None, 2], ids=["all-resident", "host-tier"])
+def test_adapter_deleted_and_added_again_with_an_equal_config_is_stacked_anew(tier):
+    """An adapter deleted and added again under the same name, with a config equal to its old one (a copy) and new
+    weights: the adapters' names are as before, in order, and their configs compare equal, yet the next call sees a
+    new adapter (configs are told apart by identity) and serves the new weights, as stock PEFT does."""
+    import copy
+
+    model = _model()
+    enable_csgmv(model, backend="torch", max_resident_adapters=tier)
+    names = ["a2", BASE, "a0", "a2"]
+    _check_outputs(model, "before", names)
+    config = copy.deepcopy(model.peft_config["a2"])
+    config.init_lora_weights = False
+    model.delete_adapter("a2")
+    torch.manual_seed(123)
+    model.add_adapter("a2", copy.deepcopy(config))
+    model.to(DEVICE)
+    assert list(model.peft_config) == ["a0", "a1", "a2"] and model.peft_config["a2"] == config
+    _check_outputs(model, "a2 added again with new weights", names)
