@@ -402,9 +402,9 @@ class LoraStack:
         self._views = None
         self._point_shared()
 
-    def repage(self, old_page_numel: int) -> None:
-        """:attr:`pages` were rebuilt with pages of another size (``old_page_numel`` before): every slot is at the same
-        place in its new page (its record's ``rel`` holds); its offsets and PEFT's views follow."""
+    def repage(self) -> None:
+        """:attr:`pages` were rebuilt with pages of another size: every slot is at the same place in its new page (its
+        record's ``rel`` holds); its offsets and PEFT's views follow."""
         for slot, rec in self.held.items():
             self._set_offsets(slot, self.base(slot) + rec.rel, self.ranks_host[slot])
         self._point_shared()
@@ -584,10 +584,11 @@ def vacate(slot: int, stacks) -> None:
     """The host tier moved slot ``slot``'s adapter out of ``stacks``: the slot is empty in each (rank 0), and PEFT's
     parameters that viewed it are left as they are (the tier has pointed them at host memory). No copies to make, so
     :meth:`LoraStack.clear_slot` without its release; one loop over the layers, not a call per layer."""
-    for stack in stacks:
-        stack.held.pop(slot, None)  # no longer this slot's: they keep the host views the tier gave them
+    for stack in stacks:  # (the slot's record goes: its parameters keep the host views the tier gave them)
         if slot < len(stack.ranks_host):
             stack._empty(slot)
+        else:
+            stack.held.pop(slot, None)
 
 
 class SlotRecord(NamedTuple):
@@ -822,7 +823,7 @@ class DevicePages:
         self.views.clear()
         for stack in list(self.stacks):
             stack.data = data
-            stack.repage(old_numel)
+            stack.repage()
 
     def to(self, device: torch.device) -> "DevicePages":
         """The pages on ``device`` (moved once for every stack of the group)."""

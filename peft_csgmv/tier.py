@@ -54,7 +54,7 @@ class Placement:
     views: dict = field(default_factory=dict)  # region key -> HostTier.regions' tuple for that region
     stack_list: list[LoraStack] = field(default_factory=list)  # the stacks of its parts, in order
     stacks: frozenset = frozenset()  # the same, as a set
-    columns: dict[DevicePages, PageColumns] = field(default_factory=dict)  # its parts as table columns, per group
+    columns: dict[DevicePages, PageColumns] = field(default_factory=dict)  # its parts as table columns (lay_out)
 
     def all_parts(self) -> Iterator[tuple[LoraStack, SlotRecord]]:
         """Every part with its stack, group by group."""
@@ -262,11 +262,8 @@ class HostTier:
             if p.device != device:
                 p.data = p.data.to(device, copy=True, non_blocking=True)
         for pages, parts in placement.parts.items():
-            stacks = placement.part_stacks[pages]
-            columns = placement.columns.get(pages)
-            if columns is None:
-                columns = placement.columns[pages] = pages.columns(stacks, parts)
-            pages.place(slot, stacks, parts, [layer.scaling[name] for layer in placement.layers[pages]], columns)
+            scalings = [layer.scaling[name] for layer in placement.layers[pages]]
+            pages.place(slot, placement.part_stacks[pages], parts, scalings, placement.columns[pages])
         for layer, stack, bias in placement.dora:
             stack.set_extras(slot, dora_scale(layer, name), bias)
         for layer in placement.peft_layers:
