@@ -16,8 +16,11 @@ Random weights from the 1B Llama layout (no hub), LoRA on all 7 projections. Thr
    transformers' static cache (compiled decode: the host's drift does not enter) with both, and the GPU's busy time in
    it (``--no-static``: skip).
 3. **Host-tier load cost.** A forward whose 32 adapters all wait in host memory (each copied into a slot first)
-   against the same forward once they are resident; per adapter, against its bytes over the measured pinned
-   host→device bandwidth.
+   against the same forward once they are resident, its plan new as the cold call's is (the rows in an order no call
+   used: a plan's first use launches its kernels unbound, :mod:`peft_csgmv.kernels.bound`); per adapter, against its
+   bytes over the measured pinned host→device bandwidth. The same call with its plan reused is printed beside it.
+   ``--cold-phases N``: N more cold calls, each split into its moves (host ms, then device ms) and its forward;
+   ``--trace-cold STEM``: one more under torch's profiler; ``--profile-call FILE``: cProfiles of opening calls.
 
 The tables are printed last; the JSON holds GPU name, versions and date.
 """
@@ -145,6 +148,18 @@ def main(argv=None) -> int:
         action="store_false",
         help="skip the static-cache generate of the scale rows (compiled decode: ~20 s of compile each)",
     )
+    p.add_argument(
+        "--profile-call",
+        default=None,
+        help="file: a cProfile of opening calls (as the call host µs column), 32 loaded then behind the tier",
+    )
+    p.add_argument(
+        "--cold-phases",
+        type=int,
+        default=0,
+        help="more cold calls, each split into its moves (host, then device) and its forward",
+    )
+    p.add_argument("--trace-cold", default=None, help="path stem: one more cold call under torch's profiler")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
@@ -172,6 +187,40 @@ def main(argv=None) -> int:
                     pass
             samples.append((time.perf_counter() - t0) / 200 * 1e6)
         return sorted(samples)[2]
+
+    def profiled(fn, title: str) -> None:
+        """Append to --profile-call the cProfile of ``fn()``, by own time."""
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        with open(args.profile_call, "a") as f:
+            f.write(f"# {title}\n{text.getvalue()}\n")
+
+    def profile_call(pm, title: str) -> None:
+        """Append to --profile-call the cProfile of 1000 call openings with ``names``, by own time."""
+        if not args.profile_call:
+            return
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(1000):
+            with adapter_ids_scope(pm, names):
+                pass
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        with open(args.profile_call, "a") as f:
+            f.write(f"# {title}: 1000 calls\n{text.getvalue()}\n")
 
     def decode_ms(pm) -> float:
         cache_name = cache_kwarg(pm)
@@ -203,6 +252,54 @@ def main(argv=None) -> int:
             kernels, _, _, _ = kernel_times(lambda: pm.generate(**kw), 20.0)
         return statistics.median(times[1:]), sum(total for total, _ in kernels.values()) / 1e3
 
+    def cold_split(pm, first: int) -> list[dict]:
+        """--cold-phases calls of 32 adapters from host memory, sets not used before, split: opening the call alone
+        (its moves: host ms until it returns, then ms until the device is done with them), then the forward alone
+        (ms, the adapters resident now); then, with --trace-cold, one more such call under torch's profiler."""
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        rows = []
+        for k in range(first, first + args.cold_phases + bool(args.trace_cold)):
+            cold = [f"a{args.scale - 1 - 32 * k - i % 32}" for i in range(args.batch)]
+            with torch.no_grad():
+                if k == first + args.cold_phases:  # the traced call
+                    from torch.profiler import ProfilerActivity, profile
+
+                    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                    sync()
+                    with profile(activities=activities) as prof:
+                        pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=cold)
+                        sync()
+                    prof.export_chrome_trace(args.trace_cold + ".json")
+                    with open(args.trace_cold + ".txt", "w") as f:
+                        for key in ("self_cpu_time_total", "self_device_time_total"):
+                            f.write(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
+                    continue
+                sync()
+                t0 = time.perf_counter()
+                with adapter_ids_scope(pm, cold):
+                    t1 = time.perf_counter()
+                    sync()
+                    t2 = time.perf_counter()
+                t3 = time.perf_counter()
+                forward = lambda: pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=cold)  # noqa: E731
+                forward() if k > first or not args.profile_call else profiled(forward, "forward after the moves")
+                sync()
+                t4 = time.perf_counter()
+                if k == first and args.profile_call:
+                    profiled(forward, "the same forward again")
+                turned = cold[1:] + cold[:1]  # the same adapters, resident now, in an order no call used: a new plan
+                sync()
+                t5 = time.perf_counter()
+                pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=turned)
+                sync()
+                t6 = time.perf_counter()
+            rows.append(
+                dict(open_host_ms=(t1 - t0) * 1e3, open_device_ms=(t2 - t1) * 1e3, forward_ms=(t4 - t3) * 1e3,
+                     new_plan_resident_ms=(t6 - t5) * 1e3)
+            )  # fmt: skip
+            print(f"cold call split: {rows[-1]}", flush=True)
+        return rows
+
     scale = {}
     if args.scale:
         before = _allocated(device)
@@ -211,6 +308,7 @@ def main(argv=None) -> int:
         gib = (_allocated(device) - before) / GIB
         static, busy = static_ms(pm)
         scale["loaded_32"] = dict(decode_ms=decode_ms(pm), gib=gib, call_us=call_us(pm), static_ms=static, busy_ms=busy)
+        profile_call(pm, "32 adapters loaded")
         print(f"32 loaded: {scale['loaded_32']}", flush=True)
         disable_csgmv(pm)
         t0 = time.perf_counter()
@@ -240,11 +338,23 @@ def main(argv=None) -> int:
                 cold_times.append((time.perf_counter() - t0) * 1e3)
         cold_ms = statistics.median(cold_times)  # (of an even count: the mean of the middle two)
         print(f"cold calls ms: {[round(t, 1) for t in cold_times]}", flush=True)
+        cold_phases = cold_split(pm, args.cold_rounds) if args.cold_phases else []
         one_adapter_bytes = sum(
             p.numel() * p.element_size() for n, p in pm.named_parameters() if f".{cold_names[0]}." in n
         )
         with torch.no_grad():
             warm_ms = timer(lambda: pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=cold), 10)
+            # A cold call's plan is new (its first use: no launches bound yet, :mod:`peft_csgmv.kernels.bound`): the
+            # fair baseline is the same call resident with a plan no call used, the rows turned round each time.
+            fresh_times = []
+            for turn in range(1, 10):
+                turned = cold[turn:] + cold[:turn]
+                torch.cuda.synchronize(device) if device.type == "cuda" else None
+                t0 = time.perf_counter()
+                pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=turned)
+                torch.cuda.synchronize(device) if device.type == "cuda" else None
+                fresh_times.append((time.perf_counter() - t0) * 1e3)
+            fresh_ms = statistics.median(fresh_times)
         host = torch.empty(one_adapter_bytes * 32, dtype=torch.uint8).pin_memory() if device.type == "cuda" else None
         if host is not None:
             dev = torch.empty_like(host, device=device)
@@ -253,18 +363,19 @@ def main(argv=None) -> int:
             del host, dev
         else:
             bw_gbs = float("nan")
-        per_adapter_ms = (cold_ms - warm_ms) / len(cold_names)
+        per_adapter_ms = (cold_ms - fresh_ms) / len(cold_names)
         static, busy = static_ms(pm)
         scale["tier"] = dict(
             adapters=args.scale, resident=args.resident, load_s=load_s, enable_s=enable_s, peft_gib=peft_gib,
             gib=tier_gib, host_gib=csgmv_stats(pm)["host_bytes"] / GIB,
             decode_ms=decode_ms(pm), call_us=call_us(pm), static_ms=static, busy_ms=busy,
-            cold_call_ms=cold_ms, cold_calls_ms=cold_times,
-            warm_call_ms=warm_ms,
+            cold_call_ms=cold_ms, cold_calls_ms=cold_times, cold_phases=cold_phases,
+            warm_call_ms=warm_ms, fresh_plan_call_ms=fresh_ms,
             per_adapter_load_ms=per_adapter_ms, adapter_mib=one_adapter_bytes / 2**20, h2d_gb_s=bw_gbs,
             pcie_ms_per_adapter=one_adapter_bytes / (bw_gbs * 1e9) * 1e3,
         )  # fmt: skip
         print(f"tier: {scale['tier']}", flush=True)
+        profile_call(pm, f"{args.scale} adapters, max_resident_adapters={args.resident}")
         _unload(pm)
 
     print()
@@ -293,11 +404,12 @@ def main(argv=None) -> int:
             f"{t['decode_ms']:.2f} | {t['call_us']:.0f} | {static(t)} |"
         )
         print()
-        print("| adapter MiB | cold call ms (32 from host) | warm call ms | per adapter ms | its bytes over PCIe ms "
-              "| pinned H2D GB/s |")  # fmt: skip
-        print("|---|---|---|---|---|---|")
+        print("| adapter MiB | cold call ms (32 from host, new plan) | resident, new plan ms "
+              "| resident, plan reused ms | per adapter ms | its bytes over PCIe ms | pinned H2D GB/s |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
         print(
-            f"| {t['adapter_mib']:.1f} | {t['cold_call_ms']:.1f} | {t['warm_call_ms']:.2f} | "
+            f"| {t['adapter_mib']:.1f} | {t['cold_call_ms']:.1f} | {t['fresh_plan_call_ms']:.2f} | "
+            f"{t['warm_call_ms']:.2f} | "
             f"{t['per_adapter_load_ms']:.2f} | {t['pcie_ms_per_adapter']:.2f} | {t['h2d_gb_s']:.1f} |"
         )
     if args.out:
