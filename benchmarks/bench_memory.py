@@ -188,39 +188,45 @@ def main(argv=None) -> int:
             samples.append((time.perf_counter() - t0) / 200 * 1e6)
         return sorted(samples)[2]
 
-    def profiled(fn, title: str) -> None:
-        """Append to --profile-call the cProfile of ``fn()``, by own time."""
+    def profiled(fn, title: str, rows: int = 25) -> None:
+        """Append to --profile-call the cProfile of ``fn()``, its ``rows`` functions of most own time."""
         import cProfile
         import io
         import pstats
 
         prof = cProfile.Profile()
-        prof.enable()
-        fn()
-        prof.disable()
+        prof.runcall(fn)
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(rows)
         with open(args.profile_call, "a") as f:
             f.write(f"# {title}\n{text.getvalue()}\n")
 
     def profile_call(pm, title: str) -> None:
-        """Append to --profile-call the cProfile of 1000 call openings with ``names``, by own time."""
-        if not args.profile_call:
-            return
-        import cProfile
-        import io
-        import pstats
+        """With --profile-call, the cProfile of 1000 call openings with ``names`` (:func:`profiled`)."""
 
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(1000):
-            with adapter_ids_scope(pm, names):
-                pass
-        prof.disable()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-        with open(args.profile_call, "a") as f:
-            f.write(f"# {title}: 1000 calls\n{text.getvalue()}\n")
+        def openings():
+            for _ in range(1000):
+                with adapter_ids_scope(pm, names):
+                    pass
+
+        if args.profile_call:
+            profiled(openings, f"{title}: 1000 calls", rows=30)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def step(pm, ids) -> None:
+        """One token per row, no cache: the forward of a cold call."""
+        pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=ids)
+
+    def once_ms(fn) -> float:
+        """ms of one ``fn()``, the device idle before and done after."""
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
 
     def decode_ms(pm) -> float:
         cache_name = cache_kwarg(pm)
@@ -255,8 +261,9 @@ def main(argv=None) -> int:
     def cold_split(pm, first: int) -> list[dict]:
         """--cold-phases calls of 32 adapters from host memory, sets not used before, split: opening the call alone
         (its moves: host ms until it returns, then ms until the device is done with them), then the forward alone
-        (ms, the adapters resident now); then, with --trace-cold, one more such call under torch's profiler."""
-        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        (ms, the adapters resident now: the plan's second use, when the layers bind its launches; under cProfile in the
+        first call with --profile-call, which then profiles the third use too), and the same adapters in an order no
+        call used (a new plan); then, with --trace-cold, one more such call under torch's profiler."""
         rows = []
         for k in range(first, first + args.cold_phases + bool(args.trace_cold)):
             cold = [f"a{args.scale - 1 - 32 * k - i % 32}" for i in range(args.batch)]
@@ -267,7 +274,7 @@ def main(argv=None) -> int:
                     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                     sync()
                     with profile(activities=activities) as prof:
-                        pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=cold)
+                        step(pm, cold)
                         sync()
                     prof.export_chrome_trace(args.trace_cold + ".json")
                     with open(args.trace_cold + ".txt", "w") as f:
@@ -280,22 +287,16 @@ def main(argv=None) -> int:
                     t1 = time.perf_counter()
                     sync()
                     t2 = time.perf_counter()
-                t3 = time.perf_counter()
-                forward = lambda: pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=cold)  # noqa: E731
-                forward() if k > first or not args.profile_call else profiled(forward, "forward after the moves")
-                sync()
-                t4 = time.perf_counter()
                 if k == first and args.profile_call:
-                    profiled(forward, "the same forward again")
+                    forward_ms = once_ms(lambda: profiled(lambda: step(pm, cold), "forward after the moves"))
+                    profiled(lambda: step(pm, cold), "the same forward again")
+                else:
+                    forward_ms = once_ms(lambda: step(pm, cold))
                 turned = cold[1:] + cold[:1]  # the same adapters, resident now, in an order no call used: a new plan
-                sync()
-                t5 = time.perf_counter()
-                pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=turned)
-                sync()
-                t6 = time.perf_counter()
+                new_plan_ms = once_ms(lambda: step(pm, turned))
             rows.append(
-                dict(open_host_ms=(t1 - t0) * 1e3, open_device_ms=(t2 - t1) * 1e3, forward_ms=(t4 - t3) * 1e3,
-                     new_plan_resident_ms=(t6 - t5) * 1e3)
+                dict(open_host_ms=(t1 - t0) * 1e3, open_device_ms=(t2 - t1) * 1e3, forward_ms=forward_ms,
+                     new_plan_resident_ms=new_plan_ms)
             )  # fmt: skip
             print(f"cold call split: {rows[-1]}", flush=True)
         return rows
@@ -331,11 +332,7 @@ def main(argv=None) -> int:
             cold = [f"a{args.scale - 1 - 32 * k - i % 32}" for i in range(args.batch)]
             cold_names = list(dict.fromkeys(cold))
             with torch.no_grad():
-                torch.cuda.synchronize(device) if device.type == "cuda" else None
-                t0 = time.perf_counter()
-                pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=cold)
-                torch.cuda.synchronize(device) if device.type == "cuda" else None
-                cold_times.append((time.perf_counter() - t0) * 1e3)
+                cold_times.append(once_ms(lambda: step(pm, cold)))
         cold_ms = statistics.median(cold_times)  # (of an even count: the mean of the middle two)
         print(f"cold calls ms: {[round(t, 1) for t in cold_times]}", flush=True)
         cold_phases = cold_split(pm, args.cold_rounds) if args.cold_phases else []
@@ -343,18 +340,10 @@ def main(argv=None) -> int:
             p.numel() * p.element_size() for n, p in pm.named_parameters() if f".{cold_names[0]}." in n
         )
         with torch.no_grad():
-            warm_ms = timer(lambda: pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=cold), 10)
+            warm_ms = timer(lambda: step(pm, cold), 10)  # (its warm-up brings back any --cold-phases evicted)
             # A cold call's plan is new (its first use: no launches bound yet, :mod:`peft_csgmv.kernels.bound`): the
             # fair baseline is the same call resident with a plan no call used, the rows turned round each time.
-            fresh_times = []
-            for turn in range(1, 10):
-                turned = cold[turn:] + cold[:turn]
-                torch.cuda.synchronize(device) if device.type == "cuda" else None
-                t0 = time.perf_counter()
-                pm(input_ids=step_ids, attention_mask=step_mask[:, :1], adapter_ids=turned)
-                torch.cuda.synchronize(device) if device.type == "cuda" else None
-                fresh_times.append((time.perf_counter() - t0) * 1e3)
-            fresh_ms = statistics.median(fresh_times)
+            fresh_ms = statistics.median(once_ms(lambda: step(pm, cold[turn:] + cold[:turn])) for turn in range(1, 10))
         host = torch.empty(one_adapter_bytes * 32, dtype=torch.uint8).pin_memory() if device.type == "cuda" else None
         if host is not None:
             dev = torch.empty_like(host, device=device)

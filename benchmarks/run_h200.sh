@@ -106,7 +106,8 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     tier)
       tier_host ;;
     tiercold)  # the host tier's cold calls (32 adapters from host memory, 1000 loaded) and its bookkeeping per move
-      python3 benchmarks/bench_memory.py --memory-cases "" --cold-rounds 4 --profile-call "$OUT/call_profile.txt" --out "$OUT/memory_1b_cold.json" 2>&1 \
+      python3 benchmarks/bench_memory.py --memory-cases "" --cold-rounds 4 --profile-call "$OUT/call_profile.txt" \
+        --out "$OUT/memory_1b_cold.json" 2>&1 \
         | grep --line-buffered -v -i warn > "$OUT/memory_1b_cold.log"
       grep -E "^\||cold calls" "$OUT/memory_1b_cold.log" || tail -25 "$OUT/memory_1b_cold.log"
       tier_host ;;
