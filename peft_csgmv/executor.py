@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import itertools
 import os
+import threading
 import weakref
 from typing import TYPE_CHECKING, Callable
 
@@ -47,6 +48,18 @@ def use_triton(backend: str, device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def row_tokens(row_keep: tuple[int | None, ...] | None, rows: int, tokens_per_row: int) -> tuple[int, ...] | None:
+    """For a layer input of ``rows × tokens_per_row`` tokens (``rows`` a whole multiple of the call's ids, each id's
+    entry repeated for its rows): how many of each row's last tokens use the row's slot, as PEFT's aLoRA layers count
+    them (``row_keep``: :attr:`CallContext.row_keep`; an offset longer than the row covers it whole); ``None`` when
+    every token does."""
+    if row_keep is None:
+        return None
+    repeat = rows // len(row_keep)
+    per_row = tuple(tokens_per_row if k is None else min(k, tokens_per_row) for k in row_keep)
+    return tuple(k for k in per_row for _ in range(repeat)) if repeat > 1 else per_row
+
+
 @dataclasses.dataclass
 class CallContext:
     """One call's ids, alive from :meth:`Executor.begin` to :meth:`Executor.end`."""
@@ -55,6 +68,9 @@ class CallContext:
     names: tuple[str, ...]  # adapter name of each input row in PEFT's spelling ("__base__" for base rows)
     arg_name: str  # "adapter_ids" or "adapter_names", for error messages
     alora_offsets: list | None = None  # PEFT's aLoRA offsets of the call's rows, for the layers' PEFT path
+    # Per row of the call: ``None`` where the row's adapter applies to every token, else how many of the row's last
+    # tokens it applies to (an aLoRA row: PEFT's offset, 0 where the invocation was not found). ``None``: no such row.
+    row_keep: tuple[int | None, ...] | None = None
     # Events of the host tier's copies to host memory that the call's moves queued (tier.copies_out): :meth:`Executor.
     # end` waits for them, so that the call returns only once the weights it moved out are there.
     copies_out: list = dataclasses.field(default_factory=list)
@@ -73,6 +89,10 @@ class CallContext:
                 f"{rows} respectively (a layer saw {rows} rows, which is not a whole multiple of {n})."
             )
         return rows // n
+
+    def row_tokens(self, rows: int, tokens_per_row: int) -> tuple[int, ...] | None:
+        """:func:`row_tokens` of the call's rows."""
+        return row_tokens(self.row_keep, rows, tokens_per_row)
 
     def names_for(self, rows: int) -> list[str]:
         """PEFT's ``adapter_names`` for a module input of ``rows`` rows (each name repeated for its rows); the call's
@@ -118,9 +138,10 @@ class PlanRun:
 
 def max_segments(rows: int, num_tokens: int, chunk: int) -> int:
     """The most segments a plan of ``rows`` rows and ``num_tokens`` tokens can have with row tile ``chunk``: each run
-    of one slot (at most one per row) is cut into ``⌈len / chunk⌉`` segments, so at most ``rows + num_tokens // chunk``,
-    and never more than one per token."""
-    return min(num_tokens, rows + num_tokens // chunk)
+    of one slot is cut into ``⌈len / chunk⌉`` segments, so at most ``runs + num_tokens // chunk``, and never more than
+    one per token. Runs: one per slot in use, the base tokens' included, so at most one per row, and one more where
+    rows have more than one token (a row whose slot covers its last tokens only has base tokens too: aLoRA)."""
+    return min(num_tokens, rows + (num_tokens > rows) + num_tokens // chunk)
 
 
 class StaticPlan:
@@ -146,10 +167,12 @@ class StaticPlan:
         self.seg_slot = self.buf[slot_at:]
         self.plan = (self.permutation, self.seg_indptr, self.seg_slot)  # (as the ops take them)
 
-    def fill(self, row_slots: tuple[int, ...]) -> None:
+    def fill(self, row_slots: tuple[int, ...], row_keep: tuple[int | None, ...] | None = None) -> None:
+        """Rewrite the buffer for a call's ``row_slots`` (and ``row_keep``: :attr:`CallContext.row_keep`)."""
         repeat = self.rows // self.n
         slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
-        plan = BatchPlan.build(slots, self.tokens_per_row, "cpu", chunk_size=self.chunk)
+        keep = row_tokens(row_keep, self.rows, self.tokens_per_row)
+        plan = BatchPlan.build(slots, self.tokens_per_row, "cpu", chunk_size=self.chunk, row_tokens=keep)
         # The base tokens (after the adapter tokens in the permutation) in segments of slot -1, so that the segments
         # cover every token and the op's expand writes its whole output out of place.
         bounds = plan.seg_indptr.tolist()
@@ -205,6 +228,16 @@ class Executor:
         self.restack = restack  # re-copies one layer's adapters (the model state's, passed down)
         self.call: CallContext | None = None
         self.active = False  # a csgmv call is in progress (compiled code reads this: a guard with two values)
+        # A call belongs to its thread. The model's forward / generate (stock calls too) hold ``lock`` from before the
+        # ids are validated until the call ends, so calls from several threads run one at a time, each with its own
+        # ids; ``owner`` is the thread of the call in progress, and a layer called from another thread meanwhile
+        # (directly, not through the model) runs PEFT's own forward.
+        self.lock = threading.RLock()
+        self.owner: int | None = None
+        # Some row of the call in progress uses its adapter for its last tokens only (aLoRA; compiled code reads this:
+        # a guard with two values). Such a call's layers that see other rows than its ids (beams, returned
+        # sequences, tokens flattened into rows) run PEFT's forward, PEFT's result or PEFT's error.
+        self.masked = False
         self.num_ids = 0  # ids of the call in progress (compiled code reads this: a guard per batch shape)
         self.direct_launch = True  # the kernels' lean launch path; off for good once a Triton rejects it
         self.ahead_stacks: dict = {}  # device -> (route epoch, a stack per kind of launch): layers._kernel_stacks
@@ -278,7 +311,7 @@ class Executor:
         if self._outer:
             self._open(self._outer.pop())
         else:
-            self.call, self.active, self.num_ids = None, False, 0
+            self.call, self.active, self.num_ids, self.owner, self.masked = None, False, 0, None, False
 
     # -- sibling groups ---------------------------------------------------------------------------------------------
 
@@ -372,8 +405,9 @@ class Executor:
     def _open(self, call: CallContext) -> None:
         for static in self.statics:
             if static.n == len(call.row_slots):
-                static.fill(call.row_slots)
-        self.call, self.active, self.num_ids = call, True, len(call.row_slots)
+                static.fill(call.row_slots, call.row_keep)
+        self.call, self.active, self.num_ids, self.owner = call, True, len(call.row_slots), threading.get_ident()
+        self.masked = call.row_keep is not None
 
     def triton_on(self, device: torch.device) -> bool:
         """Whether layers on ``device`` use the Triton kernels (the backend choice)."""
@@ -397,16 +431,20 @@ class Executor:
         key = (rows, tokens_per_row, device)
         run = call.runs.get(key)
         if run is None:
-            run = call.runs[key] = self._cached_run(call.row_slots, call.repeat(rows), tokens_per_row, device)
+            repeat = call.repeat(rows)
+            keep = call.row_tokens(rows, tokens_per_row)
+            run = call.runs[key] = self._cached_run(call.row_slots, repeat, tokens_per_row, device, keep)
         return run
 
-    def _cached_run(self, row_slots: tuple[int, ...], repeat: int, tokens_per_row: int, device) -> PlanRun:
-        key = (row_slots, repeat, tokens_per_row, device)
+    def _cached_run(
+        self, row_slots: tuple[int, ...], repeat: int, tokens_per_row: int, device, keep: tuple | None = None
+    ) -> PlanRun:
+        key = (row_slots, repeat, tokens_per_row, device, keep)
         run = self.plans.get(key)
         if run is None:
             slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
             with torch.inference_mode(False):  # kept for later calls, inside inference mode or not
-                run = self.plans[key] = PlanRun(BatchPlan.build(slots, tokens_per_row, device))
+                run = self.plans[key] = PlanRun(BatchPlan.build(slots, tokens_per_row, device, row_tokens=keep))
             if len(self.plans) > PLAN_CACHE_SIZE:
                 self.plans.popitem(last=False)
         else:
@@ -437,7 +475,7 @@ class Executor:
             static = StaticPlan(n, rows, tokens_per_row, device)
         if self.call is not None:
             self.call.repeat(rows)  # the rows must be a whole multiple of the ids
-            static.fill(self.call.row_slots)
+            static.fill(self.call.row_slots, self.call.row_keep)
         self.statics.append(static)
         name = f"_static_{len(self.statics) - 1}"
         setattr(self, name, static)

@@ -26,6 +26,7 @@ import inspect
 import itertools
 import math
 import os
+import threading
 import types
 import weakref
 from typing import TYPE_CHECKING, Iterator
@@ -110,6 +111,7 @@ def apply_lora(
 
 
 _module_globals = nn.modules.module
+_get_ident = threading.get_ident
 
 
 def _hooked(base: nn.Module) -> bool:
@@ -261,6 +263,14 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         # adapter_names reach PEFT): the call's own, computed from its ids, replace them.
         kwargs = {k: v for k, v in kwargs.items() if k not in VARIANT_KWARGS}
     compiling = torch.compiler.is_compiling()
+    if not compiling and ex.owner != _get_ident():  # another thread's call is in progress: not this one's
+        return self._csgmv_orig_forward(x, *args, **kwargs)
+    if ex.masked and x.dim() and x.shape[0] != ex.num_ids:
+        # aLoRA rows, and this layer sees other rows than the call's ids (returned sequences, tokens flattened into
+        # rows): PEFT's own forward, which counts each row's tokens its way (its result, or its error).
+        call = ex.call
+        return self._csgmv_orig_forward(x, *args, adapter_names=call.names_for(x.shape[0]), **call.variant_kwargs(),
+                                        **kwargs)  # fmt: skip
     if compiling and not (args or kwargs):
         # Compiled code: the path :func:`compiled_route` chose for this layer when the graph was traced, written out
         # here (dynamo steps through every line of it for each layer of the model: each line, each call, costs the
@@ -558,6 +568,8 @@ def _peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
     (and, for LoRA layers, the call's other per-call arguments, as PEFT's hooks pass them)."""
     ex: Executor = executor_of(self.__dict__["_csgmv_exec"])
     if not ex.active or "adapter_names" in kwargs:
+        return self._csgmv_orig_forward(*args, **kwargs)
+    if not torch.compiler.is_compiling() and ex.owner != _get_ident():  # another thread's call: not this one's
         return self._csgmv_orig_forward(*args, **kwargs)
     call = ex.call
     x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import threading
 import types
 import warnings
 from typing import Any, Iterator, Sequence
@@ -90,13 +91,16 @@ PEFT_DORA_ERROR = "Cannot pass `{arg}` when DoRA is enabled."
 def _kernel_reason(layer: nn.Module, name: str) -> str | None:
     """Why csgmv's kernels cannot serve adapter ``name`` in a kernel layer (``None`` when they can: plain LoRA,
     ``lora_bias``, and DoRA on Linear). Such an adapter's rows run through PEFT's mixed-batch forward of the layer."""
+    variant = getattr(layer, "lora_variant", {}).get(name)
+    if type(variant).__name__ == "ALoraLinearVariant":
+        # aLoRA: plain LoRA from each row's invocation tokens on; the call's token mapping says which tokens.
+        return "aLoRA together with DoRA" if layer.use_dora.get(name, False) else None
     if layer.use_dora.get(name, False):
         if _is_embedding(layer):
             return "DoRA on an Embedding layer"
         if getattr(layer.lora_B[name], "bias", None) is not None:
             return "DoRA together with `lora_bias=True`"
         return None
-    variant = getattr(layer, "lora_variant", {}).get(name)
     if variant is not None:
         return f"the LoRA variant {type(variant).__name__}"
     return None
@@ -534,9 +538,14 @@ class CsgmvState:
             if layer.scaling is not layer._csgmv_stack.scaling_src:
                 self.stack_layer(layer, force=True)
 
-    def validate(self, model, ids: Sequence[str | None], arg: str, args: tuple, kwargs: dict) -> None:
+    def validate(
+        self, model, ids: Sequence[str | None], arg: str, args: tuple, kwargs: dict, generate: bool = False
+    ) -> None:
         """Validate ``ids`` for a call with these inputs, after :meth:`sync`; raises before anything runs or moves. The
-        checks and messages are PEFT's (``adapter_names`` reads as ``arg``)."""
+        checks and messages are PEFT's (``adapter_names`` reads as ``arg``). PEFT's spelling takes PEFT's length rule:
+        one name per input row (``generate`` repeats them for beams, as PEFT does, and refuses returned sequences
+        without beams, as PEFT's layers do); ``adapter_ids`` may also have a length that divides the batch, each id
+        then covering that many consecutive rows."""
         _check_ids(ids, arg)
         batch_size = _check_inputs(args, kwargs, arg)
         if model.training:
@@ -547,9 +556,15 @@ class CsgmvState:
                 f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unknown))}. "
                 f"Loaded adapters: {', '.join(sorted(self.known)) or '(none)'}; use None or '__base__' for base rows."
             )
-        if batch_size is not None and (batch_size % len(ids) != 0):
+        rows = batch_size
+        if arg == "adapter_names" and generate and batch_size == len(ids):
+            beams = _generation_setting(model, args, kwargs, "num_beams") or 1
+            returned = _generation_setting(model, args, kwargs, "num_return_sequences") or 1
+            if beams <= 1 and returned > 1:  # (PEFT repeats names for beams only; its layers then see more rows)
+                rows = batch_size * returned
+        if rows is not None and (rows % len(ids) != 0 or (arg == "adapter_names" and rows != len(ids))):
             raise ValueError(
-                f"Length of `{arg}` should be the same as the number of inputs, but got {len(ids)} and {batch_size} "
+                f"Length of `{arg}` should be the same as the number of inputs, but got {len(ids)} and {rows} "
                 "respectively."
             )
         if any(getattr(m, "merged", False) for m in (*self.layers.values(), *self.peft_path.values())):
@@ -678,6 +693,22 @@ def _alora_offsets(model, names: tuple[str, ...], args: tuple, kwargs: dict, gen
     return offsets
 
 
+def _row_keep(model, names: tuple[str, ...], offsets, arg: str) -> tuple[int | None, ...] | None:
+    """Per row of a call: ``None`` where its adapter applies to every token, else how many of its last tokens it
+    applies to: an aLoRA adapter's rows, from PEFT's offsets (0 where PEFT found no invocation, or computed none: PEFT
+    then runs those rows as base rows). ``None`` when the call has no aLoRA row."""
+    configs = model.peft_config
+    alora = [name != BASE and getattr(configs.get(name), "alora_invocation_tokens", None) is not None for name in names]
+    if not any(alora):
+        return None
+    if offsets is not None and len(offsets) != len(names):
+        raise ValueError(f"`alora_offsets` holds {len(offsets)} entries for the {len(names)} entries of `{arg}`")
+    return tuple(
+        (0 if offsets is None or offsets[i] is None else int(offsets[i])) if is_alora else None
+        for i, is_alora in enumerate(alora)
+    )
+
+
 @torch.compiler.disable
 @_normal_tensors
 def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | None:
@@ -703,9 +734,10 @@ def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | N
             [BASE if i is None else i for i in ids] if isinstance(ids, (list, tuple)) and arg == "adapter_ids" else ids
         )
         return None
-    state.validate(model, ids, arg, args, kwargs)
+    state.validate(model, ids, arg, args, kwargs, generate)
     names = tuple(BASE if i in BASE_NAMES else i for i in ids)
     offsets = _alora_offsets(model, names, args, kwargs, generate)  # may raise PEFT's own error: before any move
+    keep = _row_keep(model, names, offsets, arg)
     out: list = []
     row_slots = state.slots_for(ids, out)
     try:
@@ -713,7 +745,9 @@ def _open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | N
         executor = state.executor
         executor.check_groups()
         executor.begin(
-            CallContext(row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets, copies_out=out)
+            CallContext(
+                row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets, row_keep=keep, copies_out=out
+            )
         )
     except BaseException:
         settle(out)
@@ -745,38 +779,66 @@ def _defers_stop_check(model, args: tuple, kwargs: dict) -> bool:
     policy = model._csgmv.defer_stop_check
     if policy is not None:
         return policy
-    if "do_sample" in kwargs:
-        return not kwargs["do_sample"]
+    return not _generation_setting(model, args, kwargs, "do_sample")
+
+
+def _generation_setting(model, args: tuple, kwargs: dict, name: str):
+    """A ``generate`` call's setting ``name``: its keyword, else that of the generation config it passes (by keyword
+    or by position), else the model's (``None`` where none says)."""
+    if name in kwargs:
+        return kwargs[name]
     config = kwargs.get("generation_config")
     if config is None:
         config = next((a for a in args if isinstance(a, GenerationConfig)), None)
     if config is None:
         config = getattr(model.get_base_model(), "generation_config", None)
-    return not getattr(config, "do_sample", False)
+    return getattr(config, name, None)
+
+
+@torch.compiler.disable
+def _acquire(model) -> threading.RLock:
+    """Take the model's call lock (see :attr:`~peft_csgmv.executor.Executor.lock`): a call from another thread waits
+    here until the call in progress has ended. Re-entrant: a model called again inside a call, on its thread."""
+    lock = model._csgmv.executor.lock
+    lock.acquire()
+    return lock
+
+
+@torch.compiler.disable
+def _release(lock: threading.RLock) -> None:
+    lock.release()
 
 
 def _run(model, method, args: tuple, kwargs: dict, generate: bool):
-    executor = _open_call(model, args, kwargs, generate)
-    if executor is None:
-        return method(model, *args, **kwargs)
-    kept = model._csgmv.static_cache if generate else None
-    defer = generate and _defers_stop_check(model, args, kwargs)
-    with _closing(executor):
-        with torch.no_grad(), kept.lend(model.get_base_model()) if kept is not None else contextlib.nullcontext():
-            with deferred_stop_check(defer):
-                out = method(model, *args, **kwargs)
-        if kept is not None:
-            kept.returned(out)
-    return out
+    # Every call, with ids or not, holds the model's lock to its end: the layers read the call in progress from the
+    # model's state, so calls from several threads run one at a time, each with its own ids.
+    lock = _acquire(model)
+    try:
+        executor = _open_call(model, args, kwargs, generate)
+        if executor is None:
+            return method(model, *args, **kwargs)
+        kept = model._csgmv.static_cache if generate else None
+        defer = generate and _defers_stop_check(model, args, kwargs)
+        with _closing(executor):
+            with torch.no_grad(), kept.lend(model.get_base_model()) if kept is not None else contextlib.nullcontext():
+                with deferred_stop_check(defer):
+                    out = method(model, *args, **kwargs)
+            if kept is not None:
+                kept.returned(out)
+        return out
+    finally:
+        _release(lock)
 
 
 @contextlib.contextmanager
 def adapter_ids_scope(model, adapter_ids: Sequence[str | None]) -> Iterator[None]:
     """Apply ``adapter_ids`` to every patched layer called inside the block, as a call of the model with those ids
-    does (validated the same way; for calling layers directly: benchmarks, tests, a compiled layer)."""
-    executor = _open_call(model, (), {"adapter_ids": adapter_ids}, generate=False)
-    with _closing(executor) if executor is not None else contextlib.nullcontext():
-        yield
+    does (validated the same way; for calling layers directly: benchmarks, tests, a compiled layer). The block holds
+    the model's call lock: another thread's call waits until it ends."""
+    with model._csgmv.executor.lock:
+        executor = _open_call(model, (), {"adapter_ids": adapter_ids}, generate=False)
+        with _closing(executor) if executor is not None else contextlib.nullcontext():
+            yield
 
 
 # The wrappers run eagerly under torch.compile (validation and the ids are host work, in the disabled helpers above);
@@ -793,8 +855,14 @@ def _generate(self, *args: Any, **kwargs: Any):
 
 def _load_adapter(self, *args: Any, **kwargs: Any):
     """PEFT's ``load_adapter``; with the host tier, the adapters beyond ``max_resident_adapters`` then go to host
-    memory at once (:func:`_park_loaded`), so that loading many adapters never holds more than N + 1 on the device."""
+    memory at once (:func:`_park_loaded`), so that loading many adapters never holds more than N + 1 on the device.
+    It holds the model's call lock: a call from another thread waits for the load, and the load for the call."""
     state = self.__dict__.get("_csgmv")
+    with state.executor.lock if state is not None else contextlib.nullcontext():
+        return _load_adapter_locked(self, state, args, kwargs)
+
+
+def _load_adapter_locked(self, state, args: tuple, kwargs: dict):
     if state is None or state.tier is None:
         return _own_method(self, "load_adapter")(self, *args, **kwargs)
     state.loading += 1  # (PEFT's load_adapter calls add_adapter, whose weights are not loaded yet: no sync there)
@@ -809,11 +877,12 @@ def _load_adapter(self, *args: Any, **kwargs: Any):
 def _add_adapter(self, *args: Any, **kwargs: Any):
     """PEFT's ``add_adapter``; with the host tier, as :func:`_load_adapter` (not for ``low_cpu_mem_usage=True``, whose
     weights are empty, on the meta device, until a state dict is loaded into them)."""
-    out = _own_method(self, "add_adapter")(self, *args, **kwargs)
     state = self.__dict__.get("_csgmv")
-    empty = kwargs.get("low_cpu_mem_usage", args[2] if len(args) > 2 else False)
-    if state is not None and state.tier is not None and not state.loading and not empty:
-        _park_loaded(self, state)
+    with state.executor.lock if state is not None else contextlib.nullcontext():
+        out = _own_method(self, "add_adapter")(self, *args, **kwargs)
+        empty = kwargs.get("low_cpu_mem_usage", args[2] if len(args) > 2 else False)
+        if state is not None and state.tier is not None and not state.loading and not empty:
+            _park_loaded(self, state)
     return out
 
 
@@ -1006,17 +1075,24 @@ def disable_csgmv(model):
 
 
 def csgmv_stats(model) -> dict:
-    """What ``enable_csgmv`` holds for ``model`` (read-outs for benchmarks and monitoring): ``kernel_layers`` and
-    ``peft_path_modules`` (counts), ``stack_bytes`` (device memory of every stack), ``shared_bytes`` (of that, PEFT's
-    own adapter weights, which are views into the stacks: stored once), ``plans_cached`` (host-built plans
-    kept for later calls with the same ids), ``static_plans`` (plans of compiled shapes), ``resident`` (the adapters
-    with a slot on the device, least recently used first with ``max_resident_adapters``), ``max_resident_adapters``
-    (the option; None without the host tier), ``host_bytes`` (host memory held for the host tier's adapters),
-    ``static_cache_bytes`` (the static KV cache kept for the next ``generate``, see ``keep_static_cache``)."""
+    """What ``enable_csgmv`` holds for ``model`` (read-outs for benchmarks and monitoring):
+
+    * ``kernel_layers``, ``peft_path_modules``: counts of the layers on the kernels and the modules on PEFT's path;
+    * ``peft_row_layers``: kernel layers where some adapter's rows run PEFT's own forward (adapters the kernels do not
+      serve there);
+    * ``stack_bytes``: device memory of every stack; ``shared_bytes``: of that, PEFT's own adapter weights, which are
+      views into the stacks (stored once);
+    * ``plans_cached``: host-built plans kept for later calls with the same ids; ``static_plans``: plans of compiled
+      shapes;
+    * ``resident``: the adapters with a slot on the device, least recently used first with ``max_resident_adapters``;
+      ``max_resident_adapters``: the option (None without the host tier); ``host_bytes``: host memory held for the
+      host tier's adapters;
+    * ``static_cache_bytes``: the static KV cache kept for the next ``generate`` (see ``keep_static_cache``)."""
     state: CsgmvState = model.__dict__["_csgmv"]
     return dict(
         kernel_layers=len(state.layers),
         peft_path_modules=len(state.peft_path),
+        peft_row_layers=sum(1 for layer in state.layers.values() if layer._csgmv_peft),
         stack_bytes=sum(layer._csgmv_stack.nbytes for layer in state.layers.values())
         + (0 if state.tier is None else sum(pages.nbytes for pages in state.tier.pages.values())),
         shared_bytes=sum(layer._csgmv_stack.shared_bytes for layer in state.layers.values()),

@@ -19,6 +19,15 @@ Worked example (``tokens_per_row = 2``, ``chunk_size = 16``)::
 With ``chunk_size = 3`` the run of slot 1 (four tokens) would be cut into two segments: ``seg_indptr [0, 2, 5, 6]``,
 ``seg_slot [0, 1, 1]``.
 
+A row may use its slot for its last tokens only (``row_tokens``: aLoRA, whose adapter applies from the invocation
+tokens on; the tokens before them are base tokens of an adapter row). The same rows with ``row_tokens [1, 2, 2, 1]``
+(row 0 keeps its slot for its last token only, row 3 likewise; row 1 is a base row whatever it says)::
+
+    token slots      [-1, 1, -1, -1, 0, 0, -1, 1]
+    permutation      [4, 5, 1, 7, 0, 2, 3, 6]  (slot 0, then slot 1, then every base token)
+    seg_indptr       [0, 2, 4]
+    seg_slot         [0, 1]
+
 Everything is computed on the host from the per-row slot list (which the caller knows without touching the device)
 and copied to the device in one non-blocking transfer, so building a plan never waits on the GPU.
 """
@@ -119,6 +128,7 @@ class BatchPlan:
         tokens_per_row: int,
         device: torch.device | str = "cpu",
         chunk_size: int | None = None,
+        row_tokens: Sequence[int] | None = None,
     ) -> "BatchPlan":
         """Build the plan for ``len(row_slots)`` rows of ``tokens_per_row`` tokens.
 
@@ -127,6 +137,8 @@ class BatchPlan:
             tokens_per_row: tokens in every row (the layer input is ``rows × tokens_per_row × features``).
             device: where the index tensors live (the layer's device).
             chunk_size: override the segment length (default: :func:`chunk_size_for` of the token count and runs).
+            row_tokens: how many of each row's last tokens use its slot (0 to ``tokens_per_row``; the earlier ones are
+                base tokens); ``None``: every token of every row.
         """
         rows = len(row_slots)
         if rows == 0 or tokens_per_row <= 0:
@@ -134,6 +146,13 @@ class BatchPlan:
         num_tokens = rows * tokens_per_row
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if row_tokens is not None:
+            if len(row_tokens) != rows or any(not 0 <= k <= tokens_per_row for k in row_tokens):
+                raise ValueError(f"row_tokens must hold {rows} counts from 0 to {tokens_per_row}, got {row_tokens}")
+            if all(k == tokens_per_row for k in row_tokens):
+                row_tokens = None  # (every token keeps its row's slot: the plain plan)
+            else:
+                row_slots = [s if k else -1 for s, k in zip(row_slots, row_tokens)]
 
         # Stable order of rows by slot, base rows last. Sorting rows (not tokens) is enough: every row has the same
         # number of tokens, and a stable token sort would keep each row's tokens together in order anyway.
@@ -146,7 +165,8 @@ class BatchPlan:
             j = i
             while j < rows and row_slots[order[j]] == slot:
                 j += 1
-            runs.append((slot, pos, pos + (j - i) * tokens_per_row))
+            used = (j - i) * tokens_per_row if row_tokens is None else sum(row_tokens[order[r]] for r in range(i, j))
+            runs.append((slot, pos, pos + used))
             pos = runs[-1][2]
             i = j
 
@@ -166,7 +186,20 @@ class BatchPlan:
         # call with new ids); only a long permutation is expanded with tensor ops.
         indptr_at, slot_at, _ = aligned_parts(num_tokens, num_segments)
         tail = aligned_tail(num_tokens, list(itertools.accumulate(seg_lens, initial=0)), seg_slot)
-        if tokens_per_row == 1:
+        if row_tokens is not None:
+            # Each adapter row's last tokens in the slot runs, then every base token (base rows whole, and the leading
+            # tokens of rows that keep their slot for their last tokens only), in row order.
+            perm: list[int] = []
+            for r in order:
+                if row_slots[r] < 0:
+                    break
+                end = (r + 1) * tokens_per_row
+                perm.extend(range(end - row_tokens[r], end))
+            for r in range(rows):
+                start = r * tokens_per_row
+                perm.extend(range(start, start + tokens_per_row - (row_tokens[r] if row_slots[r] >= 0 else 0)))
+            host = torch.tensor(perm + tail, dtype=torch.int32)
+        elif tokens_per_row == 1:
             host = torch.tensor(order + tail, dtype=torch.int32)
         else:
             order_t = torch.tensor(order, dtype=torch.int32)[:, None] * tokens_per_row

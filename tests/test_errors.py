@@ -3,6 +3,7 @@ leaves the model usable: no call context is left behind and the next valid call 
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -212,3 +213,36 @@ def test_bad_backend(backend):
     with pytest.raises(ValueError, match=r"backend must be one of auto, triton, torch"):
         enable_csgmv(model, backend=backend)
     assert_untouched(model)
+
+
+def test_adapter_names_take_peft_length_rule(kernel_calls):
+    """PEFT's spelling takes PEFT's length rule, with PEFT's error, before anything runs: a list that only divides the
+    batch (forward), and returned sequences without beams (generate: PEFT repeats names for beams only). Stock PEFT
+    raises the same in each case; ``adapter_ids`` keeps its own rule (each id covers consecutive rows), and beams with
+    one name per prompt run."""
+    model, targets = tiny_model("llama")
+    model = add_adapters(model, {"a0": dict(r=4, target_modules=targets), "a1": dict(r=8, target_modules=targets)})
+    model = model.to(DEVICE)
+    input_ids, mask = make_batch()
+    sample = dict(max_new_tokens=2, do_sample=True, num_return_sequences=2)
+    cases = [
+        (lambda m, **kw: m(input_ids, attention_mask=mask, **kw), ["a0", "a1"], "got 2 and 4"),
+        (lambda m, **kw: m.generate(input_ids=input_ids, attention_mask=mask, **sample, **kw), NAMES, "got 4 and 8"),
+    ]
+    stock = []
+    for call, names, _ in cases:
+        # (on a copy: PEFT leaves its adapter_names hooks on the layers where its call raised inside a layer)
+        with pytest.raises(ValueError, match="Length of `adapter_names`") as info, torch.no_grad():
+            call(copy.deepcopy(model), adapter_names=names)
+        stock.append(str(info.value))
+    enable_csgmv(model, backend="torch")
+    for (call, names, counts), message in zip(cases, stock):
+        with pytest.raises(ValueError, match=re.escape(counts)) as info:
+            call(model, adapter_names=names)
+        assert str(info.value) == message
+        assert kernel_calls == [] and active_calls() == 0
+    with torch.no_grad():
+        model(input_ids, attention_mask=mask, adapter_ids=["a0", "a1"])  # adapter_ids: each id covers two rows
+    beams = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=2, num_beams=2,
+                           adapter_names=NAMES)  # fmt: skip
+    assert beams.shape[0] == 4
