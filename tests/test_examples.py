@@ -18,6 +18,13 @@ def _run(name, monkeypatch, capsys):
     return capsys.readouterr().out
 
 
+def test_quickstart(monkeypatch, capsys):
+    out = _run("quickstart.py", monkeypatch, capsys)
+    rows = [line.split(": ", 1) for line in out.splitlines() if ": [" in line]
+    assert [name for name, _ in rows] == ["legal", "base", "chat", "code"]
+    assert len({tokens for _, tokens in rows}) > 1, "the adapters should change the generated tokens"
+
+
 def test_mixed_batch_generate(monkeypatch, capsys):
     out = _run("mixed_batch_generate.py", monkeypatch, capsys)
     assert [line.split("]")[0] for line in out.splitlines() if line.startswith("[")] == [
