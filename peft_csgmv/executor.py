@@ -24,13 +24,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import os
 import threading
 import weakref
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from .options import Options
 from .plan import BatchPlan, aligned_parts, aligned_tail, chunk_size_for
 from .slots import bump_routes
 
@@ -223,7 +223,9 @@ def static_plan_attr(executor: int, n: int, rows: int, tokens_per_row: int, devi
 class Executor:
     """Runs the LoRA of every patched layer of one model for the call in progress (see the module docstring)."""
 
-    def __init__(self, backend: str, restack: Callable[[torch.nn.Module], None]) -> None:
+    def __init__(
+        self, backend: str, restack: Callable[[torch.nn.Module], None], options: Options | None = None
+    ) -> None:
         self.backend = backend
         self.restack = restack  # re-copies one layer's adapters (the model state's, passed down)
         self.call: CallContext | None = None
@@ -241,32 +243,15 @@ class Executor:
         self.num_ids = 0  # ids of the call in progress (compiled code reads this: a guard per batch shape)
         self.direct_launch = True  # the kernels' lean launch path; off for good once a Triton rejects it
         self.ahead_stacks: dict = {}  # device -> (route epoch, a stack per kind of launch): layers._kernel_stacks
-        # Compiled decode in one launch per layer (the expand computes the A product itself, kernels.fused_fits);
-        # a developer switch until it is measured on the GPU: PEFT_CSGMV_FUSED_DECODE=1 when the model is enabled.
-        self.fused_decode = os.environ.get("PEFT_CSGMV_FUSED_DECODE", "0") == "1"
-        # Compiled code runs a plain Linear layer's decode-sized LoRA beside its base product (ops.lora_linear, a side
-        # stream on CUDA; faster on the H200's 8B layout, a tie on the 1B one: docs/benchmarks.md): on CUDA by default;
-        # PEFT_CSGMV_BESIDE=0 when the model is enabled turns it off, =1 turns it on for every device (CPU tests).
-        self.beside = {"0": "never", "1": "always"}.get(os.environ.get("PEFT_CSGMV_BESIDE", ""), "cuda")
-        # Only layers whose base weight holds at least this many bytes run beside it: a short base product ends before
-        # its LoRA does, and the fork and join then cost more than they hide (H200, static cache: 1B 0.59 -> 0.71x the
-        # base model with a 16 MiB floor, 8B 0.82 / 0.81, a tie: docs/benchmarks.md). 16 MiB on CUDA by default, none
-        # with PEFT_CSGMV_BESIDE=1; PEFT_CSGMV_BESIDE_MIN_MIB=N (read when the model is enabled) sets it.
-        floor = os.environ.get("PEFT_CSGMV_BESIDE_MIN_MIB") or ("16" if self.beside == "cuda" else "0")
-        self.beside_min_bytes = int(float(floor) * 2**20)
+        # The launch-path choices (see Options), as attributes compiled code reads (each a guard with a fixed value).
+        self.options = options = options if options is not None else Options.from_env()
+        self.fused_decode = options.fused_decode
+        self.beside = options.beside
+        self.beside_min_bytes = options.beside_min_bytes
         # Sibling groups (kernels.group): layers that read the same input tensor one after another, learned from the
-        # first eager call with ids (observe), then run by compiled code as one op per group (H200, static cache, 32
-        # distinct: 1B +3..9%, 8B +6..7%: docs/benchmarks.md). On by default; PEFT_CSGMV_GROUPS=0 when the model is
-        # enabled turns them off.
-        groups = os.environ.get("PEFT_CSGMV_GROUPS", "1")
-        self.groups_on = groups != "0"
-        # PEFT_CSGMV_GROUPS=beside: layers that run beside their base product join groups too, and a group whose
-        # members' base weights hold at least beside_min_bytes together runs beside its base products
-        # (ops.lora_group_linear: one fork and join for the group) where the executor's beside switch is on for the
-        # device. Off by default: on the H200 it lowered the GPU time of compiled blocks (1B layout, 10 MiB floor)
-        # but varied more from run to run than the default, and full static-cache generates did not show it faster
-        # (docs/benchmarks.md).
-        self.groups_beside = groups == "beside"
+        # first eager call with ids (observe), then run by compiled code as one op per group.
+        self.groups_on = options.groups != "off"
+        self.groups_beside = options.groups == "beside"
         self.groups_learned = not self.groups_on
         self._seen: list = []  # this call's layers that read the tensor _seen_x, in order
         self._seen_x = None

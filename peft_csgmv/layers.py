@@ -37,7 +37,7 @@ from torch import nn
 from . import kernels, ops
 from . import slots as _slots
 from .executor import _LIVE, Executor, PlanRun, executor_of, static_plan_attr, use_triton
-from .kernels.launch import _interpreting
+from .options import env, interpreting
 from .plan import BatchPlan, aligned_parts
 from .slots import stack_by_handle, weights_device
 from .tier import adapter_params
@@ -144,7 +144,7 @@ def compile_ahead_eager(ex: Executor, plan: BatchPlan, x: torch.Tensor) -> None:
     device = x.device
     if (
         device.type not in ops.AHEAD_DEVICES
-        or os.environ.get("PEFT_CSGMV_COMPILE_AHEAD", "") == "0"
+        or env("PEFT_CSGMV_COMPILE_AHEAD") == "0"
         or device.type == "cuda"
         and torch.cuda.is_current_stream_capturing()
     ):
@@ -167,7 +167,7 @@ def compile_ahead_eager(ex: Executor, plan: BatchPlan, x: torch.Tensor) -> None:
         return
     if _eager_pool is None:
         # (Triton's CPU interpreter keeps its state in globals: one thread there)
-        workers = 1 if _interpreting() else EAGER_AHEAD_THREADS
+        workers = 1 if interpreting() else EAGER_AHEAD_THREADS
         _eager_pool = concurrent.futures.ThreadPoolExecutor(workers, "peft_csgmv_eager_ahead")
     futures = [
         _eager_pool.submit(contextvars.copy_context().run, _run_eager_job, kind, stack, a, b, splits, empty, x)

@@ -47,7 +47,8 @@ import torch
 from . import kernels
 from .kernels.ahead import compile_elsewhere
 from .kernels.group import expand_group, group_splits, shrink_group
-from .kernels.launch import _interpreting, recording, without_pdl
+from .kernels.launch import recording, without_pdl
+from .options import env, interpreting
 from .plan import BatchPlan
 from .slots import stack_by_handle
 
@@ -433,7 +434,7 @@ def _compile_ahead(impl, args, kwargs) -> None:
     arguments like ``args`` on a worker thread, the first time this description is seen (see above)."""
     global _ahead_pool
     x = args[0] if args else next(iter(kwargs.values()))
-    threads = os.environ.get("PEFT_CSGMV_COMPILE_AHEAD", "")
+    threads = env("PEFT_CSGMV_COMPILE_AHEAD")
     if x.device.type not in AHEAD_DEVICES or threads == "0":
         return
     run, by_shape = _AHEAD_RUNS.get(impl, (impl, ()))
@@ -451,9 +452,9 @@ def _compile_ahead(impl, args, kwargs) -> None:
         # its arguments' types, alignments and constants, not their sizes), which jobs running side by side would each
         # compile (1B, H200: 16 compiles of 9 variants on 8 threads, 6 of 6 on one, done well inside the tracing).
         # Triton's CPU interpreter keeps its state in globals: one thread there whatever is asked.
-        workers = int(threads) if threads.isdigit() and not _interpreting() else 1
+        workers = int(threads) if threads.isdigit() and not interpreting() else 1
         _ahead_pool = concurrent.futures.ThreadPoolExecutor(workers, "peft_csgmv_ahead")
-    elsewhere = not threads.isdigit() and not _interpreting()  # (a worker process by default; =N: N threads here)
+    elsewhere = not threads.isdigit() and not interpreting()  # (a worker process by default; =N: N threads here)
     _ahead_jobs.append(_ahead_pool.submit(_run_ahead, run, descriptions, names, elsewhere))
 
 

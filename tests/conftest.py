@@ -106,7 +106,7 @@ def recorded(monkeypatch):
     from peft_csgmv.kernels import launch
 
     log: list = []
-    monkeypatch.setattr(launch, "_interpreting", lambda: False)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(
         launch, "_driver", types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda d: "stream"))
     )

@@ -114,7 +114,7 @@ def test_pdl_choice(monkeypatch):
     from peft_csgmv.kernels import launch
 
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(launch, "_interpreting", lambda: False)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(launch, "_triton_has_pdl", lambda: True)
     monkeypatch.setattr(launch, "_capability", lambda device: 9)
     monkeypatch.delenv("PEFT_CSGMV_PDL", raising=False)

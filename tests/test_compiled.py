@@ -974,7 +974,7 @@ def test_compiled_ahead_in_the_worker_process_by_default(monkeypatch):
                 monkeypatch.setattr(value, "compiled", {})
     monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "")  # (the suite turns it off: conftest.py)
     monkeypatch.setattr(ops, "AHEAD_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(ops, "_interpreting", lambda: False)  # (on the CPU the kernels run in Triton's interpreter)
+    monkeypatch.setattr(ops, "interpreting", lambda: False)  # (on the CPU the kernels run in Triton's interpreter)
     monkeypatch.setattr(ops, "_ahead_seen", set())
     monkeypatch.setattr(ops, "_ahead_pool", None)
     events = []

@@ -41,7 +41,7 @@ class BoundLayer:
     def bind(cls, x: torch.Tensor, y: torch.Tensor, t: torch.Tensor, stack, plan) -> "BoundLayer | None":
         """Bind the launches that ``shrink(x, stack.a, …, plan, t)`` and ``expand(t, stack.b, …, y)`` just made;
         ``None`` where the direct launch path is off or the kernels are not compiled for these arguments."""
-        if plan.num_segments == 0 or launch._interpreting():
+        if plan.num_segments == 0 or launch.interpreting():
             return None
         # shrink/expand copy strided per-slot vectors and tables first; a binding would keep the copy's address.
         for v in (stack.ranks, stack.scalings, stack.mag, stack.bias, stack.lora_bias):

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
+
+from ..options import env, interpreting
 
 try:
     from triton import knobs as _knobs
@@ -67,10 +68,6 @@ def _hooks_installed() -> bool:
     return False
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _triton_has_pdl() -> bool:
     """Whether this Triton launches with PDL (``launch_pdl``) and compiles ``gdc_wait`` / ``gdc_launch_dependents``
     (Triton 3.4 has both names, but its ``gdc`` functions take the builder argument its compiler no longer passes)."""
@@ -101,8 +98,8 @@ def pdl(device) -> bool:
     if on is None:
         on = _PDL[device] = (
             getattr(device, "type", None) == "cuda"
-            and not _interpreting()
-            and os.environ.get("PEFT_CSGMV_PDL", "1") != "0"
+            and not interpreting()
+            and env("PEFT_CSGMV_PDL", "1") != "0"
             and _triton_has_pdl()
             and _capability(device) >= 9
         )
@@ -153,7 +150,7 @@ class Launcher:
         self.num_tensors = num_tensors
         self.compiled: dict = {}
         self.direct = (
-            _knobs is not None and not _interpreting() and os.environ.get("PEFT_CSGMV_TRITON_LAUNCH", "0") != "1"
+            _knobs is not None and not interpreting() and env("PEFT_CSGMV_TRITON_LAUNCH", "0") != "1"
         )
 
     def _key(self, args: tuple, constexprs: dict) -> tuple:

@@ -18,12 +18,12 @@ the expand kernel sums the planes (``t = Σ_p t[p]``). No atomics and no zero-fi
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ..options import env
 from ..plan import BatchPlan
 from . import launch
 from .launch import Launcher
@@ -198,7 +198,7 @@ def decode_tiles() -> dict:
     (keys ``shrink_per_sm`` (programs per SM the split-K aims at), ``shrink_block_k``, ``shrink_warps``,
     ``expand_block_n``, ``expand_warps``). Read when a tile is first chosen for a shape (the choices are cached:
     ``shrink_tiles.cache_clear()`` and ``expand_tiles.cache_clear()`` read it again)."""
-    spec = os.environ.get("PEFT_CSGMV_DECODE_TILES", "")
+    spec = env("PEFT_CSGMV_DECODE_TILES")
     items = (item.split("=") for item in spec.split(",") if item.strip())
     return {key.strip(): (float if key.strip() == "shrink_per_sm" else int)(value) for key, value in items}
 
