@@ -17,7 +17,6 @@ name, versions and date.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
@@ -25,19 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from peft_csgmv import disable_csgmv, enable_csgmv  # noqa: E402
-from peft_csgmv.bench import (  # noqa: E402
-    MODELS,
-    TARGETS,
-    developer_switches,
-    device_and_dtype,
-    run_meta,
-    write_results,
-)
-from peft_csgmv.kernels.expand import expand_tiles  # noqa: E402
-from peft_csgmv.kernels.shrink import shrink_tiles  # noqa: E402
-from peft_csgmv.model import adapter_ids_scope  # noqa: E402
+from peft_csgmv import disable_csgmv, enable_csgmv
+from peft_csgmv.bench import MODELS, TARGETS, device_and_dtype, run_meta, write_results
+from peft_csgmv.kernels.expand import expand_tiles
+from peft_csgmv.kernels.shrink import shrink_tiles
+from peft_csgmv.model import adapter_ids_scope
+
+from common import developer_switches
 
 
 class Block(nn.Module):

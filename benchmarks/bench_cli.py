@@ -22,11 +22,9 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_multi_gpu import run_generate, save_checkout, write_prompts  # noqa: E402
+from peft_csgmv.bench import run_meta, write_results
 
-from peft_csgmv.bench import run_meta, write_results  # noqa: E402
+from common import run_generate, save_checkout, write_prompts
 
 
 def main(argv=None) -> int:

@@ -24,55 +24,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from peft_csgmv import BatchPlan
+from peft_csgmv.bench import run_meta, write_results
+from peft_csgmv.executor import PlanRun
+from peft_csgmv.kernels import BoundLayer, expand, fused_fits, shrink, shrink_splits
+from peft_csgmv.slots import LoraStack
 
-from peft_csgmv import BatchPlan  # noqa: E402
-from peft_csgmv.bench import run_meta, write_results  # noqa: E402
-from peft_csgmv.executor import PlanRun  # noqa: E402
-from peft_csgmv.kernels import BoundLayer, expand, fused_fits, shrink, shrink_splits  # noqa: E402
-from peft_csgmv.slots import LoraStack  # noqa: E402
-
-SHAPES = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048), (4096, 4096), (4096, 1024), (4096, 14336),
-          (14336, 4096)]  # fmt: skip
-
-
-def row_slots(rows: int, distinct: int, dist: str, gen: torch.Generator) -> list[int]:
-    if dist == "uniform":
-        return [i % distinct for i in range(rows)]
-    # zipf-skewed: slot s with weight 1/(s+1)
-    w = torch.tensor([1.0 / (s + 1) for s in range(distinct)])
-    return torch.multinomial(w, rows, replacement=True, generator=gen).tolist()
-
-
-def capture_graph(fn, iters: int = 1):
-    """``fn`` warmed up on a side stream, then ``iters`` calls of it captured in a CUDA graph, replayed once.
-    Returns the graph and the last captured call's result (its tensors are the graph's outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph, out
-
-
-def graph_time_us(fn, iters: int = 20, replays: int = 20) -> float:
-    graph, _ = capture_graph(fn, iters)
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / iters)
-    return statistics.median(times)
+from common import SHAPES, graph_time_us, row_slots
 
 
 def host_time_us(fn, iters: int = 200) -> float:

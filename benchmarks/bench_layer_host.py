@@ -10,19 +10,15 @@ A 32-row decode input through one layer with 8 adapters; best of 3 timings of ma
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
+from peft import LoraConfig, get_peft_model
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from peft import LoraConfig, get_peft_model  # noqa: E402
-
-from peft_csgmv import enable_csgmv  # noqa: E402
-from peft_csgmv.kernels import launch  # noqa: E402
-from peft_csgmv.model import adapter_ids_scope  # noqa: E402
+from peft_csgmv import enable_csgmv
+from peft_csgmv.kernels import launch
+from peft_csgmv.model import adapter_ids_scope
 
 
 class OneLayer(torch.nn.Module):

@@ -30,21 +30,19 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from peft_csgmv import adapter_ids_scope, csgmv_stats, disable_csgmv, enable_csgmv  # noqa: E402
-from peft_csgmv._compat import cache_kwarg, output_cache  # noqa: E402
-from peft_csgmv.bench import (  # noqa: E402
+from peft_csgmv import adapter_ids_scope, csgmv_stats, disable_csgmv, enable_csgmv
+from peft_csgmv._compat import cache_kwarg, output_cache
+from peft_csgmv.bench import (
     Timer,
-    _crop,
     add_adapters,
     build_model,
+    crop_cache,
     decode_inputs,
     device_and_dtype,
     run_meta,
@@ -239,7 +237,7 @@ def main(argv=None) -> int:
                     **{cache_name: cache},
                 ),
                 args.repeats,
-                before=lambda: _crop(cache, args.prompt),
+                before=lambda: crop_cache(cache, args.prompt),
             )  # fmt: skip
         return ms
 
@@ -249,7 +247,7 @@ def main(argv=None) -> int:
         torch profiler), ms; None off CUDA or with --no-static."""
         if device.type != "cuda" or not args.static:
             return None, None
-        from profile_static import call_series, kernel_times
+        from common import call_series, kernel_times
 
         kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=names, do_sample=False, max_new_tokens=32,
                   min_new_tokens=32, cache_implementation="static")  # fmt: skip

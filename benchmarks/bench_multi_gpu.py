@@ -20,31 +20,25 @@ The tables are printed last; the JSON holds GPU names, versions and date.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
-import re
-import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from peft_csgmv import disable_csgmv, enable_csgmv  # noqa: E402
-from peft_csgmv.bench import (  # noqa: E402
-    MODELS,
-    TARGETS,
+from peft_csgmv import disable_csgmv, enable_csgmv
+from peft_csgmv.bench import (
     Timer,
-    _clock_up,
-    _crop,
     add_adapters,
     build_model,
+    clock_up,
+    crop_cache,
     decode_inputs,
     run_meta,
     write_results,
 )
+
+from common import run_generate, save_checkout, write_prompts
 
 
 def split_map(model, gpus: int) -> dict:
@@ -68,7 +62,7 @@ def device_map_rows(args, timer) -> list[dict]:
     rows = []
 
     def measure(label, target, **extra):
-        _clock_up(device)
+        clock_up(device)
         name = cache_kwarg(target)
         with torch.no_grad():
             prefill = timer(lambda: target(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra), 5)
@@ -76,7 +70,7 @@ def device_map_rows(args, timer) -> list[dict]:
             decode = timer(
                 lambda: target(input_ids=step, attention_mask=step_mask, use_cache=True, **{name: cache}, **extra),
                 args.repeats,
-                before=lambda: _crop(cache, args.prompt),
+                before=lambda: crop_cache(cache, args.prompt),
             )
         rows.append(dict(row=label, prefill_ms=prefill, decode_ms=decode))
         print(f"{label:<48} prefill {prefill:8.2f} ms  decode {decode:7.2f} ms", flush=True)
@@ -92,62 +86,6 @@ def device_map_rows(args, timer) -> list[dict]:
     enable_csgmv(pm)
     measure(f"peft_csgmv 32 distinct, device_map over {args.gpus} GPUs", pm, adapter_ids=names)
     return rows
-
-
-def save_checkout(folder: str, model_name: str) -> tuple[str, dict[str, str]]:
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from peft_csgmv.toy import CHARS, char_tokenizer
-
-    cfg = dict(MODELS[model_name], vocab_size=4 + len(CHARS))
-    config = LlamaConfig(max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, **cfg)
-    torch.manual_seed(0)
-    with torch.device("cuda:0"):
-        base = LlamaForCausalLM(config).to(torch.bfloat16)
-    base_dir = os.path.join(folder, "base")
-    base.save_pretrained(base_dir)
-    char_tokenizer().save_pretrained(base_dir)
-    pm = None
-    with torch.device("cuda:0"):
-        for i in range(32):
-            lc = LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, init_lora_weights=False)
-            if pm is None:
-                pm = get_peft_model(base, lc, adapter_name=f"a{i}", autocast_adapter_dtype=False)
-            else:
-                pm.add_adapter(f"a{i}", lc, autocast_adapter_dtype=False)
-    adapters_dir = os.path.join(folder, "adapters")
-    pm.save_pretrained(adapters_dir)
-    paths = {}
-    for i in range(32):
-        nested = os.path.join(adapters_dir, f"a{i}")
-        paths[f"a{i}"] = nested if os.path.isdir(nested) else adapters_dir
-    return base_dir, paths
-
-
-def write_prompts(path: str, rows: int, words: tuple[int, int]) -> None:
-    """A JSONL of ``rows`` prompts of ``words[0]``..``words[1]`` random words, over the 32 adapters in turn."""
-    rng = random.Random(0)
-    vocab = ["the", "contract", "says", "hello", "model", "adapter", "prompt", "batch", "token", "tenant"]
-    with open(path, "w") as f:
-        for i in range(rows):
-            text = " ".join(rng.choice(vocab) for _ in range(rng.randint(*words)))
-            f.write(json.dumps({"prompt": text, "adapter": f"a{i % 32}", "id": i}) + "\n")
-
-
-_WROTE = re.compile(r"wrote (\d+) rows, (\d+) new tokens in ([\d.]+) s")
-
-
-def run_generate(cmd: list[str], env: dict) -> dict:
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed:\n{proc.stderr[-3000:]}")
-    found = [(int(r), int(t), float(s)) for r, t, s in _WROTE.findall(proc.stderr)]
-    tokens, seconds = sum(t for _, t, _ in found), max(s for _, _, s in found)
-    return dict(processes=len(found), rows=sum(r for r, _, _ in found), new_tokens=tokens, generate_s=seconds,
-                tok_s=tokens / seconds, wall_s=wall)  # fmt: skip
 
 
 def data_parallel_rows(args) -> list[dict]:

@@ -28,20 +28,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from peft_csgmv import disable_csgmv, enable_csgmv  # noqa: E402
-from peft_csgmv._compat import cache_kwarg, deferred_stop_check  # noqa: E402
-from peft_csgmv.bench import (  # noqa: E402
-    TARGETS,
-    _clock_up,
-    add_adapters,
-    build_model,
-    developer_switches,
-    device_and_dtype,
-    run_meta,
-    write_results,
-)
-from peft_csgmv.kernels.launch import pdl  # noqa: E402
+from peft_csgmv import disable_csgmv, enable_csgmv
+from peft_csgmv._compat import cache_kwarg, deferred_stop_check
+from peft_csgmv.bench import TARGETS, add_adapters, build_model, clock_up, device_and_dtype, run_meta, write_results
+from peft_csgmv.kernels.launch import pdl
+
+from common import developer_switches
 
 DEFERRED = "base model, stop check deferred (as csgmv's calls)"
 
@@ -131,7 +123,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize(device)
 
     def measure(label: str, target, static: bool = True, kept: bool = False, **extra):
-        _clock_up(device)
+        clock_up(device)
         kw = dict(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=args.new_tokens,
                   min_new_tokens=args.new_tokens, **extra)  # fmt: skip
         cache = None

@@ -19,19 +19,15 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import os
 import statistics
 import sys
 import time
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from peft_csgmv import adapter_ids_scope, enable_csgmv  # noqa: E402
-from peft_csgmv.bench import add_adapters  # noqa: E402
+from peft_csgmv import adapter_ids_scope, enable_csgmv
+from peft_csgmv.bench import add_adapters
 
 
 def _timed(owner, name: str, totals: collections.Counter):

@@ -5,7 +5,7 @@
 #
 #   here, once:   bash benchmarks/bnb_wheel.sh fetch     # -> wheels/bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl
 #   there:        bash benchmarks/bnb_wheel.sh install && python3 -m pytest tests/test_bnb.py -m gpu
-#                 (or prefix any test run with it: `bash benchmarks/bnb_wheel.sh install && bash benchmarks/run_h200.sh tests`)
+#                 (or prefix any test run with it: `bash benchmarks/bnb_wheel.sh install && bash benchmarks/gpu_stages.sh tests`)
 #
 # The wheel is pure-Python tagged (py3-none) with bitsandbytes' CPU and CUDA libraries inside, so one file serves the
 # GPU machine's Python 3.12 / CUDA 13 torch and this machine alike. --no-deps: its requirements (torch, numpy,

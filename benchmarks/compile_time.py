@@ -26,11 +26,8 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def sync(device) -> None:
@@ -45,7 +42,7 @@ def child(args) -> dict:
     import triton.runtime.jit as jit
 
     from peft_csgmv import enable_csgmv
-    from peft_csgmv.bench import _clock_up, add_adapters, build_model, device_and_dtype
+    from peft_csgmv.bench import add_adapters, build_model, clock_up, device_and_dtype
 
     compiles: dict[str, list[float]] = {}
     what: list[str] = []
@@ -93,7 +90,7 @@ def child(args) -> dict:
     times = []
     with torch.no_grad():
         for i in range(args.repeats + 1):
-            _clock_up(device)
+            clock_up(device)
             sync(device)
             t0 = time.perf_counter()
             target.generate(**kw)
@@ -145,32 +142,29 @@ def main(argv=None) -> int:
         with open(args.result, "w") as f:
             json.dump(child(args), f)
         return 0
-    from peft_csgmv.bench import run_row_process
+    from common import row_runs
 
     results = []
     for r in range(args.rounds):
         for row in args.rows.split(","):
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "result.json")
-                cmd = [sys.executable, __file__, "--row", row, "--result", out, "--model", args.model,
-                       "--adapters", str(args.adapters), "--rank", str(args.rank), "--batch", str(args.batch),
-                       "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
-                       "--repeats", str(args.repeats)] + (["--device", args.device] if args.device else [])  # fmt: skip
-                for caches in ("empty", "warm") if args.warm else ("empty",):
-                    res = run_row_process(cmd, tmp, row, out)
-                    res.update(round=r, caches=caches)
-                    results.append(res)
-                    rest = res["first_s"] - res["median_s"] - res["dynamo_s"] - res["triton_s"]
-                    print(
-                        f"{args.model} {row:<6} round {r}, {caches} caches: first {res['first_s']:.1f} s, median "
-                        f"{res['median_s']:.2f} s, dynamo {res['dynamo_s']:.1f} (tracing {res['tracing_s']:.1f}) "
-                        f"(inductor {res['user_compiler_s']:.1f}), own Triton {res['triton_s']:.1f} s "
-                        f"/ {res['triton_n']} kernels (ahead, on threads: {res['ahead_s']:.1f} s / "
-                        f"{res['ahead_n']}), rest {rest:.1f}",
-                        flush=True,
-                    )
-                    for line in res["triton_compiled"]:
-                        print("    " + line)
+            argv = ["--model", args.model, "--adapters", str(args.adapters), "--rank", str(args.rank),
+                    "--batch", str(args.batch), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+                    "--repeats", str(args.repeats)] + (["--device", args.device] if args.device else [])  # fmt: skip
+            runs = ("empty", "warm") if args.warm else ("empty",)
+            for caches, res in zip(runs, row_runs(__file__, row, argv, len(runs))):
+                res.update(round=r, caches=caches)
+                results.append(res)
+                rest = res["first_s"] - res["median_s"] - res["dynamo_s"] - res["triton_s"]
+                print(
+                    f"{args.model} {row:<6} round {r}, {caches} caches: first {res['first_s']:.1f} s, median "
+                    f"{res['median_s']:.2f} s, dynamo {res['dynamo_s']:.1f} (tracing {res['tracing_s']:.1f}) "
+                    f"(inductor {res['user_compiler_s']:.1f}), own Triton {res['triton_s']:.1f} s "
+                    f"/ {res['triton_n']} kernels (ahead, on threads: {res['ahead_s']:.1f} s / "
+                    f"{res['ahead_n']}), rest {rest:.1f}",
+                    flush=True,
+                )
+                for line in res["triton_compiled"]:
+                    print("    " + line)
     print()
     print("| model | row | round | caches | first call s | compile s (first − median) | dynamo s | of which tracing s "
           "| of which inductor s | own Triton s (kernels) | ahead s (kernels) | rest s |")  # fmt: skip

@@ -12,18 +12,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from peft_csgmv import enable_csgmv  # noqa: E402
-from peft_csgmv._compat import cache_kwarg, output_cache  # noqa: E402
-from peft_csgmv.bench import MODELS, _crop, add_adapters, build_model, device_and_dtype  # noqa: E402
+from peft_csgmv import enable_csgmv
+from peft_csgmv._compat import cache_kwarg, output_cache
+from peft_csgmv.bench import MODELS, add_adapters, build_model, crop_cache, device_and_dtype
 
 
 def main(argv=None) -> int:
@@ -51,7 +48,7 @@ def main(argv=None) -> int:
 
             def steps(n):
                 for _ in range(n):
-                    _crop(cache, args.prompt)
+                    crop_cache(cache, args.prompt)
                     m(input_ids=step_ids, attention_mask=step_mask, **{cache_kwarg(m): cache}, use_cache=True, **extra)
                 sync()
 

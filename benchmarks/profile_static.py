@@ -20,17 +20,16 @@ GPU-busy / gap / host-wait time per step for each row, and each row's kernels by
 from __future__ import annotations
 
 import argparse
-import collections
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from peft_csgmv import enable_csgmv  # noqa: E402
-from peft_csgmv.bench import TARGETS, _clock_up, add_adapters, build_model, device_and_dtype, run_meta, write_results  # noqa: E402
+from peft_csgmv import enable_csgmv
+from peft_csgmv.bench import TARGETS, add_adapters, build_model, clock_up, device_and_dtype, run_meta, write_results
+
+from common import call_series, kernel_times
 
 
 class GuardTimer:
@@ -71,59 +70,6 @@ class GuardTimer:
             self._guards.guard_manager_testing_hook_fn = self._saved
 
 
-def kernel_times(fn, gap_us: float) -> tuple[dict, float, float, dict]:
-    """``({kernel name: (total µs, count)}, short gaps µs, long gaps µs, graphs)`` of the device kernels ``fn`` runs:
-    the idle time between consecutive kernels, in gaps shorter than ``gap_us`` and in longer ones. ``graphs``: the
-    bursts of kernels (runs with no gap of ``gap_us`` or more) of the most frequent kernel count, i.e. the decode
-    step's CUDA-graph replays: their count, median kernel count, and median span (first kernel's start to last
-    kernel's end: the graph's GPU time, kernels on two streams counted once) and busy time (the union of their
-    kernels' intervals)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    out: dict = collections.defaultdict(lambda: [0.0, 0])
-    spans = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            out[e.name][1] += 1
-            spans.append((e.time_range.start, e.time_range.end))
-    spans.sort()
-    short = long = 0.0
-    end = spans[0][1] if spans else 0.0
-    bursts = []  # [start, end, kernels, union µs]
-    if spans:
-        bursts.append([spans[0][0], spans[0][1], 1, spans[0][1] - spans[0][0]])
-    for start, stop in spans[1:]:
-        gap = start - end
-        if gap > 0:
-            if gap < gap_us:
-                short += gap
-            else:
-                long += gap
-                bursts.append([start, stop, 0, 0.0])
-        burst = bursts[-1]
-        burst[2] += 1
-        burst[3] += max(0.0, stop - max(start, end))
-        burst[1] = max(burst[1], stop)
-        end = max(end, stop)
-    # The decode step's replays: the most frequent burst size (kernel count). Not the largest burst: without a gap
-    # between them (no graph recorded in between, as with a kept cache), the prefill and the first steps make one.
-    sizes = collections.Counter(b[2] for b in bursts if b[2] > 1)
-    mode = sizes.most_common(1)[0][0] if sizes else 0
-    big = [b for b in bursts if b[2] == mode]
-    graphs = dict(
-        count=len(big),
-        kernels=statistics.median(b[2] for b in big) if big else 0,
-        span_us=statistics.median(b[1] - b[0] for b in big) if big else 0.0,
-        busy_us=statistics.median(b[3] for b in big) if big else 0.0,
-    )
-    return dict(out), short, long, graphs
-
-
 class StepClock:
     """A stopping criterion that stops nothing and notes the time after each step of ``generate`` (the device
     synchronized first): the first decode step, which records the compiled step's CUDA graph whenever the call's
@@ -158,37 +104,6 @@ def host_profile(fn, top: int) -> str:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
     return buf.getvalue()
-
-
-def call_series(fn, n: int, sync) -> dict:
-    """``n`` more calls of ``fn`` one after another: each call's wall ms, and over all of them the garbage collections
-    (count, ms) and the graphs dynamo compiled (a drift of the timed median shows here call by call)."""
-    import gc
-
-    from torch._dynamo.utils import counters
-
-    pauses: list[float] = []
-    started: list[float] = []
-
-    def on_gc(phase, info) -> None:
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            pauses.append(time.perf_counter() - started.pop())
-
-    graphs0 = counters["stats"]["unique_graphs"]
-    gc.callbacks.append(on_gc)
-    ms = []
-    try:
-        for _ in range(n):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            ms.append((time.perf_counter() - t0) * 1e3)
-    finally:
-        gc.callbacks.remove(on_gc)
-    return dict(ms=ms, gc=len(pauses), gc_ms=sum(pauses) * 1e3, graphs=counters["stats"]["unique_graphs"] - graphs0)
 
 
 def main(argv=None) -> int:
@@ -238,7 +153,7 @@ def main(argv=None) -> int:
             with GuardTimer() as guard_timer:
                 run(target, args.new_tokens, extra)  # compile
             run(target, 1, extra)
-            _clock_up(device)
+            clock_up(device)
             prefill = timed(target, 1, extra)
             full = timed(target, args.new_tokens, extra)
             k1, short1, long1, _ = kernel_times(lambda: run(target, 1, extra), args.gap_us)

@@ -23,10 +23,7 @@ import collections
 import json
 import os
 import sys
-import tempfile
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def child(args) -> dict:
@@ -141,21 +138,17 @@ def main(argv=None) -> int:
         with open(args.result, "w") as f:
             json.dump(child(args), f)
         return 0
-    from peft_csgmv.bench import run_row_process
+    from common import row_runs
 
     results = []
     for r in range(args.rounds):
         for row in args.rows.split(","):
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "result.json")
-                cmd = [sys.executable, __file__, "--row", row, "--result", out, "--layers", str(args.layers),
-                       "--hidden", str(args.hidden),
-                       "--adapters", str(args.adapters), "--batch", str(args.batch),
-                       "--by-line", str(args.by_line), "--device", args.device, "--round", str(r),
-                       "--backend", args.backend]  # fmt: skip
-                if args.profile:
-                    cmd += ["--profile", args.profile]
-                res = run_row_process(cmd, tmp, row, out)
+            argv = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--adapters", str(args.adapters),
+                    "--batch", str(args.batch), "--by-line", str(args.by_line), "--device", args.device,
+                    "--round", str(r), "--backend", args.backend]  # fmt: skip
+            if args.profile:
+                argv += ["--profile", args.profile]
+            (res,) = row_runs(__file__, row, argv)
             res["round"] = r
             results.append(res)
             print(f"{row} round {r}: first call {res['first_s']:.2f} s, tracing {res['tracing_s']:.2f} s", flush=True)

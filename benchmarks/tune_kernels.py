@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from peft_csgmv import BatchPlan
+from peft_csgmv.bench import run_meta, write_results
+from peft_csgmv.kernels import expand, shrink
 
-from bench_kernels import SHAPES, graph_time_us, row_slots  # noqa: E402
-
-from peft_csgmv import BatchPlan  # noqa: E402
-from peft_csgmv.bench import run_meta, write_results  # noqa: E402
-from peft_csgmv.kernels import expand, shrink  # noqa: E402
+from common import SHAPES, graph_time_us, row_slots
 
 
 def cases(quick: bool):

@@ -13,7 +13,6 @@ warm-up. The table is printed last; the JSON holds GPU name, versions and date.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -64,46 +63,7 @@ class Timer:
         return statistics.median(times)
 
 
-@contextlib.contextmanager
-def developer_switches(env: dict[str, str]):
-    """csgmv's developer switches set for the block (environment variables read when a model is enabled, and
-    ``PEFT_CSGMV_PDL`` when a device's kernels next launch), then put back as the caller had them."""
-    from .kernels.launch import reset_pdl
-
-    before = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    reset_pdl()
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        reset_pdl()
-
-
-# Compile-time benchmarks (benchmarks/compile_time.py, trace_time.py) run each row in a process of its own; these rows
-# run csgmv with its compile-ahead switched (``PEFT_CSGMV_COMPILE_AHEAD``: off, or on a thread of the process).
-AHEAD_ROWS = {"csgmv-noahead": "0", "csgmv-threads": "1"}
-
-
-def run_row_process(cmd: list[str], tmp: str, row: str, result: str) -> dict:
-    """Run a benchmark row's own process (``cmd``, which writes its result as JSON to ``result``) with empty compile
-    caches in ``tmp`` (inductor's and Triton's) and the row's compile-ahead switch; its result."""
-    import subprocess
-
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
-               TRITON_CACHE_DIR=os.path.join(tmp, "triton"))  # fmt: skip
-    if row in AHEAD_ROWS:
-        env["PEFT_CSGMV_COMPILE_AHEAD"] = AHEAD_ROWS[row]
-    subprocess.run(cmd, env=env, check=True)
-    with open(result) as f:
-        return json.load(f)
-
-
-def _clock_up(device: torch.device, seconds: float = 0.5) -> None:
+def clock_up(device: torch.device, seconds: float = 0.5) -> None:
     """Keep the GPU busy for a moment before a row is timed: after a host-bound row (eager decode leaves the GPU mostly
     idle) the clocks can be down, and the next row's first timings would pay for it."""
     if device.type != "cuda":
@@ -140,7 +100,8 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
-def _crop(cache, length: int) -> None:
+def crop_cache(cache, length: int) -> None:
+    """Cut a KV cache back to ``length`` tokens (the prompt's, before the next decode step is timed)."""
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)
@@ -285,7 +246,7 @@ def main(argv=None) -> int:
 
     def measure(label: str, call, gen_repeats: int | None = None):
         """``call(**kw)`` runs the model (forward or generate) with the row's adapter arguments."""
-        _clock_up(device)
+        clock_up(device)
         with torch.no_grad():
             prefill = timer(
                 lambda: call("forward", input_ids=input_ids, attention_mask=mask, use_cache=False), args.repeats
@@ -297,7 +258,7 @@ def main(argv=None) -> int:
                     "forward", input_ids=step_ids, attention_mask=step_mask, use_cache=True, **{cache_name: cache}
                 ),
                 args.repeats * 2,
-                before=lambda: _crop(cache, args.prompt),
+                before=lambda: crop_cache(cache, args.prompt),
             )
             out = cache = None  # free the KV cache before generate
             reps = gen_repeats if gen_repeats is not None else max(2, args.repeats // 3)

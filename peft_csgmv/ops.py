@@ -316,7 +316,7 @@ def _lora_group_linear_fake(x, weights, biases, permutation, seg_indptr, seg_slo
 # a fake one for tracing), as vLLM's ``direct_register_custom_op`` registers its kernels: ``torch.library.custom_op``
 # wraps each call in Python layers of its own (an autograd wrapper, a dynamo-disabled wrapper, an aliasing check of the
 # outputs), which cost more host time per call than the op's own Python on an H200's host (~60-90 µs against ~57:
-# benchmarks/bench_capture.py); compiled code without CUDA graphs pays that at every LoRA layer of every step, and a
+# docs/results/capture_ops_1b.log); compiled code without CUDA graphs pays that at every LoRA layer of every step, and a
 # CUDA graph's capture (which transformers' static cache repeats for every ``generate``) once per layer. These ops are
 # for inference: they have no backward.
 _LIB = torch.library.Library("peft_csgmv", "DEF")

@@ -1,8 +1,8 @@
-"""pytest plugin for ``benchmarks/peer_peft_tests.py``: runs PEFT's own mixed-batch tests, unchanged, either on stock
+"""pytest plugin for ``benchmarks/peft_tests/run.py``: runs PEFT's own mixed-batch tests, unchanged, either on stock
 PEFT or with every ``PeftModel`` passed through ``peft_csgmv.enable_csgmv`` before it serves its first call with
 ``adapter_names``.
 
-Loaded with ``-p peer_plugin`` (``benchmarks/`` on ``PYTHONPATH``); configured by environment variables:
+Loaded with ``-p plugin`` (``benchmarks/peft_tests/`` on ``PYTHONPATH``); configured by environment variables:
 
 * ``PEER_MODE``: ``stock`` (no patching) or ``csgmv`` (default ``stock``).
 * ``PEER_BACKEND``: ``enable_csgmv(..., backend=...)`` (default ``auto``).

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# What the H200 proves, by stage; each stage fits one device call with others.
-# Usage (device): OUT=/some/dir bash benchmarks/run_h200.sh [stage ...]
+# The GPU runs, by stage: tests and benchmarks on a CUDA machine, each stage fitting one 10-minute device call with
+# others; every stage writes its logs and result files under $OUT and prints its table.
+# Usage (device): OUT=/some/dir bash benchmarks/gpu_stages.sh [stage ...]
 #   tests    every test file on the GPU (test_gpu.py adds bf16/fp16 cases)      -> gpu_tests.log
 #   kernels  kernel benchmark, all layer shapes, ranks 16 and 64                 -> kernels.json, kernels.log
 #   tune     tile sweep of both kernels                                           -> tune.json, tune.log
 #   layer    host time of one whole patched layer                                 -> layer_host.log
 #   e2e-8b   end to end, 8B, r=16, 1/8/32 distinct, PEFT rows included (~7 min)  -> e2e_8b.json
 #   e2e-1b   the same for 1B (~4 min)                                               -> e2e_1b.json
-#   graph    probe: one decode step (1B, 8B) captured in a CUDA graph vs eager  -> graph_decode_{1b,8b}.json
 #   profile  cProfile of eager 1B decode steps: base, PEFT one adapter, csgmv     -> profile_decode_1b.txt
 #   pstatic  static-cache generate, 1B: prefill vs decode step, GPU kernels per step (base, PEFT, csgmv) -> profile_static_1b.*
 #   ranks    end to end, 1B, r=64 and mixed ranks 8/16/64 (PEFT one adapter vs csgmv) -> e2e_1b_r64.json, ...
@@ -23,7 +23,7 @@
 #   beside   GPU time of compiled 1B/8B blocks, the LoRA after vs beside the base product (~2 min) -> beside.json
 #   cli      the batch command, 1B, 2048 rows: dynamic vs static cache (--cache-implementation static) -> cli_1b.json
 #   peer     PEFT's own mixed-batch tests through csgmv's Triton kernels, fp32 then bf16 models (needs
-#            `python benchmarks/peer_peft_tests.py --fetch <the image's PEFT version>` here first; carry wheels)
+#            `python benchmarks/peft_tests/run.py --fetch <the image's PEFT version>` here first; carry wheels)
 #            -> peer_fp32.log, peer_bf16.log
 #   clitier  the batch command, 1B, 2048 rows, 32 adapters: fp32 adapters (its default), then bf16 with
 #            --max-resident-adapters 8 (the host tier), both caches each (~6 min) -> cli_1b_{fp32,tier}.*
@@ -36,7 +36,6 @@
 #            (Phi-3's layout, LoRA on its 4 projections) -> static_1b_lean.json, static_phi3_1b.json
 #   pvariants  as pstatic (base, csgmv) with each decode graph's GPU span, then csgmv with all launches serial
 #            (no PDL, no side stream) -> profile_static_1b_{span,serial}.*
-#   capture  host time of one LoRA op eagerly and under CUDA-graph capture (1B gate_proj) -> capture_1b.*
 #   reuse    static cache, 1B lean (+ after): a new cache per generate vs one kept by the caller -> static_1b_{fresh,kept}.*
 #   groups   sibling groups (on by default): their GPU tests, then static cache 1B and 8B lean with and without
 #            them (PEFT_CSGMV_GROUPS=0) (~6 min) -> gpu_group.log, static_{1b,8b}_groups.*
@@ -75,11 +74,6 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 benchmarks/bench_e2e.py --model $m --repeats 5 --out "$OUT/e2e_$m.json" 2>&1 | grep -v -i warn \
         > "$OUT/e2e_$m.log"
       grep "^| $m" "$OUT/e2e_$m.log" || tail -25 "$OUT/e2e_$m.log" ;;
-    graph)
-      for m in 1b 8b; do
-        python3 benchmarks/graph_decode.py --model $m --out "$OUT/graph_decode_$m.json" > "$OUT/graph_decode_$m.log" 2>&1
-        grep "^|" "$OUT/graph_decode_$m.log" || tail -25 "$OUT/graph_decode_$m.log"
-      done ;;
     profile)
       python3 benchmarks/profile_decode.py --model 1b --out "$OUT/profile_decode_1b.txt" 2>&1 | grep -v -i warn \
         | head -60 ;;
@@ -123,10 +117,10 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     peer)
       version=$(python3 -c "import peft; print(peft.__version__)")
       if [ ! -d "wheels/peft-$version/tests" ]; then
-        echo "no wheels/peft-$version/tests: run python benchmarks/peer_peft_tests.py --fetch $version, carry wheels"
+        echo "no wheels/peft-$version/tests: run python benchmarks/peft_tests/run.py --fetch $version, carry wheels"
       else
         for dtype in fp32 bf16; do
-          python3 benchmarks/peer_peft_tests.py --tests-dir "wheels/peft-$version/tests" --workdir "$OUT/peer" \
+          python3 benchmarks/peft_tests/run.py --tests-dir "wheels/peft-$version/tests" --workdir "$OUT/peer" \
             --backend triton --dtype "$dtype" 2>&1 | grep --line-buffered -v -i warn > "$OUT/peer_$dtype.log"
           grep -E "^(stock|csgmv)" "$OUT/peer_$dtype.log" || tail -25 "$OUT/peer_$dtype.log"
         done
@@ -178,10 +172,6 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         --out "$OUT/profile_static_1b_serial.json" 2>&1 | grep --line-buffered -v -i -E "warn|USDT|profiler" \
         > "$OUT/profile_static_1b_serial.log"
       tail -40 "$OUT/profile_static_1b_span.log"; tail -25 "$OUT/profile_static_1b_serial.log" ;;
-    capture)
-      python3 benchmarks/bench_capture.py --out "$OUT/capture_1b.json" 2>&1 | grep --line-buffered -v -i warn \
-        > "$OUT/capture_1b.log"
-      grep "^|" "$OUT/capture_1b.log" || tail -25 "$OUT/capture_1b.log" ;;
     reuse)
       # Static cache, 1B: transformers' new cache per generate against a cache each row keeps (the CUDA graph replays).
       for r in "" --reuse-cache; do

@@ -1,9 +1,9 @@
 """Run PEFT's own mixed-adapter-batch tests, unchanged, against stock PEFT and against peft_csgmv.
 
-    python benchmarks/peer_peft_tests.py            # csgmv run (then a stock run where none is saved), a table
-    python benchmarks/peer_peft_tests.py --stock    # the stock-PEFT baseline only
-    python benchmarks/peer_peft_tests.py -k "TestMixedAdapterBatches and LoRA"   # a subset (pytest -k expression)
-    python benchmarks/peer_peft_tests.py --table    # print the table of the saved results, run nothing
+    python benchmarks/peft_tests/run.py            # csgmv run (then a stock run where none is saved), a table
+    python benchmarks/peft_tests/run.py --stock    # the stock-PEFT baseline only
+    python benchmarks/peft_tests/run.py -k "TestMixedAdapterBatches and LoRA"   # a subset (pytest -k expression)
+    python benchmarks/peft_tests/run.py --table    # print the table of the saved results, run nothing
 
 The tests (PEFT's repository ``tests/`` folder at the installed PEFT version):
 
@@ -28,11 +28,12 @@ packages are not installed, ``<workdir>/stubs`` provides import-only stand-ins (
 Hub models: the decoder, encoder-decoder, target-parameter and trainable-token tests load tiny hub models
 (``peft-internal-testing/...``, ``hf-internal-testing/...``, ``trl-internal-testing/...``). Where the hub is out of
 reach, the plugin builds a tiny random-weight model of the same architecture from a config instead (see
-``peer_plugin._tiny_configs``), in both the stock and the csgmv run; ``--hub`` loads the real models.
+``plugin._tiny_configs``), in both the stock and the csgmv run; ``--hub`` loads the real models.
 
-The csgmv side: ``benchmarks/peer_plugin.py`` (loaded into pytest with ``-p peer_plugin``) wraps
-``PeftModel.forward`` / ``generate`` and those of every task subclass so that a call with ``adapter_names`` first runs
-``enable_csgmv(model)`` (once per model), then goes through csgmv's patched instance method.
+The csgmv side: ``plugin.py`` beside this script (loaded into pytest with ``-p plugin``, this folder on
+``PYTHONPATH``) wraps ``PeftModel.forward`` / ``generate`` and those of every task subclass so that a call with
+``adapter_names`` first runs ``enable_csgmv(model)`` (once per model), then goes through csgmv's patched instance
+method.
 
 Results go to ``<workdir>/results-stock.jsonl`` and ``<workdir>/results-csgmv.jsonl`` (one JSON record per test); the
 table merges the two by test id.
@@ -51,7 +52,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # benchmarks/peft_tests/, which holds plugin.py
+REPO = HERE.parents[1]
 TEST_FILES = [
     "tests/test_custom_models.py",
     "tests/test_decoder_models.py",
@@ -172,7 +174,7 @@ def run_pytest(workdir: Path, mode: str, args, results: Path) -> int:
         "--rootdir",
         str(workdir),
         "-p",
-        "peer_plugin",
+        "plugin",
         "-p",
         "no:cacheprovider",
         "-q",
@@ -192,21 +194,20 @@ def code_state() -> dict:
     and a hash of peft_csgmv/'s Python sources as they were (others may be editing them)."""
     import hashlib
 
-    repo = HERE.parent
     state = {"peft": peft_version()}
     try:
         state["head"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
         state["modified"] = subprocess.run(
-            ["git", "status", "--porcelain", "--", "peft_csgmv"], cwd=repo, capture_output=True, text=True, check=True
+            ["git", "status", "--porcelain", "--", "peft_csgmv"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.split("\n")
         state["modified"] = [ln[3:] for ln in state["modified"] if ln.strip()]
     except (OSError, subprocess.CalledProcessError):
         pass
     h = hashlib.sha256()
-    for f in sorted((repo / "peft_csgmv").rglob("*.py")):
-        h.update(f.relative_to(repo).as_posix().encode() + b"\0" + f.read_bytes())
+    for f in sorted((REPO / "peft_csgmv").rglob("*.py")):
+        h.update(f.relative_to(REPO).as_posix().encode() + b"\0" + f.read_bytes())
     state["sources_sha256"] = h.hexdigest()[:16]
     return state
 
@@ -337,7 +338,7 @@ def main() -> None:
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args()
     if args.fetch:
-        print(obtain_tests(HERE.parent / "wheels" / f"peft-{args.fetch}", args.fetch))
+        print(obtain_tests(REPO / "wheels" / f"peft-{args.fetch}", args.fetch))
         return
 
     version = peft_version()
