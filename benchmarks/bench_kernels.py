@@ -103,7 +103,7 @@ def bench_modules(dtype, gen) -> list[dict]:
     """Host and GPU time per layer of the whole module: base nn.Linear, PEFT lora.Linear with one adapter, csgmv."""
     from peft import LoraConfig, get_peft_model
 
-    from peft_csgmv.model import adapter_ids_scope
+    from peft_csgmv import adapter_ids_scope
 
     rows = []
     for k, n in [(2048, 2048), (4096, 14336)]:

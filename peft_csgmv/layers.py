@@ -17,30 +17,20 @@ modules only.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import contextvars
-import dataclasses
-import functools
-import inspect
 import itertools
 import math
-import os
 import threading
-import types
 import weakref
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from . import kernels, ops
 from . import slots as _slots
+from .eager_ahead import compile_ahead_eager
 from .executor import _LIVE, Executor, PlanRun, executor_of, static_plan_attr, use_triton
-from .options import env, interpreting
-from .plan import BatchPlan, aligned_parts
 from .slots import stack_by_handle, weights_device
-from .tier import adapter_params
 
 if TYPE_CHECKING:
     from .slots import LoraStack
@@ -124,66 +114,13 @@ def _hooked(base: nn.Module) -> bool:
     )  # fmt: skip
 
 
-# Eager calls compile each Triton kernel variant at its first launch, layer after layer on the main thread (~0.3-0.6 s
-# each on an H200's host with empty caches; a 1B layout's first prefill needs 3). The first activation layer of each
-# new plan hands them all to worker threads at once instead, which compile them side by side (Triton's compiles
-# partly leave the interpreter lock) while the main thread waits: each job runs a kernel once over a plan of the same
-# shape whose segments are all empty (every program exits at once) and scratch tensors like the layers' own. CUDA only
-# (ops.AHEAD_DEVICES); ``PEFT_CSGMV_COMPILE_AHEAD=0`` turns it off; never while a CUDA graph is being captured.
-_EAGER_SEEN: set = set()
-_eager_pool: "concurrent.futures.ThreadPoolExecutor | None" = None
-EAGER_AHEAD_THREADS = 4
-
-
-def compile_ahead_eager(ex: Executor, plan: BatchPlan, x: torch.Tensor) -> None:
-    """Compile the kernel variants plan ``plan`` launches with activations like ``x`` ((T, in)) in the executor's
-    kernel layers on ``x``'s device, side by side on worker threads, and wait for them (see above). Jobs are told apart
-    by what picks a variant (the plan's row tile and segment count; the input width and launch shape for the shrink;
-    the split count, launch shape and extras for the expand), each description once per process."""
-    global _eager_pool
-    device = x.device
-    if (
-        device.type not in ops.AHEAD_DEVICES
-        or env("PEFT_CSGMV_COMPILE_AHEAD") == "0"
-        or device.type == "cuda"
-        and torch.cuda.is_current_stream_capturing()
-    ):
-        return
-    shape = (plan.chunk_size, plan.num_segments, plan.num_tokens % 16, x.dtype, device)
-    jobs, empty = [], None
-    for stack in _kernel_stacks(ex, device):
-        a, b = stack.a, stack.b  # (the stack's launch views, brought up to date here, on the main thread)
-        splits = kernels.shrink_splits(plan, stack.in_features)
-        extras = (stack.mag is not None, stack.lora_bias is not None, stack.out_features % 16)
-        for key in (
-            ("shrink", shape, stack.dtype, stack.launch_shape, stack.in_features),
-            ("expand", shape, stack.dtype, stack.launch_shape, splits, extras),
-        ):
-            if key not in _EAGER_SEEN:
-                _EAGER_SEEN.add(key)
-                empty = empty or _empty_plan(plan)
-                jobs.append((key[0], stack, a, b, splits))
-    if not jobs:
-        return
-    if _eager_pool is None:
-        # (Triton's CPU interpreter keeps its state in globals: one thread there)
-        workers = 1 if interpreting() else EAGER_AHEAD_THREADS
-        _eager_pool = concurrent.futures.ThreadPoolExecutor(workers, "peft_csgmv_eager_ahead")
-    futures = [
-        _eager_pool.submit(contextvars.copy_context().run, _run_eager_job, kind, stack, a, b, splits, empty, x)
-        for kind, stack, a, b, splits in jobs
-    ]
-    for future in futures:
-        future.result()
-
-
 def _kernel_stacks(ex: Executor, device: torch.device) -> list:
     """One activation stack of the executor's layers on ``device`` per kind of launch (dtype, launch shape, widths,
     extras), found again whenever the routes' epoch moved (any stack changed)."""
     held = ex.ahead_stacks.get(device)
     if held is None or held[0] != _slots.ROUTE_EPOCH:
         kinds = {}
-        for layer in list(_KEYED.values()):
+        for layer in list(KERNEL_LAYERS.values()):
             state = layer.__dict__
             stack = state.get("_csgmv_stack")
             if state.get("_csgmv_exec") == ex.handle and stack is not None and not stack.embedding:
@@ -195,59 +132,13 @@ def _kernel_stacks(ex: Executor, device: torch.device) -> list:
     return held[1]
 
 
-def _forget_eager_pool() -> None:
-    """In a forked child: the parent's worker threads do not exist there."""
-    global _eager_pool
-    _eager_pool = None
-
-
-os.register_at_fork(after_in_child=_forget_eager_pool)
-
-
-def _run_eager_job(*args) -> None:
-    """On a worker thread: :func:`_eager_job`, whose failure only means the layer's own launch compiles the variant."""
-    try:
-        _eager_job(*args)
-    except Exception:
-        pass
-
-
-def _eager_job(kind: str, stack: "LoraStack", a, b, splits: int, plan: BatchPlan, x: torch.Tensor) -> None:
-    """One kernel (``kind``: ``"shrink"`` or ``"expand"``) of ``stack`` launched once over ``plan`` (every segment
-    empty) and scratch tensors laid out as the layer's own (rows of ``x``'s width and dtype; the shrink's fp32 output
-    in ``splits`` planes)."""
-    num_tokens, device = plan.num_tokens, x.device
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.no_grad():
-        if kind == "shrink":
-            xs = torch.empty((1, stack.in_features), dtype=x.dtype, device=device).expand(num_tokens, -1)
-            kernels.shrink(xs, a, stack.ranks, plan)
-            return
-        r = stack.r_max
-        t = torch.empty((num_tokens, r) if splits == 1 else (splits, num_tokens, r), dtype=torch.float32, device=device)
-        y = torch.empty((1, stack.out_features), dtype=x.dtype, device=device).expand(num_tokens, -1)
-        kernels.expand(t, b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
-
-
-def _empty_plan(plan: BatchPlan) -> BatchPlan:
-    """A plan of ``plan``'s shape (tokens, row tile, segment count, index layout) whose segments are all empty."""
-    indptr_at, slot_at, length = aligned_parts(plan.num_tokens, plan.num_segments)
-    buf = torch.zeros(length, dtype=torch.int32, device=plan.permutation.device)
-    return dataclasses.replace(
-        plan,
-        permutation=buf[: plan.num_tokens],
-        seg_indptr=buf[indptr_at : indptr_at + plan.num_segments + 1],
-        seg_slot=buf[slot_at:],
-        runs=(),
-    )
-
-
 def _embed_scale(layer: nn.Module) -> torch.Tensor | None:
     """A scaled embedding's factor (Gemma), read per call as PEFT reads it, in fp32; ``None`` for a plain one."""
     scale = layer._get_embed_scale() if hasattr(layer, "_get_embed_scale") else None
     return None if scale is None else scale.to(torch.float32)
 
 
-def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The forward of a patched kernel layer (``x``: rows × ... × in) or ``lora.Embedding`` (``x``: rows × ...
     token ids)."""
     # This runs once per LoRA layer per forward: attribute lookups are kept to what is needed. PEFT's
@@ -343,7 +234,7 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if not run.ahead and not embedding:  # (the first activation layer of a new plan: once per plan)
         run.ahead = True
         if ex.triton_on(device):
-            compile_ahead_eager(ex, run.plan, x2)
+            compile_ahead_eager(_kernel_stacks(ex, device), run.plan, x2)
     if not result.is_contiguous():
         result = result.contiguous()
     y = result.view(-1, result.shape[-1])
@@ -353,8 +244,8 @@ def _csgmv_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
 
 # Every patched kernel layer by its ``_csgmv_key`` (weakly): how :func:`compiled_route`, which takes constants only,
 # finds the layer it decides for.
-_KEYED: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
-_keys = itertools.count()
+KERNEL_LAYERS: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+layer_keys = itertools.count()
 
 
 @torch._dynamo.assume_constant_result
@@ -363,7 +254,7 @@ def compiled_route(key: int, epoch: int, n: int, shape: torch.Size, device: torc
     decided when the graph is traced, outside it, from the layer's state; the answer is a constant of the graph, and
     ``epoch`` (:data:`~peft_csgmv.slots.ROUTE_EPOCH`, which the graph guards) changes whenever that state does: its
     stack (a new version), its sibling group, the executor's backend, the adapters PEFT's own path serves in it.
-    ``None``: the general path (:func:`_csgmv_forward`'s own, which reads and guards each fact itself). Else:
+    ``None``: the general path (:func:`kernel_forward`'s own, which reads and guards each fact itself). Else:
 
     * ``("member", stash key, handle)``: a sibling group's later member, its delta left by the group's first;
     * ``(kind, static plan attribute, *op arguments)``: ``"lora"`` (the LoRA after the base product),
@@ -376,7 +267,7 @@ def compiled_route(key: int, epoch: int, n: int, shape: torch.Size, device: torc
     calls the base layer as a module); hooks added later are not seen by that graph, as torch.compile does not see
     them for any module (``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default; off, the general path
     reads and guards them). Likewise a forward set on the base layer's instance (accelerate's hooks)."""
-    layer = _KEYED.get(key)
+    layer = KERNEL_LAYERS.get(key)
     if layer is None or not torch._dynamo.config.skip_nnmodule_hook_guards:
         return None
     state, base = layer.__dict__, layer._modules.get("base_layer")
@@ -482,7 +373,7 @@ def _compiled_lora(ex: Executor, stack: "LoraStack", x, result, rows: int, devic
 def _compiled_beside(ex: Executor, stack: "LoraStack", base: nn.Linear, x, rows: int, device) -> torch.Tensor:
     """A plain Linear layer inside compiled code: its base product and LoRA in one ``peft_csgmv::lora_linear`` (the
     LoRA beside the base product on CUDA), then ``y + delta``, computed in fp32 and rounded once to ``y``'s dtype
-    (out of place: see :func:`_csgmv_forward`), which the compiler fuses into whatever reads the output: the numbers
+    (out of place: see :func:`kernel_forward`), which the compiler fuses into whatever reads the output: the numbers
     of :func:`_compiled_lora`'s out-of-place sum."""
     static, triton, fused = _compiled_plan(ex, stack, x, rows, device)
     y, delta = ops.lora_linear_overload(
@@ -547,7 +438,7 @@ def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x,
         for index, (handle, delta, y) in enumerate(zip(handles, deltas[1:], ys[1:]), start=1):
             ex.stash[(key, index)] = (x, handle, delta, y)
         delta, y = deltas[0], ys[0]
-    # y + delta in fp32, rounded once to y's dtype (out of place: see _csgmv_forward; the compiler fuses it into the
+    # y + delta in fp32, rounded once to y's dtype (out of place: see kernel_forward; the compiler fuses it into the
     # output's reader)
     y = base.forward(x) if y is None else y
     return (y + delta).to(y.dtype)
@@ -563,7 +454,7 @@ def _follow_weights(layer: nn.Module, stack: "LoraStack", ex: Executor, device: 
     return True
 
 
-def _peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
+def peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
     """A module csgmv has no kernel for: during a csgmv call, PEFT's own mixed-batch forward with the rows' names
     (and, for LoRA layers, the call's other per-call arguments, as PEFT's hooks pass them)."""
     ex: Executor = executor_of(self.__dict__["_csgmv_exec"])
@@ -582,232 +473,3 @@ def _peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
         kwargs = {k: v for k, v in kwargs.items() if k not in VARIANT_KWARGS}
         kwargs.update(call.variant_kwargs())
     return self._csgmv_orig_forward(*args, adapter_names=names, **kwargs)
-
-
-def _patch(module: nn.Module, forward, executor: Executor) -> None:
-    """Give ``module`` the csgmv ``forward`` (``module._csgmv_orig_forward`` is its own) and its executor's handle.
-    A module whose forward is its class's gets a subclass of that class with ``forward`` (made once per class, same
-    name): compiled code then checks a patched module with one type guard, where an instance-level bound forward
-    costs a Python guard per module (``module is module.forward.__self__``) at every step. A module with a forward of
-    its own (accelerate's hooks) gets ``forward`` on the instance, over it."""
-    module._csgmv_exec = executor.handle
-    if "forward" in module.__dict__:
-        module._csgmv_orig_forward = module.forward
-        module.forward = types.MethodType(forward, module)
-    else:
-        module.__class__ = patched_class(type(module), forward=forward)
-
-
-_PATCHED_CLASSES: dict = {}
-
-
-def patched_class(cls: type, **methods) -> type:
-    """The subclass of ``cls`` with ``methods`` (one per class and methods; same name; ``_csgmv_base`` names
-    ``cls``). Patching by class also leaves no reference cycle behind, where a bound method set on the instance would
-    make one (see :class:`WeakMethod`)."""
-    key = (cls, *sorted(methods.items()))
-    sub = _PATCHED_CLASSES.get(key)
-    if sub is None:
-        namespace = {**methods, "_csgmv_orig_forward": cls.forward, "_csgmv_base": cls,
-                     "__module__": cls.__module__, "__qualname__": cls.__qualname__}  # fmt: skip
-        sub = _PATCHED_CLASSES[key] = type(cls.__name__, (cls,), namespace)
-    return sub
-
-
-def unpatched_type(module: nn.Module) -> type:
-    """``type(module)`` as it was before csgmv patched it."""
-    return type(module).__dict__.get("_csgmv_base", type(module))
-
-
-class WeakMethod:
-    """``function`` bound to ``owner`` as ``types.MethodType(function, owner)`` binds it, through a weak reference: for
-    the methods csgmv sets on an instance (its ``__dict__``). A bound method there is a reference cycle (owner → its
-    dict → the method → owner), and an object in a cycle is freed only when Python's cyclic collector next runs: a
-    model dropped with ``del model`` would keep its weights (GPU memory) until then, where a stock one is freed at
-    once. Called, introspected (``__func__``, ``__self__``, ``inspect.signature``: the bound method's) and named as
-    the bound method would be."""
-
-    def __init__(self, function, owner) -> None:
-        self.__func__ = function
-        self._owner = weakref.ref(owner)
-        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
-            if hasattr(function, attr):
-                setattr(self, attr, getattr(function, attr))
-
-    @property
-    def __self__(self):
-        return self._owner()
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(types.MethodType(self.__func__, self._owner()))
-
-    def __call__(self, *args, **kwargs):
-        return self.__func__(self._owner(), *args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"<csgmv method {getattr(self.__func__, '__qualname__', self.__func__)!r} of {self._owner()!r}>"
-
-
-def method_function(owner: nn.Module, method: str):
-    """What ``getattr(owner, method)`` calls, as a function of the owner (for :class:`WeakMethod`): an instance-level
-    one set before csgmv's (kept as it is), else the class's."""
-    own = owner.__dict__.get(method)
-    if own is not None:
-        return functools.wraps(own)(lambda _, *args, **kwargs: own(*args, **kwargs))
-    return getattr(type(owner), method)
-
-
-# PEFT methods that change a layer's scaling in place: after each, the layer's stack is refreshed.
-_RESCALING_METHODS = ("set_scale", "scale_layer", "unscale_layer")
-
-
-def _restack_after(layer: nn.Module, method: str) -> WeakMethod:
-    original = method_function(layer, method)
-
-    def wrapper(layer, *args, **kwargs):
-        result = original(layer, *args, **kwargs)
-        executor_of(layer._csgmv_exec).restack(layer)
-        return result
-
-    return WeakMethod(functools.wraps(original)(wrapper), layer)
-
-
-# PEFT methods of a layer that compute with adapter weights outside a forward (merges and delta weights; a DoRA merge
-# reads its magnitude too): with the host tier, the weights of an adapter that waits in host memory are lent to the
-# layer's device for the call (device copies, PEFT's parameters re-pointed at them and back), since stock PEFT, which
-# keeps every adapter on the device, computes there.
-_WEIGHT_READERS = ("merge", "unmerge", "get_delta_weight")
-
-
-def _adapters_read(layer: nn.Module, method: str, args: tuple, kwargs: dict) -> list:
-    """The adapters a call of PEFT's ``method`` on ``layer`` reads: ``get_delta_weight(adapter)``'s, those
-    ``unmerge()`` takes out, those ``merge(safe_merge, adapter_names)`` puts in (by default the active ones)."""
-    if method == "get_delta_weight":
-        return [args[0] if args else kwargs.get("adapter")]
-    if method == "unmerge":
-        return list(layer.merged_adapters)
-    names = kwargs["adapter_names"] if "adapter_names" in kwargs else args[1] if len(args) > 1 else None
-    return list(layer.active_adapters if names is None else names)
-
-
-@contextlib.contextmanager
-def weights_lent(pairs) -> Iterator[None]:
-    """For the block, the weights of each ``(kernel layer, adapter)`` of ``pairs`` that wait off the layer's device
-    (the host tier's) lent to it: PEFT's parameters re-pointed at device copies, and back after (what PEFT computes
-    with them there, it computes as with weights that never left the device)."""
-    lent = []
-    try:
-        for layer, name in pairs:
-            device = layer._csgmv_stack.device
-            for p in adapter_params(layer, name):
-                if p.device != device:
-                    lent.append((p, p.data))
-                    p.data = p.data.to(device)
-        yield
-    finally:
-        for p, data in lent:
-            p.data = data
-
-
-def _lending(layer: nn.Module, method: str) -> WeakMethod:
-    original = method_function(layer, method)
-
-    def wrapper(layer, *args, **kwargs):
-        with weights_lent([(layer, name) for name in _adapters_read(layer, method, args, kwargs)]):
-            return original(layer, *args, **kwargs)
-
-    return WeakMethod(functools.wraps(original)(wrapper), layer)
-
-
-def patch_layer(layer: nn.Module, stack: "LoraStack", executor: Executor) -> None:
-    """Give a kernel layer the csgmv forward (see :func:`_patch`), make its rescaling methods refresh the stack, and
-    its merges lend host weights to the device (instance attributes; :func:`unpatch_layer` undoes them)."""
-    layer._csgmv_stack = stack
-    layer._csgmv_key = key = next(_keys)
-    _KEYED[key] = layer
-    _patch(layer, _csgmv_forward, executor)
-    for method in _RESCALING_METHODS:
-        if hasattr(layer, method):
-            layer.__dict__[method] = _restack_after(layer, method)
-    for method in _WEIGHT_READERS:
-        if hasattr(layer, method):
-            layer.__dict__[method] = _lending(layer, method)
-
-
-def patch_peft_path(module: nn.Module, executor: Executor) -> None:
-    """Give a module csgmv has no kernel for the PEFT path (see the module docstring)."""
-    _patch(module, _peft_path_forward, executor)
-
-
-def unpatch_layer(layer: nn.Module) -> None:
-    stack = layer.__dict__.get("_csgmv_stack")
-    if stack is not None:  # PEFT's weights own their memory again
-        stack.release_shared()
-    state = layer.__dict__
-    if "_csgmv_orig_forward" in state:  # patched on the instance: the instance's own forward again
-        state["forward"] = state.pop("_csgmv_orig_forward")
-    else:  # patched by class: its class again (a forward set on the instance since, as accelerate's hooks do, stays)
-        layer.__class__ = unpatched_type(layer)
-    for attr in (
-        "_csgmv_stack",
-        "_csgmv_exec",
-        "_csgmv_held",
-        "_csgmv_peft",
-        "_csgmv_siblings",
-        "_csgmv_member",
-        "_csgmv_key",
-        *_RESCALING_METHODS,
-        *_WEIGHT_READERS,
-    ):
-        layer.__dict__.pop(attr, None)
-
-
-def is_patched(layer: nn.Module) -> bool:
-    return "_csgmv_exec" in layer.__dict__
-
-
-# The parameter walks of torch.compile. dynamo, as it meets each module of a traced call (the model, each decoder
-# layer, its attention and MLP blocks, each LoRA layer), walks every parameter and buffer under it twice (marking them
-# static inputs, recording their names), unless the module's ``named_parameters`` / ``named_buffers`` are not
-# ``nn.Module``'s own, which it takes as a module that defines its own. Under each LoRA layer PEFT keeps three modules
-# and two parameters per adapter loaded, so with many adapters each walk covers many times the base model's tree,
-# parameters the graph never reads. The modules above csgmv's layers (and those layers) get instance-level
-# ``named_parameters`` / ``named_buffers`` that call their class's own: the same results for every caller, and no walk
-# by dynamo. The tensors a graph does read are marked static as it wraps them (dynamo marks every ``nn.Parameter``
-# and every tensor attribute of a module it meets), so compiled code is the same; its trace is shorter.
-
-
-@functools.wraps(nn.Module.named_parameters)
-def _named_parameters(self, *args, **kwargs):
-    return type(self).named_parameters(self, *args, **kwargs)
-
-
-@functools.wraps(nn.Module.named_buffers)
-def _named_buffers(self, *args, **kwargs):
-    return type(self).named_buffers(self, *args, **kwargs)
-
-
-_WALKS = (("named_parameters", _named_parameters), ("named_buffers", _named_buffers))
-
-
-def spare_walks(model: nn.Module, names) -> None:
-    """Give ``model``'s modules named ``names`` and every module above them the class's own ``named_parameters`` and
-    ``named_buffers`` as instance attributes (see above); a module with an instance-level one of its own keeps it."""
-    wanted = {""}
-    for name in names:
-        parts = name.split(".")
-        wanted.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    for name in wanted:  # (by name, not over every module: PEFT keeps three per adapter under each LoRA layer)
-        module = model.get_submodule(name)
-        for attr, function in _WALKS:
-            if attr not in module.__dict__:
-                module.__dict__[attr] = WeakMethod(function, module)
-
-
-def restore_walks(module: nn.Module) -> None:
-    """Undo :func:`spare_walks` on ``module``."""
-    state = module.__dict__
-    for attr, function in _WALKS:
-        if getattr(state.get(attr), "__func__", None) is function:
-            del state[attr]

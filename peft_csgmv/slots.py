@@ -563,7 +563,7 @@ class LoraStack:
         self.ranks_host[slot] = 0
         self.scalings_host[slot] = 0.0
 
-    @torch.inference_mode(False)  # PEFT's weights view the new tensors (see model._normal_tensors)
+    @torch.inference_mode(False)  # PEFT's weights view the new tensors (see sync.outside_inference_mode)
     def to(self, device: torch.device) -> "LoraStack":
         """Move the stack (after the model was moved). Every tensor is copied before any is replaced, so a copy
         that fails leaves the stack as it was."""

@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv
 from peft_csgmv.executor import active_calls
-from peft_csgmv.model import adapter_ids_scope
+from peft_csgmv import adapter_ids_scope
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
@@ -74,14 +74,14 @@ def test_eager_first_call_compiles_its_kernel_variants_ahead(monkeypatch):
     kind): each job runs its kernel, without error and off the main thread, over a plan of the real one's shape
     (tokens, segment count) whose segments are all empty; each description goes once per process (a second call of
     the same shape hands none out); the logits are stock PEFT's."""
-    from peft_csgmv import layers, ops
+    from peft_csgmv import eager_ahead, ops
 
     monkeypatch.setenv("PEFT_CSGMV_COMPILE_AHEAD", "1")  # (the suite turns it off: conftest.py)
     monkeypatch.setattr(ops, "AHEAD_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(layers, "_EAGER_SEEN", set())
-    monkeypatch.setattr(layers, "_eager_pool", None)
+    monkeypatch.setattr(eager_ahead, "_EAGER_SEEN", set())
+    monkeypatch.setattr(eager_ahead, "_eager_pool", None)
     jobs, errors = [], []
-    job = layers._eager_job
+    job = eager_ahead._eager_job
 
     def recorded(kind, stack, a, b, splits, plan, x):
         empty = int(plan.seg_indptr.count_nonzero()) == 0 and plan.num_segments > 0
@@ -92,7 +92,7 @@ def test_eager_first_call_compiles_its_kernel_variants_ahead(monkeypatch):
             errors.append(e)
             raise
 
-    monkeypatch.setattr(layers, "_eager_job", recorded)
+    monkeypatch.setattr(eager_ahead, "_eager_job", recorded)
     model = _model()
     input_ids, mask = make_batch(3, 5)
     names, ids = ["a0", BASE, "a1"], ["a0", None, "a1"]

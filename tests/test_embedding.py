@@ -27,7 +27,7 @@ from peft import LoraConfig, get_peft_model
 
 from peft_csgmv import BatchPlan, disable_csgmv, enable_csgmv
 from peft_csgmv.kernels import embedding_shrink, embedding_shrink_reference
-from peft_csgmv.layers import is_patched
+from peft_csgmv.patching import is_patched
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 BACKENDS = ["torch", "triton"]

@@ -12,7 +12,7 @@ from helpers import add_adapters, assert_close, tiny_model
 
 from peft_csgmv import enable_csgmv, is_csgmv_enabled
 from peft_csgmv.executor import active_calls
-from peft_csgmv.layers import is_patched
+from peft_csgmv.patching import is_patched
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -15,7 +15,7 @@ import torch
 from helpers import DEVICE, make, make_batch
 
 from peft_csgmv import disable_csgmv, enable_csgmv
-from peft_csgmv.model import adapter_ids_scope
+from peft_csgmv import adapter_ids_scope
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 IDS = ["a0", None, "a1", "a0"]

@@ -616,7 +616,7 @@ def test_rescaled_adapters_are_restacked(how):
 def test_merge_and_unload_after_enable():
     """merge_and_unload on an enabled model behaves as in PEFT: the merged base model equals the active adapter's
     output, and carries no csgmv patch."""
-    from peft_csgmv.layers import is_patched
+    from peft_csgmv.patching import is_patched
 
     model = make("llama")
     model.set_adapter("a1")

@@ -149,9 +149,7 @@ class Launcher:
         self.kernel = kernel
         self.num_tensors = num_tensors
         self.compiled: dict = {}
-        self.direct = (
-            _knobs is not None and not interpreting() and env("PEFT_CSGMV_TRITON_LAUNCH", "0") != "1"
-        )
+        self.direct = _knobs is not None and not interpreting() and env("PEFT_CSGMV_TRITON_LAUNCH", "0") != "1"
 
     def _key(self, args: tuple, constexprs: dict) -> tuple:
         n = self.num_tensors

@@ -1,0 +1,544 @@
+"""Adapter sync: PEFT's adapters brought into csgmv's stacks, and the state ``enable_csgmv`` attaches to a model.
+
+:class:`CsgmvState` holds a model's slot registry, its patched layers and their stacks, the host tier and the executor.
+:meth:`CsgmvState.sync` runs at the start of every call (a few C-level comparisons when nothing changed) and brings
+slots and stacks in line with what PEFT holds: new LoRA layers are patched, new adapters get a slot, deleted ones free
+theirs, replaced ones are copied again; every other PEFT tuner layer and auxiliary wrapper gets PEFT's mixed-batch
+path. Which adapters the kernels serve in a layer is :meth:`CsgmvState.kernel_reason`'s answer. With the host tier,
+:meth:`CsgmvState.make_resident` gives a call's adapters slots (least recently used out).
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .executor import Executor
+from .options import Options
+from .patching import WeakMethod, is_patched, patch_layer, patch_peft_path, spare_walks, unpatch_layer, unpatched_type
+from .slots import (
+    LoraStack,
+    SlotRegistry,
+    layer_adapter,
+    layer_adapters,
+    module_param,
+    set_peft_rows,
+    vacate,
+    weights_device,
+)
+from .static_cache import KeptStaticCache
+from .tier import HostTier, copies_out, host_copies_done, move_adapter, no_gc_pauses, settle
+
+BASE = "__base__"
+BASE_NAMES = (None, BASE)
+
+
+def peft_classes():
+    from peft import PeftModel
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    return PeftModel, LoraLayer, LoraLinear
+
+
+def _auxiliary_wrapper_class():
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # older PEFT
+        from peft.utils.other import ModulesToSaveWrapper as AuxiliaryTrainingWrapper
+    return AuxiliaryTrainingWrapper
+
+
+# PEFT's own message when a DoRA adapter is asked for in a layer whose mixed-batch path refuses DoRA.
+PEFT_DORA_ERROR = "Cannot pass `{arg}` when DoRA is enabled."
+
+
+def _kernel_reason(layer: nn.Module, name: str) -> str | None:
+    """Why csgmv's kernels cannot serve adapter ``name`` in a kernel layer (``None`` when they can: plain LoRA,
+    ``lora_bias``, and DoRA on Linear). Such an adapter's rows run through PEFT's mixed-batch forward of the layer."""
+    variant = getattr(layer, "lora_variant", {}).get(name)
+    if type(variant).__name__ == "ALoraLinearVariant":
+        # aLoRA: plain LoRA from each row's invocation tokens on; the call's token mapping says which tokens.
+        return "aLoRA together with DoRA" if layer.use_dora.get(name, False) else None
+    if layer.use_dora.get(name, False):
+        if _is_embedding(layer):
+            return "DoRA on an Embedding layer"
+        if getattr(layer.lora_B[name], "bias", None) is not None:
+            return "DoRA together with `lora_bias=True`"
+        return None
+    if variant is not None:
+        return f"the LoRA variant {type(variant).__name__}"
+    return None
+
+
+def _is_embedding(layer: nn.Module) -> bool:
+    from peft.tuners.lora import Embedding as LoraEmbedding
+
+    return isinstance(layer, LoraEmbedding)
+
+
+def _kernel_layer_types() -> tuple[type, ...]:
+    """The PEFT layer classes the kernels serve: ``lora.Linear`` (``nn.Linear`` and GPT-2 ``Conv1D`` bases), and
+    bitsandbytes' 4-bit and 8-bit LoRA layers where bitsandbytes is installed (``y = base(x)`` from bitsandbytes, then
+    the kernels)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    types: tuple[type, ...] = (LoraLinear,)
+    try:
+        from peft.tuners.lora import bnb as lora_bnb
+    except ImportError:
+        return types
+    return types + tuple(getattr(lora_bnb, n) for n in ("Linear8bitLt", "Linear4bit") if hasattr(lora_bnb, n))
+
+
+def _kernel_layer(layer: nn.Module) -> bool:
+    """A PEFT layer the kernels serve: one of :func:`_kernel_layer_types` (exactly: subclasses may change the
+    math), or ``lora.Embedding`` without ``max_norm`` (which renormalises looked-up rows; PEFT's own path serves
+    that)."""
+    from peft.tuners.lora import Embedding as LoraEmbedding
+
+    cls = unpatched_type(layer)
+    if cls in _kernel_layer_types():
+        return True
+    return cls is LoraEmbedding and layer.get_base_layer().max_norm is None
+
+
+def _dora_scale(layer: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DoRA at inference: ``(magnitude / ‖W + scaling·B·A‖ per output feature, base bias)``, computed once in fp32 as
+    PEFT's DoRA layer does per forward."""
+    from peft.utils.integrations import dequantize_module_weight
+
+    base = layer.get_base_layer()
+    dora = layer.lora_magnitude_vector[name]
+    with torch.no_grad():
+        weight = dequantize_module_weight(base).float()
+        lora_weight = layer.lora_B[name].weight.float() @ layer.lora_A[name].weight.float()
+        norm = dora.get_weight_norm(weight, lora_weight, layer.scaling[name]).float()
+        return dora.weight.float() / norm, getattr(base, "bias", None)
+
+
+# Entry points that make or move the state PEFT's weights view (stacks, host regions) and the buffers later calls write
+# into (plans, workspaces) run outside torch.inference_mode, also when called inside it: an inference tensor cannot
+# be updated in place, nor be a parameter that requires grad, outside inference mode (PEFT's set_adapter sets that).
+outside_inference_mode = torch.inference_mode(False)
+
+
+class CsgmvState:
+    """Everything ``enable_csgmv`` attached to one model: the slot registry, the patched layers and their stacks."""
+
+    def __init__(
+        self,
+        backend: str,
+        dtype: torch.dtype | None,
+        max_resident: int | None = None,
+        keep_static_cache: bool = True,
+        defer_stop_check: bool | None = None,
+    ) -> None:
+        self.dtype = dtype
+        # The static cache of the last generate call with ids, for the next one that fits it (None: transformers'
+        # own, a new one per call).
+        self.static_cache = KeptStaticCache() if keep_static_cache else None
+        # enable_csgmv's defer_stop_check: None (calls that do not sample), True or False.
+        self.defer_stop_check = defer_stop_check
+        # The host tier: at most this many adapters have slots (on the layers' device); the others' kernel-layer
+        # weights wait in (pinned) host memory and are brought into a slot when a call needs them, least recently
+        # used out. None: every adapter has a slot.
+        self.max_resident = max_resident
+        self.tier = None if max_resident is None else HostTier()
+        self.loading = 0  # PEFT's load_adapter under way (its add_adapter then waits for the load to sync)
+        # Runs the layers' LoRA for each call; it restacks a layer through this state when PEFT rescales it.
+        # (its restack through a weak method: no cycle through the executor)
+        self.executor = Executor(backend, WeakMethod(CsgmvState._restack, self), Options.from_env())
+        self.registry = SlotRegistry()
+        self.layers: dict[str, nn.Module] = {}  # module name -> lora.Linear / lora.Embedding on the kernels
+        self.peft_path: dict[str, nn.Module] = {}  # module name -> module on PEFT's mixed-batch path
+        self.peft_only: str | None = None  # why calls with ids go to PEFT whole (adapters that are not LoRA)
+        self.known: frozenset[str] = frozenset()  # the adapter names PEFT accepts in `adapter_names`
+        self.dora_refused: set[str] = set()  # DoRA adapters held by a layer whose PEFT path refuses DoRA
+        self.reported: set[str] = set()  # modules already named in the PEFT-path warning
+        # The adapters' names and config objects when last synced (see _unchanged; the objects kept alive here).
+        self.fingerprint: tuple[list, tuple] | None = None
+        # One adapter weight and its dtype when last synced: a cast of the model (model.to(dtype), .half()) gives every
+        # weight a new dtype, and the next call restacks (a probe of one weight: read on every call).
+        self.probe: tuple[torch.Tensor, torch.dtype] | None = None
+
+    # -- adapters -------------------------------------------------------------------------------------------------
+
+    def _unchanged(self, model) -> bool:
+        """Whether PEFT holds the adapters of the last sync: the same names in order, each with the same config object
+        (by identity: a config replaced by an equal one is a new adapter). Read on every call, and a model may hold
+        thousands of adapters, so only C loops: ~40 µs for 1000 on this repository's CPU (a tuple of their ids took
+        ~80 µs, a generator over them ~300)."""
+        if self.fingerprint is None:
+            return False
+        configs = model.peft_config
+        names, held = self.fingerprint
+        return len(configs) == len(held) and list(configs) == names and all(map(operator.is_, configs.values(), held))
+
+    def sync(self, model, force: bool = False) -> None:
+        """Bring slots and stacks in line with the adapters PEFT holds now. Only what changed is (re)stacked: new
+        LoRA layers are patched, new adapters get a slot, deleted ones free theirs, replaced ones are copied again.
+        Every other PEFT tuner layer and auxiliary wrapper gets PEFT's mixed-batch path (the modules PEFT's own
+        ``adapter_names`` hooks reach), so a module csgmv has no kernel for gives PEFT's result, or PEFT's error."""
+        unchanged = self._unchanged(model)
+        probe = self.probe
+        if probe is not None and probe[0].dtype != probe[1]:
+            force = True  # the model was cast: every stack follows its adapters' new dtype, and is shared again
+        if unchanged and not force:
+            return
+        self.peft_only = _not_lora(model)
+        found: dict[str, nn.Module] = {}
+        peft_path: dict[str, nn.Module] = {}
+        known: set[str] = set()
+        self.dora_refused = set()
+        regroup = False  # a layer got a new stack
+        if self.peft_only is None:
+            _, LoraLayer, _ = peft_classes()
+            Aux = _auxiliary_wrapper_class()
+            names = list(model.peft_config)
+            tier = self.tier
+            for gone in [n for n in self.registry.index if n not in names]:
+                self.registry.remove(gone)
+                if tier is not None:
+                    tier.lru.pop(gone, None)
+            if tier is not None:
+                for gone in {key[0] for key in tier.host.regions} - set(names):
+                    tier.host.forget(gone)
+            for name in names:
+                if name not in self.registry.index and (
+                    self.max_resident is None or len(self.registry.index) < self.max_resident
+                ):
+                    self.registry.add(name)
+                    if tier is not None:
+                        tier.lru[name] = None
+            for mod_name, module in model.named_modules():
+                if isinstance(module, LoraLayer):
+                    # The names PEFT's own check accepts: those some LoRA layer holds.
+                    known.update(module.lora_A.keys(), module.lora_embedding_A.keys())
+                    if _kernel_layer(module):
+                        found[mod_name] = module
+                        continue
+                    self.dora_refused.update(n for n in _held_adapters(module) if module.use_dora.get(n, False))
+                    peft_path[mod_name] = module
+                elif isinstance(module, Aux):
+                    peft_path[mod_name] = module
+            for module in peft_path.values():
+                if not is_patched(module):
+                    patch_peft_path(module, self.executor)
+                module._csgmv_held = frozenset(_held_adapters(module))
+            restack = set()
+            for layer in found.values():
+                if not is_patched(layer):
+                    patch_layer(layer, self._new_stack(layer), self.executor)
+                    regroup = True
+                elif layer._csgmv_stack.dtype != self.stack_dtype(layer):
+                    # An adapter of a wider dtype arrived: the stack takes that dtype, every slot copied again.
+                    layer._csgmv_stack.release_shared()
+                    layer._csgmv_stack = self._new_stack(layer)
+                    restack.add(layer)
+                    regroup = True
+            if tier is not None:
+                # Every adapter's place in its page; those without a slot wait in host memory, and residents whose
+                # weights wait there (admitted now) come in from it.
+                tier.lay_out(found.values(), names, self.registry, self.kernel_reason)
+                if len(names) > self.max_resident:  # (while every adapter has a slot, none can leave: no host memory)
+                    tier.reserve(names)
+                hosted = [n for n in names if n not in self.registry.index]
+                for name in hosted:
+                    tier.park(name)
+                for slot, name in enumerate(self.registry.names):
+                    if name is not None and tier.hosted(name):
+                        tier.bring_in(name, slot, _dora_scale, self.dora_refused)
+                if hosted:
+                    host_copies_done(found.values())
+            for layer in found.values():
+                self.stack_layer(layer, force or layer in restack)
+        for old, new in ((self.layers, found), (self.peft_path, peft_path)):
+            for mod_name, module in old.items():
+                if new.get(mod_name) is not module:
+                    unpatch_layer(module)
+        self.layers, self.peft_path, self.known = found, peft_path, frozenset(known)
+        if found or peft_path:
+            spare_walks(model, [*found, *peft_path])
+        self.fingerprint = (list(model.peft_config), tuple(model.peft_config.values()))
+        if regroup and len(found) > 1:  # sibling groups name stacks by handle: learned again (Executor.observe)
+            self.executor.forget_groups(found.values())
+        weights = next((w for layer in found.values() for w in layer_adapters(layer).values()), None)
+        self.probe = None if weights is None else (weights[0], weights[0].dtype)
+        self.executor.clear_plans()
+        self._report(model)
+
+    def _report(self, model) -> None:
+        """Warn once about what runs at PEFT's speed: a whole non-LoRA model, or modules on PEFT's path."""
+        if self.peft_only is not None:
+            if "" not in self.reported:
+                self.reported.add("")
+                warnings.warn(f"csgmv: {self.peft_only}; calls with ids run PEFT's own mixed-batch path", stacklevel=3)
+            return
+        slow = [n for n, m in self.peft_path.items() if n not in self.reported and _held_adapters(m)]
+        slow += [n for n, layer in self.layers.items() if n not in self.reported and layer._csgmv_peft]
+        if slow:
+            self.reported.update(slow)
+            shown = ", ".join(slow[:6]) + (f" and {len(slow) - 6} more" if len(slow) > 6 else "")
+            warnings.warn(
+                f"csgmv: {len(slow)} module(s) run (some of) their adapters through PEFT's own mixed-batch path, at "
+                f"PEFT's speed: {shown}",
+                stacklevel=3,
+            )
+
+    def kernel_reason(self, layer: nn.Module, name: str) -> str | None:
+        """:func:`_kernel_reason`, and, where ``enable_csgmv`` was given no ``dtype``, an adapter whose weights are
+        of a narrower (or another half-precision) dtype than the layer's base weight: PEFT rounds the layer's input to
+        the adapter's dtype before its products, which the kernels do not, so its rows take PEFT's path (PEFT's
+        numbers). Wider adapters (PEFT's fp32 default on a half-precision model) and same-dtype ones run the kernels."""
+        reason = _kernel_reason(layer, name)
+        if reason is not None or self.dtype is not None:
+            return reason
+        a = layer_adapter(layer, name)[0]
+        weight = getattr(layer.get_base_layer(), "weight", None)
+        if (
+            weight is None
+            or a.dtype == weight.dtype
+            or not (a.dtype.is_floating_point and weight.dtype.is_floating_point)
+        ):
+            return None
+        if torch.finfo(a.dtype).bits <= torch.finfo(weight.dtype).bits:
+            return f"weights in {a.dtype} on a {weight.dtype} layer"
+        return None
+
+    @outside_inference_mode
+    def _restack(self, layer: nn.Module) -> None:
+        """Copy one layer's adapters again (PEFT rescaled it)."""
+        self.stack_layer(layer, force=True)
+
+    def stack_layer(self, layer: nn.Module, force: bool = False) -> None:
+        """Bring one kernel-path layer's stack in line with its adapters: copy new or replaced ones (all with
+        ``force``), clear the rest. Adapters the kernels do not serve here get rank 0 in the stack and are named in
+        the layer's ``_csgmv_peft``: their rows run through PEFT's forward of this layer. Also called when PEFT
+        rescales the layer (``set_scale``, ``scale_layer``, ``unscale_layer``, or a new ``scaling`` dict as
+        ``peft.helpers.rescale_adapter_scale`` sets). The host tier brings adapters into slots on its own
+        (:meth:`~peft_csgmv.tier.HostTier.bring_in`)."""
+        stack: LoraStack = layer._csgmv_stack
+        names = self.registry.names
+        peft_rows = set()
+        for slot, name in enumerate(names):
+            weights = None if name is None else layer_adapter(layer, name)  # a lookup: layers may hold thousands
+            if weights is None:
+                stack.clear_slot(slot)
+                continue
+            if self.kernel_reason(layer, name) is not None:
+                peft_rows.add(name)
+                if layer.use_dora.get(name, False):
+                    self.dora_refused.add(name)
+                stack.clear_slot(slot)
+                continue
+            a, b = weights
+            held = stack.held.get(slot)
+            if force or held is None or held.a is not a:
+                dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
+                lora_bias = None if stack.embedding else module_param(layer._modules["lora_B"][name], "bias")
+                # PEFT's weights become views into the stack where dtype and device allow: one copy of each adapter.
+                share = isinstance(a, nn.Parameter) and a.dtype == b.dtype == stack.dtype and a.device == stack.device
+                stack.set_slot(slot, a, b, layer.scaling[name], dora=dora, lora_bias=lora_bias, share=share)
+        stack.ensure_capacity(self.registry.capacity)
+        for slot in range(len(names), stack.capacity):
+            stack.clear_slot(slot)
+        stack.scaling_src = layer.scaling
+        if force:
+            stack.compact()
+        stack.refresh()
+        set_peft_rows(layer, peft_rows)
+
+    def stack_dtype(self, layer: nn.Module) -> torch.dtype:
+        """The dtype of a layer's stack: ``enable_csgmv``'s ``dtype`` where given, else the adapters' own (PEFT's
+        numerics: fp32 adapters on a bf16 model, PEFT's default, are computed in fp32), the widest where they differ."""
+        if self.dtype is not None:
+            return self.dtype
+        dtypes = {a.dtype for a, _ in layer_adapters(layer).values() if a.dtype.is_floating_point}
+        if not dtypes:  # no adapter yet: the base weight's dtype, or fp32 for a quantized one
+            weight = getattr(layer.get_base_layer(), "weight", None)
+            return weight.dtype if weight is not None and weight.dtype.is_floating_point else torch.float32
+        return max(dtypes, key=lambda d: torch.finfo(d).bits)
+
+    def _new_stack(self, layer: nn.Module) -> LoraStack:
+        # Storage for exactly the adapters that get a slot here now (later ones: see slots.py).
+        slotted = [
+            a.shape[0]
+            for n, (a, _) in layer_adapters(layer).items()
+            if n in self.registry.index and self.kernel_reason(layer, n) is None
+        ]
+        device, dtype = weights_device(layer), self.stack_dtype(layer)
+        if self.tier is not None and device.type == "cpu":  # the layer's first adapter may wait in host memory
+            weight = getattr(layer.get_base_layer(), "weight", None)
+            if weight is not None and weight.device.type not in ("cpu", "meta"):
+                device = weight.device
+        return LoraStack(
+            in_features=layer.in_features,
+            out_features=layer.out_features,
+            capacity=max(self.registry.capacity, 1),
+            dtype=dtype,
+            device=device,
+            embedding=_is_embedding(layer),
+            reserve=sum(LoraStack.slot_elements(r, layer.in_features, layer.out_features) for r in slotted),
+            pages=None if self.tier is None else self.tier.pages_for(device, dtype),
+        )
+
+    def release(self) -> None:
+        if self.max_resident is not None:  # PEFT holds every adapter on the device again
+            for layer in self.layers.values():
+                for name in layer_adapters(layer):
+                    move_adapter(layer, name, layer._csgmv_stack.device)
+        for module in [*self.layers.values(), *self.peft_path.values()]:
+            unpatch_layer(module)
+        self.layers, self.peft_path = {}, {}
+        self.executor.clear_plans()
+        if self.static_cache is not None:
+            self.static_cache.drop()
+
+    # -- per call -------------------------------------------------------------------------------------------------
+
+    # -- the host tier ----------------------------------------------------------------------------------------------
+
+    def _check_residency(self, needed, what: str) -> None:
+        if self.max_resident is not None and len(needed) > self.max_resident:
+            raise ValueError(
+                f"this call's `{what}` need {len(needed)} distinct adapters, more than the {self.max_resident} that "
+                f"fit on the device (enable_csgmv(..., max_resident_adapters={self.max_resident})): split the batch "
+                "or raise max_resident_adapters"
+            )
+
+    def make_resident(self, needed) -> list:
+        """Give every adapter in ``needed`` a slot (host tier only): the least recently used residents that are not
+        needed go back to host memory, the needed ones come in (one copy of each into its slot's page; PEFT's weights
+        become views of it again). ``needed`` fits: :meth:`_check_residency` ran first. Returns the events of the
+        copies out still in flight (:func:`~peft_csgmv.tier.copies_out`), which the caller settles before host code
+        may read the weights that went out (as its call ends)."""
+        tier = self.tier
+        if tier is None:
+            return []
+        missing = [n for n in needed if n not in self.registry.index]
+        out = []
+        if missing:
+            with no_gc_pauses():
+                try:
+                    out = self._bring_in(missing, needed)
+                except BaseException:
+                    self._abandon(missing)
+                    raise
+        for name in needed:
+            tier.lru.move_to_end(name)
+        return out
+
+    def _bring_in(self, missing: list[str], needed) -> list:
+        """:meth:`make_resident`'s moves: evict the least recently used residents that are not needed, then bring
+        ``missing`` into their slots; the events of the copies out."""
+        tier = self.tier
+        victims = [n for n in tier.lru if n not in needed]
+        # Slots whose adapter left, by the stacks that still describe it: a slot's next adapter writes the same
+        # fields in the stacks it has a part in, so the slot is emptied only in the others (most often none).
+        held: dict[int, list[LoraStack]] = {}
+        try:
+            for name in missing:
+                if len(self.registry.index) >= self.max_resident:
+                    victim = victims.pop(0)
+                    slot = self.registry.index[victim]
+                    held[slot] = self._evict(victim, empty=False)
+                self.registry.add(name)
+                tier.lru[name] = None
+            out = copies_out(self.layers.values()) if held else []
+            stacks = {layer._csgmv_stack for layer in self.layers.values()}
+            for stack in stacks:
+                stack.ensure_capacity(self.registry.capacity)
+            for name in missing:
+                slot = self.registry.index[name]
+                if slot in held:
+                    tier.refill(name, slot, held.pop(slot))
+                tier.bring_in(name, slot, _dora_scale, self.dora_refused)
+        finally:  # (slots left unfilled: emptied in full, as an eviction does)
+            for slot, left in held.items():
+                vacate(slot, left)
+        for stack in stacks:
+            stack.refresh()
+        return out
+
+    def _abandon(self, missing: list[str]) -> None:
+        """Undo a bring-in that failed part way (out of memory, an interrupt): the adapters it was bringing in leave
+        their slots and the registry again, and their weights go back to their host regions, so no slot claims
+        weights it was not given and the next call brings them in afresh; the residents evicted for them stay in
+        host memory."""
+        tier = self.tier
+        layers = list(self.layers.values())
+        for name in missing:
+            slot = self.registry.index.get(name)
+            if slot is None:
+                continue
+            tier.park(name)  # from wherever each weight got to: its page, its host region, the device
+            vacate(slot, [layer._csgmv_stack for layer in layers])
+            for layer in layers:
+                if name in layer._csgmv_peft:
+                    set_peft_rows(layer, layer._csgmv_peft - {name})
+            self.registry.remove(name)
+            tier.lru.pop(name, None)
+        for layer in layers:
+            layer._csgmv_stack.refresh()
+        host_copies_done(layers)
+        tier.page_out.clear()
+
+    def _evict(self, name: str, empty: bool = True) -> list[LoraStack]:
+        # Its weights leave the slot as they are (edits included), copied out first: a copy that fails leaves the
+        # adapter resident and shared as it was. (``empty``: see HostTier.evict.)
+        stacks = self.tier.evict(name, self.registry.index[name], empty)
+        self.registry.remove(name)
+        self.tier.lru.pop(name)
+        return stacks
+
+    @property
+    def resident(self) -> list[str]:
+        """The adapters with a slot, least recently used first."""
+        return list(self.tier.lru) if self.tier is not None else list(self.registry.index)
+
+    def restack_rescaled(self) -> None:
+        """Restack the layers whose ``scaling`` dict PEFT replaced (``peft.helpers.rescale_adapter_scale`` assigns a new
+        one; ``set_scale`` and friends are caught as they happen)."""
+        for layer in self.layers.values():
+            if layer.scaling is not layer._csgmv_stack.scaling_src:
+                self.stack_layer(layer, force=True)
+
+    def slots_for(self, ids: Sequence[str | None], copies_out: list | None = None) -> tuple[int, ...]:
+        """The slot of each row of a validated call (``-1`` for base rows), its adapters made resident first.
+        ``copies_out``: a call's list, which takes :meth:`make_resident`'s events for the call to settle as it ends;
+        without it they are settled before this returns."""
+        out = self.make_resident(adapters_in(ids))
+        if copies_out is None:
+            settle(out)
+        else:
+            copies_out += out
+        index = self.registry.index
+        return tuple(-1 if i in BASE_NAMES else index[i] for i in ids)
+
+
+def adapters_in(ids) -> list[str]:
+    """The distinct adapters of a call, in order of first use (base rows left out)."""
+    return list(dict.fromkeys(i for i in ids if i not in BASE_NAMES))
+
+
+def _not_lora(model) -> str | None:
+    """Why the kernels cannot serve ``model`` at all (adapters of another PEFT method), or ``None``."""
+    other = [
+        f"'{name}': {getattr(cfg.peft_type, 'value', cfg.peft_type)}"
+        for name, cfg in model.peft_config.items()
+        if str(cfg.peft_type) not in ("LORA", "PeftType.LORA")
+    ]
+    return f"adapters that are not LoRA ({', '.join(other)})" if other else None
+
+
+def _held_adapters(module: nn.Module) -> set[str]:
+    """Names of the adapters a PEFT layer or auxiliary wrapper holds (``{"?"}`` when it cannot tell)."""
+    try:
+        return set(module._get_available_adapters())
+    except (AttributeError, NotImplementedError):
+        return {"?"}
