@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peft_csgmv import disable_csgmv, enable_csgmv
+from peft_csgmv import adapter_ids_scope, disable_csgmv, enable_csgmv
 from peft_csgmv.bench import MODELS, TARGETS, device_and_dtype, run_meta, write_results
 from peft_csgmv.kernels.expand import expand_tiles
 from peft_csgmv.kernels.shrink import shrink_tiles
-from peft_csgmv import adapter_ids_scope
 
 from common import developer_switches
 

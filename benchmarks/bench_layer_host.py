@@ -16,9 +16,8 @@ import time
 import torch
 from peft import LoraConfig, get_peft_model
 
-from peft_csgmv import enable_csgmv
+from peft_csgmv import adapter_ids_scope, enable_csgmv
 from peft_csgmv.kernels import launch
-from peft_csgmv import adapter_ids_scope
 
 
 class OneLayer(torch.nn.Module):

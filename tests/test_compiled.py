@@ -17,9 +17,8 @@ import transformers
 from helpers import BASE, DEVICE, add_adapters, close, compile_config, make_batch, per_adapter, stitch, tiny_model
 from torch._dynamo.utils import counters
 
-from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv
+from peft_csgmv import adapter_ids_scope, csgmv_stats, disable_csgmv, enable_csgmv
 from peft_csgmv.executor import active_calls
-from peft_csgmv import adapter_ids_scope
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),

@@ -14,8 +14,7 @@ import pytest
 import torch
 from helpers import DEVICE, make, make_batch
 
-from peft_csgmv import disable_csgmv, enable_csgmv
-from peft_csgmv import adapter_ids_scope
+from peft_csgmv import adapter_ids_scope, disable_csgmv, enable_csgmv
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 IDS = ["a0", None, "a1", "a0"]
