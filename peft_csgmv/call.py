@@ -17,7 +17,8 @@ import torch
 from transformers import GenerationConfig
 
 from ._compat import deferred_stop_check
-from .executor import CallContext, Executor
+from .executor import Executor
+from .mapping import Mapping
 from .sync import BASE, BASE_NAMES, PEFT_DORA_ERROR, CsgmvState, adapters_in, outside_inference_mode
 from .tier import settle
 
@@ -185,7 +186,7 @@ def open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | No
         executor = state.executor
         executor.check_groups()
         executor.begin(
-            CallContext(
+            Mapping(
                 row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets, row_keep=keep, copies_out=out
             )
         )

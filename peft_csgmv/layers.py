@@ -29,7 +29,8 @@ from torch import nn
 from . import kernels, ops
 from . import slots as _slots
 from .eager_ahead import compile_ahead_eager
-from .executor import _LIVE, Executor, PlanRun, executor_of, static_plan_attr, use_triton
+from .executor import _LIVE, Executor, executor_of, static_plan_attr, use_triton
+from .mapping import PlanRun
 from .slots import stack_by_handle, weights_device
 
 if TYPE_CHECKING:
@@ -159,9 +160,9 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if ex.masked and x.dim() and x.shape[0] != ex.num_ids:
         # aLoRA rows, and this layer sees other rows than the call's ids (returned sequences, tokens flattened into
         # rows): PEFT's own forward, which counts each row's tokens its way (its result, or its error).
-        call = ex.call
-        return self._csgmv_orig_forward(x, *args, adapter_names=call.names_for(x.shape[0]), **call.variant_kwargs(),
-                                        **kwargs)  # fmt: skip
+        mapping = ex.mapping
+        names = mapping.names_for(x.shape[0])
+        return self._csgmv_orig_forward(x, *args, adapter_names=names, **mapping.variant_kwargs(), **kwargs)
     if compiling and not (args or kwargs):
         # Compiled code: the path :func:`compiled_route` chose for this layer when the graph was traced, written out
         # here (dynamo steps through every line of it for each layer of the model: each line, each call, costs the
@@ -203,15 +204,15 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if stack.device != device and not _follow_weights(self, stack, ex, device):
         # The input is not where the layer's weights are: PEFT's own path decides (its result, or its error), and
         # the stack stays where the weights are.
-        call = ex.call
-        names = call.names_for(rows)
-        return self._csgmv_orig_forward(x, *args, adapter_names=names, **call.variant_kwargs(), **kwargs)
+        mapping = ex.mapping
+        names = mapping.names_for(rows)
+        return self._csgmv_orig_forward(x, *args, adapter_names=names, **mapping.variant_kwargs(), **kwargs)
     peft_rows = state["_csgmv_peft"]
-    if peft_rows and not peft_rows.isdisjoint(ex.call.name_set):
+    if peft_rows and not peft_rows.isdisjoint(ex.mapping.name_set):
         # Adapters the kernels do not serve here: PEFT's mixed-batch forward for their rows (base output included).
-        call = ex.call
-        names = [n if n in peft_rows else "__base__" for n in call.names_for(rows)]
-        result = self._csgmv_orig_forward(x, *args, adapter_names=names, **call.variant_kwargs(), **kwargs)
+        mapping = ex.mapping
+        names = [n if n in peft_rows else "__base__" for n in mapping.names_for(rows)]
+        result = self._csgmv_orig_forward(x, *args, adapter_names=names, **mapping.variant_kwargs(), **kwargs)
     else:
         if compiling and not (hooked or args or kwargs):
             if ex.groups_on:  # (off: the layer's dict is not read for groups, so no guard on it)
@@ -228,7 +229,7 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if compiling:
         return _compiled_lora(ex, stack, x, result, rows, device, embed_scale)
     x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
-    run = ex.plan_run(rows, x2.shape[0] // rows, device)
+    run = ex.mapping.plan(rows, x2.shape[0] // rows, device)
     if run.plan.is_empty:
         return result
     if not run.ahead and not embedding:  # (the first activation layer of a new plan: once per plan)
@@ -462,14 +463,14 @@ def peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
         return self._csgmv_orig_forward(*args, **kwargs)
     if not torch.compiler.is_compiling() and ex.owner != _get_ident():  # another thread's call: not this one's
         return self._csgmv_orig_forward(*args, **kwargs)
-    call = ex.call
+    mapping = ex.mapping
     x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-    names = call.names_for(len(x)) if isinstance(x, torch.Tensor) and x.dim() else list(call.names)
+    names = mapping.names_for(len(x)) if isinstance(x, torch.Tensor) and x.dim() else list(mapping.names)
     # Rows whose adapter this module does not hold run its base module, as they do in that adapter's own PEFT run
     # (PEFT's trainable-token and modules_to_save wrappers fail on names they do not hold).
     held = self._csgmv_held
     names = [name if name in held else "__base__" for name in names]
-    if hasattr(self, "lora_A"):  # a LoRA layer: the call's variant arguments, not those PEFT's hooks passed
+    if hasattr(self, "lora_A"):  # a LoRA layer: the mapping's variant arguments, not those PEFT's hooks passed
         kwargs = {k: v for k, v in kwargs.items() if k not in VARIANT_KWARGS}
-        kwargs.update(call.variant_kwargs())
+        kwargs.update(mapping.variant_kwargs())
     return self._csgmv_orig_forward(*args, adapter_names=names, **kwargs)

@@ -12,8 +12,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from peft_csgmv import disable_csgmv, enable_csgmv
-from peft_csgmv.executor import CallContext
 from peft_csgmv.kernels import BoundLayer
+from peft_csgmv.mapping import Mapping
 
 
 class OneLayer(torch.nn.Module):
@@ -52,7 +52,7 @@ def _two_adapters_in_a_call():
     names = ("a0", "a1", "a0", "a1")
     slots = tuple(model._csgmv.registry.index[n] for n in names)
     executor = model._csgmv.executor
-    executor.begin(CallContext(row_slots=slots, names=names, arg_name="adapter_ids"))
+    executor.begin(Mapping(row_slots=slots, names=names, arg_name="adapter_ids"))
     return model, model.base_model.model.proj, executor, torch.randn(4, 1, 40)
 
 

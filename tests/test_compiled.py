@@ -751,7 +751,7 @@ def test_lora_linear_takes_strided_inputs(backend, layout):
     from test_strides import view_2d
 
     from peft_csgmv import ops
-    from peft_csgmv.executor import StaticPlan
+    from peft_csgmv.mapping import StaticPlan
 
     model = _model(embedding=False)
     enable_csgmv(model, backend=backend)
@@ -782,7 +782,7 @@ def test_ops_take_a_layers_input_with_its_leading_dimensions(backend):
     middle token at an offset, ``[:, 1:2]``), so a compiled graph holds no reshape around them: each output has the
     input's leading dimensions and, bit for bit, the values of the same op over the flattened contiguous tensors."""
     from peft_csgmv import ops
-    from peft_csgmv.executor import StaticPlan
+    from peft_csgmv.mapping import StaticPlan
 
     model = _model()
     enable_csgmv(model, backend=backend)
@@ -842,8 +842,9 @@ def test_lora_linear_launches_without_pdl_beside_the_base(monkeypatch):
     fork and join it idled the GPU), where every other launch on the device takes it; and the default on CUDA is the
     LoRA beside the base product (``PEFT_CSGMV_BESIDE`` unset), on other devices after it."""
     from peft_csgmv import ops
-    from peft_csgmv.executor import Executor, StaticPlan
+    from peft_csgmv.executor import Executor
     from peft_csgmv.kernels import launch
+    from peft_csgmv.mapping import StaticPlan
 
     model = _model(embedding=False)
     enable_csgmv(model, backend="triton")

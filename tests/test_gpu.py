@@ -310,7 +310,7 @@ def test_pdl_launches_give_the_serial_launches_results(out_of_place, monkeypatch
     rows = list(range(32))
     if out_of_place:
         # Base rows too, in segments of slot -1 as a static plan has them (out of place, the plan covers every row).
-        from peft_csgmv.executor import StaticPlan
+        from peft_csgmv.mapping import StaticPlan
         from peft_csgmv.ops import _plan
 
         rows[::5] = [-1] * len(rows[::5])
@@ -387,7 +387,7 @@ def test_group_beside_base_products_gives_the_serial_results():
     import transformers as tf
 
     from peft_csgmv import ops
-    from peft_csgmv.executor import StaticPlan
+    from peft_csgmv.mapping import StaticPlan
 
     cfg = tf.LlamaConfig(
         vocab_size=128, hidden_size=2048, intermediate_size=256, num_hidden_layers=6, num_attention_heads=16,
@@ -435,7 +435,7 @@ def test_lora_beside_base_product_gives_the_serial_results(adapters):
     import transformers as tf
 
     from peft_csgmv import ops
-    from peft_csgmv.executor import StaticPlan
+    from peft_csgmv.mapping import StaticPlan
 
     cfg = tf.LlamaConfig(
         vocab_size=128, hidden_size=2048, intermediate_size=256, num_hidden_layers=8, num_attention_heads=16,

@@ -441,7 +441,7 @@ def with_dora(expected: torch.Tensor, tables: dict, token_slot, copied: torch.Te
 def static_plan(row_slots, tokens_per_row):
     """The plan compiled code runs (:class:`~peft_csgmv.executor.StaticPlan`): adapter segments, the base tokens in
     segments of slot -1, then empty segments; as the ``peft_csgmv::lora`` op reads it."""
-    from peft_csgmv.executor import StaticPlan
+    from peft_csgmv.mapping import StaticPlan
     from peft_csgmv.ops import _plan
 
     static = StaticPlan(len(row_slots), len(row_slots), tokens_per_row, DEVICE)

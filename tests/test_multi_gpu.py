@@ -10,7 +10,8 @@ import torch
 from helpers import ALL_LINEAR, BASE, add_adapters, close, greedy_kwargs, per_adapter, stitch, tiny_model
 
 from peft_csgmv import enable_csgmv
-from peft_csgmv.executor import CallContext, Executor
+from peft_csgmv.executor import Executor
+from peft_csgmv.mapping import Mapping
 from peft_csgmv.plan import BatchPlan
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -38,14 +39,14 @@ def test_a_call_builds_one_plan_per_device(builds):
     executor = Executor("torch", lambda layer: None)
     devices = [torch.device("cpu"), torch.device("meta")]
     for _ in range(2):
-        executor.begin(CallContext(row_slots=(0, -1, 1, 0), names=("a0", BASE, "a1", "a0"), arg_name="adapter_ids"))
+        executor.begin(Mapping(row_slots=(0, -1, 1, 0), names=("a0", BASE, "a1", "a0"), arg_name="adapter_ids"))
         try:
-            runs = {d: {id(executor.plan_run(4, 3, d)) for _layer in range(5)} for d in devices}
+            runs = {d: {id(executor.mapping.plan(4, 3, d)) for _layer in range(5)} for d in devices}
         finally:
             executor.end()
         assert all(len(r) == 1 for r in runs.values()), "layers of one device got different plans"
     assert builds == devices, f"plans built on {builds}"
-    assert {key[-1] for key in executor.plans} == set(devices)  # the plan cache: one plan per device
+    assert {key[3] for key in executor.plans} == set(devices)  # the plan cache (by slots, repeat, tokens, device)
 
 
 def _split_model(dtype=torch.float32):

@@ -335,7 +335,7 @@ def test_plan_parts_start_on_16_bytes(rows, tokens_per_row):
     """Every plan tensor, of a host-built plan and of a compiled shape's static plan, starts on a 16-byte boundary
     of its buffer: Triton compiles a kernel per pointer alignment, and a CUDA graph's copies of the plan are aligned,
     so unaligned parts made the decode kernels compile twice (once for the graph's warm-up, once for its recording)."""
-    from peft_csgmv.executor import StaticPlan
+    from peft_csgmv.mapping import StaticPlan
 
     slots = [i % 3 - 1 for i in range(rows)]
     static = StaticPlan(rows, rows, tokens_per_row, torch.device("cpu"))

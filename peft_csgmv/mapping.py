@@ -1,0 +1,208 @@
+"""The mapping of a call: which adapter slot each token uses, and the plans the kernels read.
+
+A call's :class:`Mapping` holds its rows' slots (``-1``: a base row) and, for aLoRA rows, how many of each row's last
+tokens use the row's adapter (PEFT's offsets). Every layer input the call's layers see, ``rows × tokens_per_row``
+tokens with ``rows`` a whole multiple of the ids, gets its plan from it (:meth:`Mapping.plan`): a
+:class:`~peft_csgmv.plan.BatchPlan` (tokens grouped by slot into segments, see :mod:`peft_csgmv.plan` for a worked
+example) in a :class:`PlanRun` with its workspaces and bound launches, kept across calls with the same ids
+(:class:`PlanCache`). Compiled code cannot run Python per layer, so its plans are :class:`StaticPlan` buffers at fixed
+device addresses, one per compiled shape, rewritten from the mapping when a call opens (their grids sized for the most
+segments the shape can have, :func:`max_segments`). Eager, compiled and the torch backend read the same segments.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from .plan import BatchPlan, aligned_parts, aligned_tail, chunk_size_for
+
+if TYPE_CHECKING:
+    from .slots import LoraStack
+
+PLAN_CACHE_SIZE = 64
+
+
+def row_tokens(row_keep: tuple[int | None, ...] | None, rows: int, tokens_per_row: int) -> tuple[int, ...] | None:
+    """For a layer input of ``rows × tokens_per_row`` tokens (``rows`` a whole multiple of the call's ids, each id's
+    entry repeated for its rows): how many of each row's last tokens use the row's slot, as PEFT's aLoRA layers count
+    them (``row_keep``: :attr:`Mapping.row_keep`; an offset longer than the row covers it whole); ``None`` when
+    every token does."""
+    if row_keep is None:
+        return None
+    repeat = rows // len(row_keep)
+    per_row = tuple(tokens_per_row if k is None else min(k, tokens_per_row) for k in row_keep)
+    return tuple(k for k in per_row for _ in range(repeat)) if repeat > 1 else per_row
+
+
+@dataclasses.dataclass
+class Mapping:
+    """One call's LoRA work per token: each input row's slot, each aLoRA row's tokens, and from them the plan of every
+    layer input shape the call's layers see (:meth:`plan`). The driver (:func:`peft_csgmv.call.open_call`) makes it
+    once per call from the validated ids, before anything runs; the executor holds it for the call's thread from
+    :meth:`~peft_csgmv.executor.Executor.begin` to :meth:`~peft_csgmv.executor.Executor.end`; layers only read it."""
+
+    row_slots: tuple[int, ...]  # slot of each input row, -1 for base rows
+    names: tuple[str, ...]  # adapter name of each input row in PEFT's spelling ("__base__" for base rows)
+    arg_name: str  # "adapter_ids" or "adapter_names", for error messages
+    alora_offsets: list | None = None  # PEFT's aLoRA offsets of the call's rows, for the layers' PEFT path
+    # Per row of the call: ``None`` where the row's adapter applies to every token, else how many of the row's last
+    # tokens it applies to (an aLoRA row: PEFT's offset, 0 where the invocation was not found). ``None``: no such row.
+    row_keep: tuple[int | None, ...] | None = None
+    # Events of the host tier's copies to host memory that the call's moves queued (tier.copies_out): :meth:`Executor.
+    # end` waits for them, so that the call returns only once the weights it moved out are there.
+    copies_out: list = dataclasses.field(default_factory=list)
+    # Plans kept across calls (the model's, by ids and shape); the executor gives its own where none is given.
+    cache: "PlanCache | None" = None
+
+    def __post_init__(self) -> None:
+        self.name_set = frozenset(self.names)
+        self.runs: dict = {}  # (rows, tokens_per_row, device) -> PlanRun: this call's plans, by shape
+
+    def plan(self, rows: int, tokens_per_row: int, device: torch.device) -> "PlanRun":
+        """The plan of a layer input of ``rows × tokens_per_row`` tokens on ``device``: made once per call and shape
+        (from the cache when an earlier call with the same ids made it), then only looked up by every later layer of
+        that shape. ``rows`` is a whole multiple of the ids (each id's entry repeated for its rows: beams, returned
+        sequences, tokens flattened into rows)."""
+        key = (rows, tokens_per_row, device)
+        run = self.runs.get(key)
+        if run is None:
+            repeat = self.repeat(rows)
+            keep = self.row_tokens(rows, tokens_per_row)
+            run = self.runs[key] = self.cache.run_for(self.row_slots, repeat, tokens_per_row, device, keep)
+        return run
+
+    def repeat(self, rows: int) -> int:
+        """How many consecutive rows of a module input each id covers (``num_beams``, ``num_return_sequences``,
+        or tokens flattened into rows)."""
+        n = len(self.row_slots)
+        if rows % n:
+            raise ValueError(
+                f"Length of `{self.arg_name}` should be the same as the number of inputs, but got {n} and "
+                f"{rows} respectively (a layer saw {rows} rows, which is not a whole multiple of {n})."
+            )
+        return rows // n
+
+    def row_tokens(self, rows: int, tokens_per_row: int) -> tuple[int, ...] | None:
+        """:func:`row_tokens` of the call's rows."""
+        return row_tokens(self.row_keep, rows, tokens_per_row)
+
+    def names_for(self, rows: int) -> list[str]:
+        """PEFT's ``adapter_names`` for a module input of ``rows`` rows (each name repeated for its rows); the call's
+        names as they are when ``rows`` is no whole multiple of them, as PEFT's hooks pass them (PEFT's module then
+        raises its own error)."""
+        n = len(self.names)
+        if rows % n:
+            return list(self.names)
+        k = rows // n
+        return [name for name in self.names for _ in range(k)] if k > 1 else list(self.names)
+
+    def variant_kwargs(self) -> dict:
+        """The per-call arguments PEFT's hooks give every LoRA layer besides ``adapter_names``."""
+        return {} if self.alora_offsets is None else {"alora_offsets": self.alora_offsets}
+
+
+class PlanRun:
+    """A plan in use: the plan (plain data), its shrink workspaces, and each layer's launches bound to it (a
+    :class:`~peft_csgmv.kernels.BoundLayer`, or a marker: used once / cannot bind)."""
+
+    __slots__ = ("plan", "workspaces", "bound", "ahead")
+
+    def __init__(self, plan: BatchPlan) -> None:
+        self.plan = plan
+        self.workspaces: dict = {}
+        self.bound: dict = {}
+        self.ahead = False  # its kernel variants handed to :func:`~peft_csgmv.eager_ahead.compile_ahead_eager` already
+
+    def workspace(self, width: int, planes: int = 1) -> torch.Tensor:
+        """A ``(num_tokens, width)`` fp32 buffer for the shrink output (``(planes, num_tokens, width)`` for split-K
+        partial products), allocated once per plan and shape and shared by every layer: layers run one after
+        another, and each layer's expand consumes it before the next layer's shrink."""
+        buf = self.workspaces.get((width, planes))
+        if buf is None:
+            n = self.plan.num_tokens
+            shape = (n, width) if planes == 1 else (planes, n, width)
+            with torch.inference_mode(False):  # written in place by later calls, inside inference mode or not
+                buf = self.workspaces[(width, planes)] = torch.empty(
+                    shape, dtype=torch.float32, device=self.plan.permutation.device
+                )
+        return buf
+
+
+def max_segments(rows: int, num_tokens: int, chunk: int) -> int:
+    """The most segments a plan of ``rows`` rows and ``num_tokens`` tokens can have with row tile ``chunk``: each run
+    of one slot is cut into ``⌈len / chunk⌉`` segments, so at most ``runs + num_tokens // chunk``, and never more than
+    one per token. Runs: one per slot in use, the base tokens' included, so at most one per row, and one more where
+    rows have more than one token (a row whose slot covers its last tokens only has base tokens too: aLoRA)."""
+    return min(num_tokens, rows + (num_tokens > rows) + num_tokens // chunk)
+
+
+class StaticPlan:
+    """The plan of one compiled shape at fixed device addresses: ``n`` ids, ``rows × tokens_per_row`` tokens.
+
+    One int32 buffer ``[permutation (T) | seg_indptr (S + 1) | seg_slot (S)]`` with ``S`` = :func:`max_segments`;
+    :meth:`fill` rewrites it for each call's ids (one host-to-device copy). The adapter segments come first, then the
+    base tokens cut into segments of slot ``-1`` (the op's out-of-place expand copies them), then empty segments, whose
+    programs exit at once (:func:`max_segments` counts the runs ``S`` must hold).
+    The row tile follows the token count only (``chunk_size_for(T)``), so it does not change with the ids."""
+
+    def __init__(self, n: int, rows: int, tokens_per_row: int, device: torch.device) -> None:
+        self.n, self.rows, self.tokens_per_row, self.device = n, rows, tokens_per_row, device
+        self.num_tokens = rows * tokens_per_row
+        self.chunk = chunk_size_for(self.num_tokens)
+        self.max_segments = max_segments(rows, self.num_tokens, self.chunk)
+        t, s = self.num_tokens, self.max_segments
+        indptr_at, slot_at, length = aligned_parts(t, s)  # (fill lays its contents out the same: aligned_tail)
+        self.buf = torch.zeros(length, dtype=torch.int32, device=device)
+        torch._dynamo.mark_static_address(self.buf)  # a CUDA graph reads it in place: each call's fill is seen
+        self.permutation = self.buf[:t]
+        self.seg_indptr = self.buf[indptr_at : indptr_at + s + 1]
+        self.seg_slot = self.buf[slot_at:]
+        self.plan = (self.permutation, self.seg_indptr, self.seg_slot)  # (as the ops take them)
+
+    def fill(self, row_slots: tuple[int, ...], row_keep: tuple[int | None, ...] | None = None) -> None:
+        """Rewrite the buffer for a call's ``row_slots`` (and ``row_keep``: :attr:`Mapping.row_keep`)."""
+        repeat = self.rows // self.n
+        slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
+        keep = row_tokens(row_keep, self.rows, self.tokens_per_row)
+        plan = BatchPlan.build(slots, self.tokens_per_row, "cpu", chunk_size=self.chunk, row_tokens=keep)
+        # The base tokens (after the adapter tokens in the permutation) in segments of slot -1, so that the segments
+        # cover every token and the op's expand writes its whole output out of place.
+        bounds = plan.seg_indptr.tolist()
+        base = range(bounds[-1], self.num_tokens, self.chunk)
+        bounds += [min(p + self.chunk, self.num_tokens) for p in base]
+        seg_slot = plan.seg_slot.tolist() + [-1] * len(base)
+        pad = self.max_segments - len(seg_slot)  # segments past the live ones: empty, at the end of the tokens
+        tail = aligned_tail(self.num_tokens, bounds + [self.num_tokens] * pad, seg_slot + [0] * pad)
+        host = torch.tensor(plan.permutation.tolist() + tail, dtype=torch.int32)
+        if self.device.type == "cuda":
+            self.buf.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            self.buf.copy_(host)
+
+
+class PlanCache(collections.OrderedDict):
+    """A model's plans kept for later calls, least recently used first, at most :data:`PLAN_CACHE_SIZE`: ``(row slots,
+    repeat, tokens per row, device, row tokens)`` -> :class:`PlanRun`. A plan's bound launches live with it (a call
+    whose ids came before reuses them)."""
+
+    def run_for(self, row_slots: tuple[int, ...], repeat: int, tokens_per_row: int, device, keep=None) -> "PlanRun":
+        key = (row_slots, repeat, tokens_per_row, device, keep)
+        run = self.get(key)
+        if run is None:
+            slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
+            with torch.inference_mode(False):  # kept for later calls, inside inference mode or not
+                run = self[key] = PlanRun(BatchPlan.build(slots, tokens_per_row, device, row_tokens=keep))
+            if len(self) > PLAN_CACHE_SIZE:
+                self.popitem(last=False)
+        else:
+            self.move_to_end(key)
+        return run
+
+    def drop_bindings(self, stack: "LoraStack") -> None:
+        """Bindings to ``stack``'s old tensors would keep them alive and launch on them: drop them."""
+        for run in self.values():
+            run.bound.pop(stack, None)
