@@ -2,7 +2,7 @@
 # The GPU runs, by stage: tests and benchmarks on a CUDA machine, each stage fitting one 10-minute device call with
 # others; every stage writes its logs and result files under $OUT and prints its table.
 # Usage (device): OUT=/some/dir bash benchmarks/gpu_stages.sh [stage ...]
-#   tests    every test file on the GPU (test_gpu.py adds bf16/fp16 cases)      -> gpu_tests.log
+#   tests    every test file on the GPU (gpu-marked tests add bf16/fp16 cases) -> gpu_tests.log
 #   kernels  kernel benchmark, all layer shapes, ranks 16 and 64                 -> kernels.json, kernels.log
 #   tune     tile sweep of both kernels                                           -> tune.json, tune.log
 #   layer    host time of one whole patched layer                                 -> layer_host.log
@@ -189,7 +189,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         grep -E "^\| $m|identical" "$OUT/static_${m}_groups.log" || tail -25 "$OUT/static_${m}_groups.log"
       done ;;
     gbeside1b)
-      python3 -m pytest tests/test_group.py tests/test_gpu.py -k "group" -q -p no:cacheprovider -rf --tb=short \
+      python3 -m pytest tests/test_group.py tests/test_beside.py -k "group" -q -p no:cacheprovider -rf --tb=short \
         > "$OUT/gpu_gbeside.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_gbeside.log" | tail -5
       for o in "" --reverse ""; do

@@ -7,7 +7,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # The ops' compile-ahead thread (on by default on CUDA) runs each traced op once more over scratch tensors, which tests
-# that count kernel launches or op calls would count: off unless a test turns it on (tests/test_compiled.py's two
+# that count kernel launches or op calls would count: off unless a test turns it on (tests/test_compile_ahead.py's
 # compile-ahead tests do; PEFT_CSGMV_COMPILE_AHEAD=1 turns it on for the whole suite).
 os.environ.setdefault("PEFT_CSGMV_COMPILE_AHEAD", "0")
 

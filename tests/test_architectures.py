@@ -54,87 +54,13 @@ VOCAB = 97
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _classes(config: str, model: str):
-    config_cls, model_cls = getattr(tf, config, None), getattr(tf, model, None)
-    if config_cls is None or model_cls is None:
-        pytest.skip(f"transformers {tf.__version__} has no {config if config_cls is None else model}")
-    return config_cls, model_cls
-
-
-_IDS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
-def _llama_tied():
-    cfg = tf.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=80,
-        num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    return tf.LlamaForCausalLM(cfg), ALL_LINEAR
-
-
-def _gemma3():
-    config_cls, model_cls = _classes("Gemma3TextConfig", "Gemma3ForCausalLM")
-    # A sliding window shorter than the prompts, and one layer of each attention type. Embeddings tied by default.
-    cfg = config_cls(
-        hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-        intermediate_size=80, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=64, **_IDS,
-    )  # fmt: skip
-    return model_cls(cfg), ALL_LINEAR
-
-
-def _phi3():
-    config_cls, model_cls = _classes("Phi3Config", "Phi3ForCausalLM")
-    cfg = config_cls(
-        hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=80,
-        max_position_embeddings=64, **_IDS,
-    )  # fmt: skip
-    return model_cls(cfg), ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
-
-
-def _gptj():
-    config_cls, model_cls = _classes("GPTJConfig", "GPTJForCausalLM")
-    cfg = config_cls(n_embd=48, n_layer=2, n_head=4, rotary_dim=8, n_positions=64, **_IDS)
-    return model_cls(cfg), ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"]
-
-
-def _bart():
-    config_cls, model_cls = _classes("BartConfig", "BartForConditionalGeneration")
-    # init_std well above BART's default 0.02: with that, a model this small greedily repeats one token whatever the
-    # prompt or adapter, and the generation tests would prove nothing.
-    cfg = config_cls(
-        d_model=48, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-        encoder_ffn_dim=80, decoder_ffn_dim=80, max_position_embeddings=64, decoder_start_token_id=2,
-        forced_bos_token_id=None, forced_eos_token_id=None, init_std=0.5, **_IDS,
-    )  # fmt: skip
-    return model_cls(cfg), ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
-
-
-def _t5():
-    config_cls, model_cls = _classes("T5Config", "T5ForConditionalGeneration")
-    cfg = config_cls(
-        vocab_size=VOCAB, d_model=48, d_kv=12, d_ff=80, num_layers=2, num_decoder_layers=2, num_heads=4,
-        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    )  # fmt: skip
-    return model_cls(cfg), ["q", "k", "v", "o", "wi", "wo"]
-
-
-BUILDERS = {"llama_tied": _llama_tied, "gemma3": _gemma3, "phi3": _phi3, "gptj": _gptj, "bart": _bart, "t5": _t5}
-
-
 def build(arch: str, seed: int = 0):
-    """A tiny random-weight model of ``arch`` (no hub) and the LoRA target modules covering its linear layers.
-    Skips the test when this transformers version lacks the classes or cannot build them."""
-    if arch == "llama":
-        return tiny_model("llama", seed=seed)
-    builder = BUILDERS[arch]
-    torch.manual_seed(seed)
-    try:
-        model, targets = builder()
-    except (ImportError, TypeError, ValueError, AttributeError, NotImplementedError) as exc:
-        pytest.skip(f"cannot build a tiny {arch} with transformers {tf.__version__}: {type(exc).__name__}: {exc}")
-    model.generation_config.pad_token_id = 0
-    return model.eval(), targets
+    """A tiny random-weight model of ``arch`` (``helpers.tiny_model``; ``llama_tied``: Llama with tied embeddings) and
+    the LoRA target modules covering its linear layers. Skips the test when this transformers version lacks the
+    classes or cannot build them."""
+    if arch == "llama_tied":
+        return tiny_model("llama", seed=seed, tie_word_embeddings=True)
+    return tiny_model(arch, seed=seed)
 
 
 def make(arch: str, specs=None, seed: int = 0, alpha: float = 8):

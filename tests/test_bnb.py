@@ -19,7 +19,7 @@ Hence two checks:
   (``helpers.TOLERANCES``, 1e-5 in fp32 on CPU), which catches any error of a single layer;
 * end to end, the logits: the bf16 row of the table, the precision bitsandbytes rounds activations to (2e-2: ~10x the
   worst amplified fp32-compute difference measured, and well below each adapter's effect, >0.5); in bf16 compute
-  (GPU), bf16's tolerance scaled by the logits' magnitude x2, as ``test_gpu.py`` does.
+  (GPU), bf16's tolerance scaled by the logits' magnitude x2, as ``helpers.assert_mixed_batch_matches`` does.
 
 Skipped where bitsandbytes is not installed, or its backend cannot run a layer type on the device (the reason says
 why). bitsandbytes' AVX512-BF16 CPU path repacks 4-bit weights in blocks of 32 output features, so every projection
@@ -46,6 +46,7 @@ from helpers import (
     norm,
     per_adapter,
     stitch,
+    tiny_model,
 )
 
 from peft_csgmv import disable_csgmv, enable_csgmv
@@ -107,15 +108,9 @@ def _require(quant: str, device: torch.device, dtype: torch.dtype) -> None:
 @pytest.fixture(scope="module")
 def saved_llama(tmp_path_factory):
     """A tiny random-weight Llama saved to disk (from_pretrained quantizes while loading; no hub)."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
+    model, _ = tiny_model("llama", hidden=64, intermediate=128)
     path = tmp_path_factory.mktemp("tiny_llama")
-    tf.LlamaForCausalLM(cfg).save_pretrained(path)
+    model.save_pretrained(path)
     return path
 
 
@@ -273,8 +268,8 @@ def test_greedy_generate_token_identical(saved_llama, quant, backend):
 @pytest.mark.parametrize("quant", QUANTS)
 def test_gpu_bf16_parity(saved_llama, quant, stack_dtype, kernel_calls):
     model = quantized(saved_llama, quant, torch.bfloat16, torch.device("cuda"))
-    # As test_gpu.py: bf16's tolerance scaled by the logits' magnitude (x2: PEFT rounds each LoRA delta to bf16
-    # before adding it to the base output, the kernels round the sum once).
+    # As helpers.assert_mixed_batch_matches: bf16's tolerance scaled by the logits' magnitude (x2: PEFT rounds each
+    # LoRA delta to bf16 before adding it to the base output, the kernels round the sum once).
     with torch.no_grad(), model.disable_adapter():
         ids, mask = make_batch(len(NAMES), 7)
         magnitude = model(ids, attention_mask=mask).logits.abs().max().item()

@@ -166,3 +166,30 @@ def test_pdl_reaches_checked_and_bound_launches(recorded, monkeypatch, pdl):
     finally:
         executor.end()
         disable_csgmv(model)
+
+
+@pytest.mark.gpu
+def test_bound_launches_on_later_calls():
+    """From the third call with the same ids on, the layers go through the bound launches (device addresses,
+    prepared argument lists): every patched layer has a binding, and the output is bit-identical to the first call's
+    and matches per-adapter PEFT runs."""
+    from helpers import close, interleaved, make, make_batch, per_adapter, stitch
+
+    model = make("llama")
+    names = interleaved(6)
+    input_ids, mask = make_batch(6, 7)
+    outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model)
+    try:
+        from peft_csgmv.kernels import BoundLayer
+
+        first = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+        model(input_ids, attention_mask=mask, adapter_ids=names)  # a plan's second use binds its launches
+        runs = list(model._csgmv.executor.plans.values())
+        bound = [b for r in runs for b in r.bound.values()]
+        assert bound and all(isinstance(b, BoundLayer) for b in bound), "no bound launches after the second call"
+        second = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+    finally:
+        disable_csgmv(model)
+    assert torch.equal(first, second)
+    close(second, stitch(outs, names), "bound launches vs per-adapter runs")

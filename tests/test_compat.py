@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ALL_LINEAR, add_adapters, tiny_model
 
 from peft_csgmv import _compat
 from peft_csgmv._compat import FLOORS, cache_kwarg, check_versions, output_cache, too_old
-from peft_csgmv.toy import tiny_llama, with_adapters
 
 
 def test_pyproject_declares_the_same_floors():
@@ -61,7 +61,8 @@ def test_release_numbers():
 def test_kv_cache_spelling_decodes_without_deprecation_warnings():
     """A prefill, then one decode step over its cache, with this transformers version's own names (``cache`` from
     5.24 on): the same logits as the whole sequence at once, and no FutureWarning."""
-    for model in (tiny_llama(), with_adapters(tiny_llama(), {"x": 4})):
+    adapter = {"x": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR)}
+    for model in (tiny_model("llama")[0], add_adapters(tiny_model("llama")[0], adapter)):
         ids = torch.randint(4, 60, (2, 6))
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)

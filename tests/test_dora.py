@@ -7,7 +7,9 @@ import pytest
 import torch
 from helpers import (
     BASE,
+    add_adapters,
     assert_adapters_matter,
+    assert_mixed_batch_matches,
     close,
     greedy_kwargs,
     interleaved,
@@ -73,23 +75,18 @@ def test_dora_greedy_generate_token_identical():
 def test_split_k_layers_with_dora_and_lora_bias():
     """Layers wide enough that the shrink splits K (partial planes in the plan's workspace, summed by expand), with
     plain, DoRA and ``lora_bias`` adapters in one batch through the Triton kernels: parity with per-adapter runs."""
-    import transformers as tf
-    from helpers import DEVICE, add_adapters
+    from helpers import DEVICE
 
     from peft_csgmv.kernels import shrink_splits
 
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=97, hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
+    base, _ = tiny_model("llama", layers=1, hidden=256, intermediate=256)
     targets = ["q_proj", "o_proj", "down_proj"]
     specs = {
         "a0": dict(r=4, lora_alpha=8, target_modules=targets),
         "d0": dict(r=8, lora_alpha=16, target_modules=targets, use_dora=True),
         "b0": dict(r=4, lora_alpha=4, target_modules=targets, lora_bias=True),
     }
-    model = add_adapters(tf.LlamaForCausalLM(cfg), specs).to(DEVICE)
+    model = add_adapters(base, specs).to(DEVICE)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -108,3 +105,22 @@ def test_split_k_layers_with_dora_and_lora_bias():
     finally:
         disable_csgmv(model)
     close(got, stitch(outs, names), "split-K layers with DoRA and lora_bias")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_dora_parity_half(arch, dtype):
+    """DoRA adapters mixed with plain ones, in half precision, against each adapter's own PEFT run."""
+    model, targets = tiny_model(arch)
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=targets),
+        "d": dict(r=16, lora_alpha=16, target_modules=targets, use_dora=True),
+    }
+    pm = add_adapters(model.to("cuda"), specs)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+    pm.to(dtype)
+    assert_mixed_batch_matches(pm, ["d", "__base__", "a", "d", "a"], dtype, what=f"{arch} DoRA logits")

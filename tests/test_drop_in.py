@@ -18,6 +18,7 @@ from helpers import (
     DEVICE,
     add_adapters,
     assert_adapters_matter,
+    assert_close,
     close,
     make_batch,
     per_adapter,
@@ -383,15 +384,7 @@ def test_stack_move_is_all_or_nothing(monkeypatch):
 def test_embed_scale_read_per_call():
     """A scaled embedding's ``embed_scale`` is read on every call, as PEFT reads it: changing it after enabling
     changes the csgmv output exactly as it changes PEFT's."""
-    import transformers as tf
-
-    cfg = tf.Gemma3TextConfig(
-        vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=12, intermediate_size=80, sliding_window=4, max_position_embeddings=64,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = tf.Gemma3ForCausalLM(cfg).eval()
+    model, _ = tiny_model("gemma3")
     specs = {
         "a0": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
         "a1": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "v_proj"]),
@@ -500,3 +493,31 @@ def test_deepcopy_of_an_enabled_model_is_refused_loudly():
     loaded = pickle.loads(pickle.dumps(model))
     with torch.no_grad():
         close(loaded(input_ids, attention_mask=mask).logits, expected, "stock PEFT's model, pickled after disabling")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_alora_mixed_half(dtype):
+    """aLoRA rows (PEFT's forward in each layer) mixed with kernel rows, in half precision: the same logits as PEFT's
+    own ``adapter_names`` path."""
+    model, targets = tiny_model("llama")
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"),
+        "al": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[7, 8],
+                   task_type="CAUSAL_LM"),
+    }  # fmt: skip
+    pm = add_adapters(model.to("cuda"), specs).to(dtype)
+    names = ["al", "a", "__base__", "al", "a"]
+    ids = torch.randint(9, 97, (len(names), 10), device="cuda")
+    ids[:, 4:6] = torch.tensor([7, 8], device="cuda")
+    with torch.no_grad():
+        ref = pm(ids, adapter_names=names).logits.float()
+        base = pm(ids, adapter_names=["__base__"] * len(names)).logits.float()
+    assert (ref[0] - base[0]).abs().max() > 0.05
+    enable_csgmv(pm)
+    try:
+        with torch.no_grad():
+            out = pm(ids, adapter_ids=names).logits.float()
+    finally:
+        disable_csgmv(pm)
+    assert_close(out, ref, dtype, scale=max(1.0, ref.abs().max().item()) * 2, what="aLoRA mixed logits")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers as tf
 from helpers import (
     ALL_LINEAR,
     BASE,
@@ -16,12 +15,14 @@ from helpers import (
     add_adapters,
     assert_adapters_matter,
     assert_close,
+    assert_mixed_batch_matches,
     close,
     greedy_kwargs,
     interleaved,
     make_batch,
     per_adapter,
     stitch,
+    tiny_model,
 )
 from peft import LoraConfig, get_peft_model
 
@@ -95,8 +96,6 @@ def _embedding_layer(model):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_llama_embedding_through_kernels(backend, kernel_calls):
-    from helpers import tiny_model
-
     model, _ = tiny_model("llama")
     specs = {
         "a0": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "v_proj"]),
@@ -114,13 +113,7 @@ def test_llama_embedding_through_kernels(backend, kernel_calls):
 
 def test_gemma3_scaled_embedding():
     """Gemma3 multiplies embeddings by ``embed_scale`` (√hidden); PEFT scales the LoRA output the same way."""
-    cfg = tf.Gemma3TextConfig(
-        vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=12, intermediate_size=80, sliding_window=4, max_position_embeddings=64,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = tf.Gemma3ForCausalLM(cfg).eval()
+    model, _ = tiny_model("gemma3")
     assert float(model.get_input_embeddings().embed_scale) != 1.0
     specs = {
         "a0": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
@@ -131,12 +124,7 @@ def test_gemma3_scaled_embedding():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tied_embeddings_with_embedding_lora(backend):
-    cfg = tf.LlamaConfig(
-        vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=80,
-        num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(cfg).eval()
+    model, _ = tiny_model("llama", tie_word_embeddings=True)
     specs = {
         "a0": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
         "a1": dict(r=8, lora_alpha=4, target_modules=["embed_tokens", "o_proj"]),
@@ -175,3 +163,35 @@ def test_max_norm_embedding_takes_peft_path():
     finally:
         disable_csgmv(model)
     close(got, stitch(outs, names), "max_norm embedding")
+
+
+def _embedding_lora_model(dtype):
+    """A tiny Llama with two adapters on the embedding (and linear layers), in ``dtype``."""
+    model, targets = tiny_model("llama")
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", *targets]),
+        "b": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
+    }
+    return add_adapters(model.to("cuda"), specs).to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_embedding_lora_half(dtype):
+    """Embedding LoRA through the gather kernel, mixed with linear LoRA, in half precision."""
+    pm = _embedding_lora_model(dtype)
+    assert_mixed_batch_matches(pm, ["a", "__base__", "b", "a", "b"], dtype, what="embedding LoRA logits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("view", ["last-column", "every-other-row"])
+def test_embedding_lora_strided_ids_half(dtype, view):
+    """Token ids as a hand-written decode loop passes them (``seq[:, -1:]``) or every other row: strided views reach
+    the embedding gather kernel, in half precision."""
+    pm = _embedding_lora_model(dtype)
+    names = ["a", "__base__", "b", "a", "b"]
+    wide = torch.randint(3, 97, (2 * len(names), 9), device="cuda")
+    ids = wide[: len(names), -1:] if view == "last-column" else wide[::2]
+    assert not ids.is_contiguous()
+    assert_mixed_batch_matches(pm, names, dtype, what=f"embedding LoRA, {view} ids", ids=ids)

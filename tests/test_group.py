@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, add_adapters, compile_config, make_batch, tiny_model
+from helpers import DEVICE, ID_LISTS, add_adapters, compile_config, make_batch, tiny_model
 
 from peft_csgmv import enable_csgmv, kernels
 from peft_csgmv.kernels.group import expand_group, group_splits, shrink_group
@@ -19,7 +19,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
-ID_LISTS = [["a0", None, "a1"], ["a1", "a0", None], ["a0", "a0", "a1"]]
 
 
 def _model(dtype=torch.float32, lora_bias: bool = False):

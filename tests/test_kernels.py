@@ -930,3 +930,129 @@ def test_a_compile_worker_that_does_not_answer_is_stopped(monkeypatch):
     monkeypatch.setattr(ahead, "_worker", hung)
     errors = ahead.compile_elsewhere([("peft_csgmv.kernels.shrink", "_no_such_kernel", 0, (1, 1, 1), (), {}, ())])
     assert ahead._worker is not hung and len(errors) == 1, errors
+
+
+def _cuda_stack(num_slots, ranks, k, n, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    r_max = max(ranks)
+    a = torch.zeros(num_slots, r_max, k, dtype=torch.float64)
+    b = torch.zeros(num_slots, n, r_max, dtype=torch.float64)
+    for s, r in enumerate(ranks):
+        a[s, :r] = torch.randn(r, k, generator=g, dtype=torch.float64) / k**0.5
+        b[s, :, :r] = torch.randn(n, r, generator=g, dtype=torch.float64) / r**0.5
+    scal = torch.linspace(0.5, 2.0, num_slots, dtype=torch.float32)
+    return (
+        a.to("cuda", dtype),
+        b.to("cuda", dtype),
+        torch.tensor(ranks, dtype=torch.int32, device="cuda"),
+        scal.to("cuda"),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "k,n,ranks,row_slots,tpr,chunk",
+    [
+        (2048, 2048, [16] * 32, list(range(32)), 1, 16),  # decode, 32 distinct
+        (2048, 8192, [8, 16, 64, 128], [0, 1, 2, 3, -1, 0, 2, 1], 1, 16),  # decode, mixed ranks, base rows
+        (8192, 2048, [16, 64], [0, 1, 1, -1], 250, 128),  # prefill, chunk 128 with remainder
+        (4096, 14336, [16] * 8, [0] * 16, 64, 128),  # prefill, one adapter
+        (2048, 4096, [16, 64] * 8, list(range(16)), 64, 64),  # prefill, 16 runs of 64: 64-row tiles
+        (4096, 2048, [16, 64] * 16, list(range(32)), 16, 16),  # prefill, 32 runs of 16: 16-row tiles
+        (2049, 431, [1, 3, 0, 17], [0, 1, 2, 3, 0, -1], 33, 16),  # odd dims, rank 0 slot
+    ],
+    ids=["decode32", "mixed-ranks", "prefill-chunk", "prefill-one", "prefill-runs64", "prefill-runs16", "odd"],
+)
+def test_kernels_vs_float64(dtype, k, n, ranks, row_slots, tpr, chunk):
+    torch.manual_seed(0)
+    a, b, r, scal = _cuda_stack(len(ranks), ranks, k, n, dtype)
+    plan = BatchPlan.build(row_slots, tpr, "cuda")
+    assert plan.chunk_size == chunk
+    x = torch.randn(plan.num_tokens, k, device="cuda").to(dtype)
+    y = torch.randn(plan.num_tokens, n, device="cuda").to(dtype)
+    y0 = y.clone()
+    t = shrink(x, a, r, plan)
+    expand(t, b, r, scal, plan, y)
+    ranks_h, scal_h = r.tolist(), scal.tolist()
+    t_ref = shrink_reference(x.double(), a.double(), ranks_h, plan)
+    y_ref = expand_reference(t_ref, b.double(), ranks_h, scal_h, plan, y0.double())
+    assert_close(y, y_ref, dtype, scale=4.0, what=f"y ({dtype})")
+    base_rows = [i * tpr + j for i, s in enumerate(row_slots) for j in range(tpr) if s < 0 or ranks[s] == 0]
+    if base_rows:
+        assert torch.equal(y[base_rows], y0[base_rows])
+
+
+def _chain(layers, plan, x, out_of_place):
+    """``x`` through ``layers`` of base matmul + LoRA, each layer's input the previous layer's output: every kernel
+    reads what the one before it wrote, and the shrinks of all layers share one workspace (``t``)."""
+    t = None
+    for w, a, b, r, scal in layers:
+        y = x @ w
+        if t is None:
+            t = shrink(x, a, r, plan)
+        else:
+            shrink(x, a, r, plan, t=t)
+        x = expand(t, b, r, scal, plan, y, out=torch.empty_like(y) if out_of_place else None)
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_of_place", [False, True], ids=["in-place", "out-of-place"])
+def test_pdl_launches_give_the_serial_launches_results(out_of_place, monkeypatch):
+    """On Hopper the kernels launch with programmatic dependent launch (each may start while the one before it ends,
+    and waits for it before touching activations): a chain of layers, each reading what the last wrote, gives
+    bit for bit what launches that wait in full give, eagerly and replayed from a CUDA graph, 20 times over."""
+    from peft_csgmv.kernels import launch
+
+    if torch.cuda.get_device_capability()[0] < 9 or not launch._triton_has_pdl():
+        pytest.skip("programmatic dependent launch needs sm_90 and a Triton with launch_pdl")
+    torch.manual_seed(0)
+    dt, k = torch.bfloat16, 2048
+    layers = []
+    for i in range(12):
+        a, b, r, scal = _cuda_stack(32, [16] * 32, k, k, dt, seed=i)
+        layers.append((torch.randn(k, k, device="cuda", dtype=dt) / k**0.5, a, b, r, scal))
+    rows = list(range(32))
+    if out_of_place:
+        # Base rows too, in segments of slot -1 as a static plan has them (out of place, the plan covers every row).
+        from peft_csgmv.mapping import StaticPlan
+        from peft_csgmv.ops import _plan
+
+        rows[::5] = [-1] * len(rows[::5])
+        static = StaticPlan(32, 32, 1, torch.device("cuda"))
+        static.fill(tuple(rows))
+        plan = _plan(static.permutation, static.seg_indptr, static.seg_slot, static.chunk, runs=False)
+    else:
+        plan = BatchPlan.build(rows, 1, "cuda")
+    x = torch.randn(32, k, device="cuda", dtype=dt)
+
+    def results():
+        eager = [_chain(layers, plan, x, out_of_place) for _ in range(20)]
+        static_x = x.clone()
+        _chain(layers, plan, static_x, out_of_place)  # warm up (compile) outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _chain(layers, plan, static_x, out_of_place)
+        replays = []
+        for _ in range(20):
+            graph.replay()
+            replays.append(out.clone())
+        return eager, replays
+
+    launch.reset_pdl()
+    assert launch.pdl(torch.device("cuda", torch.cuda.current_device()))
+    with_pdl = results()
+    monkeypatch.setenv("PEFT_CSGMV_PDL", "0")
+    launch.reset_pdl()
+    try:
+        assert not launch.pdl(torch.device("cuda", torch.cuda.current_device()))
+        eager, _ = results()
+    finally:
+        monkeypatch.delenv("PEFT_CSGMV_PDL")
+        launch.reset_pdl()
+    serial = eager[0]
+    assert torch.isfinite(serial).all() and serial.abs().sum() > 0
+    for got in with_pdl[0] + with_pdl[1]:
+        assert torch.equal(got, serial)

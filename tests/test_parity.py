@@ -21,8 +21,10 @@ from helpers import (
     BASE,
     CLEAR_MARGIN,
     DEVICE,
+    add_adapters,
     assert_adapters_matter,
     assert_generations_differ,
+    assert_mixed_batch_matches,
     close,
     greedy_kwargs,
     interleaved,
@@ -735,3 +737,64 @@ def test_hooks_on_base_layers_still_run():
         assert torch.equal(again, expected)
     finally:
         disable_csgmv(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "opt"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("stack_dtype", [None, torch.float32], ids=["stack-base-dtype", "stack-fp32"])
+def test_model_parity_half(arch, dtype, stack_dtype):
+    model, targets = tiny_model(arch)
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=targets),
+        "b": dict(r=16, lora_alpha=8, target_modules=targets[:2], use_rslora=True),
+        "c": dict(r=4, lora_alpha=4, target_modules=targets),
+    }
+    pm = add_adapters(model.to("cuda"), specs)
+    pm.to(dtype)  # adapters in the model dtype too, as a half-precision deployment would have them
+    assert_mixed_batch_matches(pm, ["__base__", "a", "b", "c", "a", "__base__"], dtype, stack_dtype, f"{arch} logits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_fp32_greedy_generate_token_identical(arch):
+    model, targets = tiny_model(arch)
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=targets),
+        "b": dict(r=32, lora_alpha=8, target_modules=targets),
+    }
+    pm = add_adapters(model.to("cuda"), specs)
+    names = ["a", "__base__", "b", "a", "b"]
+    ids = torch.randint(3, 97, (len(names), 10), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = pm.generate(input_ids=ids, adapter_names=names, **kw)
+        ref_beam = pm.generate(input_ids=ids, adapter_names=names, num_beams=3, **kw)
+    enable_csgmv(pm)
+    try:
+        out = pm.generate(input_ids=ids, adapter_ids=names, **kw)
+        out_beam = pm.generate(input_ids=ids, adapter_ids=names, num_beams=3, **kw)
+    finally:
+        disable_csgmv(pm)
+    assert torch.equal(out, ref)
+    assert torch.equal(out_beam, ref_beam)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_lora_bias_half(dtype):
+    """``lora_bias=True`` adapters mixed with plain ones, in half precision."""
+    model, targets = tiny_model("qwen2")
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=targets),
+        "lb": dict(r=4, lora_alpha=8, target_modules=targets, lora_bias=True),
+    }
+    pm = add_adapters(model.to("cuda"), specs)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B.lb.bias" in name:
+                p.add_(0.5 * torch.randn_like(p))
+    pm.to(dtype)
+    assert_mixed_batch_matches(pm, ["lb", "__base__", "a", "lb", "a"], dtype, what="lora_bias logits")

@@ -144,18 +144,12 @@ def test_conv_lora(backend):
 def test_sequence_classification_heads(backend):
     """A LoRA classifier per task (SEQ_CLS: PEFT saves each adapter's own ``score`` head): one mixed batch scores every
     row with its own adapter and head."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=80,
-        num_key_value_heads=2, num_labels=3, pad_token_id=0,
-    )  # fmt: skip
+    base, _ = tiny_model("llama", model_class="LlamaForSequenceClassification", num_labels=3, pad_token_id=0)
     model = None
     for i, name in enumerate(["a0", "a1"]):
         config = LoraConfig(task_type="SEQ_CLS", init_lora_weights=False, r=4 + 4 * i, target_modules=ALL_LINEAR)
         if model is None:
-            model = get_peft_model(LlamaForSequenceClassification(cfg), config, adapter_name=name)
+            model = get_peft_model(base, config, adapter_name=name)
         else:
             model.add_adapter(name, config)
     model = model.eval().to(DEVICE)

@@ -1,6 +1,6 @@
 """``generate`` with ids reads transformers' stop flag one step late on CUDA (``enable_csgmv``'s ``defer_stop_check``):
 which calls do, and what transformers' ``DeferredStopCheck.is_supported`` answers inside and outside them. The loop
-itself (transformers' own) cannot run on the CPU (it records CUDA events): tests/test_gpu.py runs it against the
+itself (transformers' own) cannot run on the CPU (it records CUDA events): the ``gpu`` test below runs it against the
 undeferred loop."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 import transformers
-from helpers import make, make_batch
+from helpers import add_adapters, make, make_batch, tiny_model
 
-from peft_csgmv import _compat, enable_csgmv
+from peft_csgmv import _compat, disable_csgmv, enable_csgmv
 from peft_csgmv._compat import deferred_stop_check
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -118,3 +118,61 @@ def test_which_generate_calls_defer_their_stop_check():
     assert _deferred(model, adapter_ids=ids) is False, "a refused enable_csgmv changed the choice"
     enable_csgmv(model)
     assert _deferred(model, adapter_ids=ids) is AVAILABLE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_deferred_stop_check_gives_the_undeferred_sequences(cache, monkeypatch):
+    """``defer_stop_check`` (on by default for calls that do not sample): transformers' deferred loop on CUDA gives the
+    sequences of its undeferred loop, in fp32, where every row stops on an EOS token before ``max_new_tokens`` (the
+    deferred loop runs one more step and takes it back), greedy and sampled (the same seed), over the dynamic cache
+    and the static cache's compiled steps. The deferred loop really ran: transformers built its DeferredStopCheck."""
+    from transformers.generation import utils as generation
+
+    from peft_csgmv import _compat
+
+    if not _compat._install_deferred_stop_check():
+        pytest.skip("this transformers has no DeferredStopCheck")
+    built = []
+    original_init = generation.DeferredStopCheck.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(self)
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(generation.DeferredStopCheck, "__init__", counting_init)
+    model, targets = tiny_model("llama")
+    specs = {
+        "a": dict(r=8, lora_alpha=16, target_modules=targets),
+        "b": dict(r=16, lora_alpha=8, target_modules=targets),
+    }
+    pm = add_adapters(model.to("cuda"), specs)
+    names = ["a", "__base__", "b", "a", "b"]
+    input_ids = torch.randint(3, 97, (len(names), 10), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    kw = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), adapter_ids=names, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    enable_csgmv(pm)
+    try:
+        for sample in (False, True):
+            extra = dict(do_sample=True, top_k=20) if sample else dict(do_sample=False)
+
+            def run(defer: bool, **more):
+                enable_csgmv(pm, defer_stop_check=defer)
+                torch.manual_seed(7)
+                with torch.no_grad():
+                    return pm.generate(**kw, **extra, **more)
+
+            # The same logits processors as below (no minimum length), with an EOS token the rows do not reach.
+            free = run(False, max_new_tokens=8, eos_token_id=model.config.vocab_size - 1)
+            # Each row's third new token is an EOS token: every row stops by the third step.
+            eos = sorted(set(free[:, input_ids.shape[1] + 2].tolist()))
+            before = len(built)
+            undeferred = run(False, max_new_tokens=8, eos_token_id=eos)
+            assert len(built) == before
+            deferred = run(True, max_new_tokens=8, eos_token_id=eos)
+            assert len(built) == before + 1, "the deferred loop did not run"
+            assert undeferred.shape[1] < input_ids.shape[1] + 8, "no early stop: the test proves nothing"
+            assert torch.equal(deferred, undeferred), f"sample={sample}: the deferred loop changed the sequences"
+    finally:
+        disable_csgmv(pm)

@@ -8,7 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ALL_LINEAR, BASE, DEVICE, add_adapters, close, make_batch, per_adapter, stitch, tiny_model
+from helpers import (
+    ALL_LINEAR,
+    BASE,
+    DEVICE,
+    add_adapters,
+    close,
+    interleaved,
+    make,
+    make_batch,
+    per_adapter,
+    stitch,
+    tiny_model,
+)
 from peft import PeftModel
 
 from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv
@@ -258,3 +270,29 @@ def test_adapter_deleted_and_added_again_with_an_equal_config_is_stacked_anew(ti
     model.to(DEVICE)
     assert list(model.peft_config) == ["a0", "a1", "a2"] and model.peft_config["a2"] == config
     _check_outputs(model, "a2 added again with new weights", names)
+
+
+@pytest.mark.gpu
+def test_model_moved_after_enable():
+    """Moving the model between devices after enable_csgmv: the stacks follow on the next call, the result still
+    matches, and no binding keeps the old device's stack tensors alive."""
+    model = make("llama")
+    names = interleaved(5)
+    input_ids, mask = make_batch(5, 6)
+    enable_csgmv(model)
+    try:
+        on_gpu = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+        model(input_ids, attention_mask=mask, adapter_ids=names)  # the plan's second use binds the launches
+        model(input_ids, attention_mask=mask, adapter_ids=names)  # and the third runs them
+        model.to("cpu")
+        on_cpu = model(input_ids.cpu(), attention_mask=mask.cpu(), adapter_ids=names).logits
+        for run in model._csgmv.executor.plans.values():
+            for binding in run.bound.values():
+                if hasattr(binding, "tensors"):
+                    assert all(t is None or t.device.type == "cpu" for t in binding.tensors)
+        model.to("cuda")
+        back = model(input_ids, attention_mask=mask, adapter_ids=names).logits
+    finally:
+        disable_csgmv(model)
+    close(on_cpu, on_gpu.cpu(), "after moving to the CPU")
+    close(back, on_gpu, "after moving back")

@@ -26,13 +26,14 @@ from helpers import (
     assert_adapters_matter,
     assert_close,
     close,
+    make,
     per_adapter,
     stitch,
     tiny_model,
 )
 
 from peft_csgmv import disable_csgmv, enable_csgmv
-from peft_csgmv.executor import PlanRun
+from peft_csgmv.mapping import PlanRun
 from peft_csgmv.kernels import (
     BoundLayer,
     embedding_shrink,
@@ -600,3 +601,98 @@ def test_model_strided_input_ids(backend, case):
     finally:
         disable_csgmv(model)
     close(got, stitch(outs, names), f"{backend} {case}: csgmv vs each row's stock PEFT run")
+
+
+@pytest.mark.parametrize("layout", ["rows-step2", "last-columns", "offset", "transposed-sliced"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_linear_takes_strided_inputs(backend, layout):
+    """``peft_csgmv::lora_linear`` on a view of ``x`` (every 2nd row, the last columns of a wider tensor, at a storage
+    offset, transposed and sliced): the base product and the LoRA alone of the same values given contiguously, ``x``'s
+    parent untouched; ``y + delta`` is the base product followed by the ``lora`` op, bit for bit."""
+    from test_strides import view_2d
+
+    from peft_csgmv import ops
+    from peft_csgmv.mapping import StaticPlan
+
+    model = make()
+    enable_csgmv(model, backend=backend)
+    layer = model.base_model.model.model.layers[1].mlp.down_proj
+    stack, base = layer._csgmv_stack, layer.base_layer
+    static = StaticPlan(4, 4, 2, DEVICE)
+    static.fill((1, -1, 0, 1))
+    x, parent = view_2d(lambda shape: torch.randn(shape, device=DEVICE), 8, layer.in_features, layout)
+    x_dense, parent0 = x.contiguous(), parent.clone()
+    args = (static.permutation, static.seg_indptr, static.seg_slot, stack.handle, stack.version, static.chunk)
+    triton = backend == "triton"
+    with torch.no_grad():
+        y, delta = ops.lora_linear(x, base.weight, base.bias, *args, triton)
+        y_dense, delta_dense = ops.lora_linear(x_dense, base.weight, base.bias, *args, triton)
+        want = ops.lora(x_dense, torch.nn.functional.linear(x_dense, base.weight, base.bias), *args[:3], None,
+                        *args[3:], triton)  # fmt: skip
+    assert torch.equal(parent, parent0), "lora_linear wrote x"
+    close(y, y_dense, f"base product of a {layout} view")
+    close(delta, delta_dense, f"the LoRA of a {layout} view")
+    assert delta.abs().sum() > 0 and not delta[2:4].any(), "the LoRA is zero on the base row's tokens only"
+    assert torch.equal((y_dense + delta_dense).to(y.dtype), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ops_take_a_layers_input_with_its_leading_dimensions(backend):
+    """The ops take a layer's input and output as the layer sees them, ``(rows, tokens, features)`` (token ids
+    ``(rows, tokens)`` for an embedding), strided views included (the last token of every 2nd row, ``[::2, -1:]``; a
+    middle token at an offset, ``[:, 1:2]``), so a compiled graph holds no reshape around them: each output has the
+    input's leading dimensions and, bit for bit, the values of the same op over the flattened contiguous tensors."""
+    from peft_csgmv import ops
+    from peft_csgmv.mapping import StaticPlan
+
+    model = make(embedding=True)
+    enable_csgmv(model, backend=backend)
+    inner = model.base_model.model.model
+    q, k, v = (getattr(inner.layers[1].self_attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+    embed = inner.embed_tokens
+    static = StaticPlan(4, 4, 1, DEVICE)
+    static.fill((1, -1, 0, 1))
+    plan, triton = (static.permutation, static.seg_indptr, static.seg_slot), backend == "triton"
+    stacks = [m._csgmv_stack for m in (q, k, v)]
+    handles, versions = [s.handle for s in stacks], [s.version for s in stacks]
+    weights, biases = [m.base_layer.weight for m in (q, k, v)], [m.base_layer.bias for m in (q, k, v)]
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(8, 3, q.in_features, generator=g).to(DEVICE)
+    ids_wide = torch.randint(1, 90, (8, 3), generator=g).to(DEVICE)
+    y_wide = torch.randn(8, 3, q.out_features, generator=g).to(DEVICE)
+    e_wide = torch.randn(8, 3, embed.base_layer.embedding_dim, generator=g).to(DEVICE)
+
+    def flat(t):
+        return t.reshape(-1, t.shape[-1]).contiguous()
+
+    def same(got, want, lead, what):
+        assert got.shape == (*lead, want.shape[-1]), f"{what}: shape {tuple(got.shape)}"
+        assert torch.equal(got.reshape(-1, want.shape[-1]), want), f"{what}: other values than over flat tensors"
+
+    with torch.no_grad():
+        for pick in (lambda t: t[::2, -1:], lambda t: t[:4, 1:2]):
+            x, y, ids, e = pick(wide), pick(y_wide), pick(ids_wide), pick(e_wide)
+            assert not x.is_contiguous() and not ids.is_contiguous()
+            lead = x.shape[:-1]
+            s = stacks[0]
+            got = ops.lora(x, y, *plan, None, s.handle, s.version, static.chunk, triton)
+            same(got, ops.lora(flat(x), flat(y), *plan, None, s.handle, s.version, static.chunk, triton), lead, "lora")
+            es = embed._csgmv_stack
+            got = ops.lora(ids, e, *plan, None, es.handle, es.version, static.chunk, triton)
+            want = ops.lora(ids.reshape(-1).contiguous(), flat(e), *plan, None, es.handle, es.version, static.chunk,
+                            triton)  # fmt: skip
+            same(got, want, ids.shape, "lora over token ids")
+            got = ops.lora_linear(x, weights[0], biases[0], *plan, s.handle, s.version, static.chunk, triton)
+            want = ops.lora_linear(flat(x), weights[0], biases[0], *plan, s.handle, s.version, static.chunk, triton)
+            for a, b, what in zip(got, want, ("lora_linear's base product", "lora_linear's delta")):
+                same(a, b, lead, what)
+            got = ops.lora_group(x, *plan, handles, versions, static.chunk, triton)
+            want = ops.lora_group(flat(x), *plan, handles, versions, static.chunk, triton)
+            assert len(got) == 3 and got[0].abs().sum() > 0
+            for a, b in zip(got, want):
+                same(a, b, lead, "lora_group")
+            got = ops.lora_group_linear(x, weights, biases, *plan, handles, versions, static.chunk, triton)
+            want = ops.lora_group_linear(flat(x), weights, biases, *plan, handles, versions, static.chunk, triton)
+            assert len(got) == 6
+            for a, b in zip(got, want):
+                same(a, b, lead, "lora_group_linear")
