@@ -48,6 +48,8 @@
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
+# The package from this checkout (the GPU image has no editable install of it): scripts import peft_csgmv.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 tier_host() {  # the host tier's bookkeeping per move (stages memory and tier)
