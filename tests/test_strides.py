@@ -33,7 +33,6 @@ from helpers import (
 )
 
 from peft_csgmv import disable_csgmv, enable_csgmv
-from peft_csgmv.mapping import PlanRun
 from peft_csgmv.kernels import (
     BoundLayer,
     embedding_shrink,
@@ -44,6 +43,7 @@ from peft_csgmv.kernels import (
     shrink_reference,
     shrink_splits,
 )
+from peft_csgmv.mapping import PlanRun
 from peft_csgmv.plan import BatchPlan
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
