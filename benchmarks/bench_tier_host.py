@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     totals: collections.Counter = collections.Counter()
     if args.phases:
         from peft_csgmv import tier
-        from peft_csgmv.slots import DevicePages, LoraStack
+        from peft_csgmv.slots import LoraStack
+        from peft_csgmv.tier import DevicePages
 
         for name in ("evict", "bring_in", "park"):
             _timed(tier.HostTier, name, totals)

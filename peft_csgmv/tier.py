@@ -13,21 +13,22 @@ layer) moves on its own, parameter by parameter, into a second region.
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import functools
 import gc
+import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
 from .slots import (
-    DevicePages,
-    HostArena,
+    MIRROR_TYPES,
+    VECTORS,
     LoraStack,
-    PageColumns,
     SlotRecord,
     layer_adapter,
     module_param,
@@ -429,3 +430,327 @@ def move_adapter(layer: nn.Module, name: str, device: torch.device) -> None:
     for p in adapter_params(layer, name):
         if p.device != device:
             p.data = p.data.to(device, copy=True, non_blocking=True)
+
+
+class PageColumns(NamedTuple):
+    """An adapter's parts (:class:`SlotRecord`, one per layer of a group) as the columns of the group's tables that a
+    bring-in writes, worked out once per adapter (:meth:`DevicePages.columns`): with ``span``, the parts' rows are
+    consecutive, first to last, and each table's column is written in one strided slice."""
+
+    span: tuple[int, int] | None  # the parts' rows are range(*span), in order (else None: written cell by cell)
+    rows: tuple[int, ...]  # each part's row of the tables
+    ranks: array.array  # each part's rank ('i')
+    rel: tuple[int, ...]  # where each part's A / B start in the page
+    b_rel: tuple[int, ...]
+    layout: int  # the same number for a group's adapters whose parts have the same rows, places and ranks (its views)
+
+
+class DevicePages:
+    """The host tier's device memory for the stacks of one device and dtype: one page per slot, each holding the
+    resident adapter of that slot in every stack of the group, laid out as the adapter's host region (its layers in
+    order, each slot's ``A`` then ``B`` as :meth:`LoraStack.slot_elements` aligns them). Bringing an adapter in is
+    then one host-to-device copy of its region into its page, moving it out one copy back; every stack of the group
+    has :attr:`data` as its storage and per-slot offsets into it (``slot · page_numel`` + the layer's place in the
+    page)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.count = 0  # pages
+        self.page_numel = 0  # elements per page
+        self.data = torch.empty(0, dtype=dtype, device=self.device)
+        self.stacks: "weakref.WeakSet[LoraStack]" = weakref.WeakSet()
+        # Every stack's per-slot vectors as rows of one table each (a row per stack, :attr:`LoraStack.row`): a call
+        # that moves adapters uploads four tables, not four vectors per layer. Each table has a host mirror whose
+        # memory is a flat array (``cells``, in :data:`VECTORS` order, ``width`` slots a row; scalings as doubles,
+        # PEFT's Python floats, rounded to fp32 on upload), and each stack's host lists are memoryviews of its rows
+        # of them: a move writes a slot's column of a table for every layer in one strided slice (:meth:`place`), and
+        # an upload is only the copies. ``dirty``: a stack joined, or replaced a vector or its host lists (the
+        # mirrors are built again from every stack's host lists, which then view them); ``dirty_slots``: only these
+        # slots' columns changed, written into the mirrors already.
+        self.rows = 0
+        self.width = 0
+        self.table: dict[str, torch.Tensor] = {}
+        self.mirror: dict[str, torch.Tensor] = {}
+        self.cells: list[array.array] = []
+        self.dirty = True
+        self.dirty_slots: set[int] = set()
+        # (slot, PageColumns.layout) -> each part's two views of the slot's page, while :attr:`data` holds: a view costs
+        # the host ~2 µs, re-pointing a parameter at one ~0.3.
+        self.views: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.layouts: dict[tuple, int] = {}  # (stack rows, places, ranks) of an adapter's parts -> PageColumns.layout
+
+    def join(self, stack: "LoraStack") -> int:
+        """Take ``stack`` into the group: its storage is :attr:`data`, its per-slot vectors a row of the tables."""
+        self.stacks.add(stack)
+        self.rows += 1
+        self.dirty = True
+        return self.rows - 1
+
+    def upload(self) -> None:
+        """Every stack's per-slot vectors (ranks, scalings, offsets) from the host to the device: one copy per table,
+        into the same tensors while their shape holds (compiled graphs and bound launches keep reading them); each
+        stack's vectors are views of its row. Where only :attr:`dirty_slots` changed, the mirrors hold them already
+        (the moves wrote their columns, through the stacks' host lists or :meth:`place`) and the stacks' vectors are
+        their rows already: the copies are all there is to do. Else the mirrors are built from every stack's host
+        lists, every stack then at the group's width, its host lists views of its rows."""
+        stacks = list(self.stacks)
+        width = max((s.capacity for s in stacks), default=1)
+        shape = (self.rows, width)
+        full = self.dirty or any(tuple(getattr(self.mirror.get(name), "shape", ())) != shape for name, _ in VECTORS)
+        if full:
+            for s in stacks:
+                s.ensure_capacity(width)
+        cells_made = []
+        for name, dtype in VECTORS:
+            table = self.table.get(name)
+            fresh = table is None or tuple(table.shape) != shape or table.device != self.device
+            if fresh:
+                table = self.table[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+            if full:
+                flat = [0] * (self.rows * width)
+                for s in stacks:
+                    flat[s.row * width : (s.row + 1) * width] = getattr(s, name + "_host")
+                typecode, host_dtype = MIRROR_TYPES[name]
+                cells = array.array(typecode, flat)
+                cells_made.append(cells)
+                mirror = torch.frombuffer(cells, dtype=host_dtype) if cells else torch.zeros(0, dtype=host_dtype)
+                mirror = self.mirror[name] = mirror.view(shape)  # the cells' memory
+                rows = memoryview(cells)
+                for s in stacks:  # (set directly: replacing host lists through __setattr__ marks nothing)
+                    s.__dict__[name + "_host"] = rows[s.row * width : (s.row + 1) * width]
+            else:
+                mirror = self.mirror[name]
+            # (a copy of the mirror, pinned: the next moves change the mirror while this copy may be in flight)
+            src = mirror.to(dtype) if mirror.dtype != dtype else mirror
+            table.copy_(src.pin_memory() if table.is_cuda else src, non_blocking=True)
+            if not (full or fresh):
+                continue
+            # Each stack's vector is its row of the table: made only where it is not already (a view per stack and
+            # table would cost the host a microsecond each at every upload).
+            start, row_bytes = table.data_ptr(), table.stride(0) * table.element_size()
+            for s in stacks:
+                vector = getattr(s, name)
+                if vector.data_ptr() != start + s.row * row_bytes or vector.numel() != width:
+                    setattr(s, name, table[s.row])
+        if full:
+            self.width, self.cells = width, cells_made
+        self.dirty = False
+        self.dirty_slots = set()
+
+    def columns(self, stacks: "list[LoraStack]", parts: "list[SlotRecord]") -> PageColumns:
+        """``parts``' :class:`PageColumns` (``stacks``: each one's; once per adapter: the host tier keeps them with its
+        placement)."""
+        rows = tuple(stack.row for stack in stacks)
+        span = (rows[0], rows[-1] + 1) if rows and rows == tuple(range(rows[0], rows[-1] + 1)) else None
+        rel, b_rel = tuple(part.rel for part in parts), tuple(part.b_rel for part in parts)
+        ranks = array.array("i", [part.rank for part in parts])
+        layout = self.layouts.setdefault((rows, rel, tuple(ranks)), len(self.layouts))
+        return PageColumns(span, rows, ranks, rel, b_rel, layout)
+
+    def place(
+        self, slot: int, stacks: "list[LoraStack]", parts: "list[SlotRecord]", scalings, columns: PageColumns
+    ) -> None:
+        """The host tier's bring-in: an adapter's ``parts`` in this group (one per layer, each of the stack at its
+        place in ``stacks``, PEFT's scaling of each in ``scalings``; ``columns``: theirs, :meth:`columns`) set as slot
+        ``slot`` of their stacks, at their places in
+        the slot's page, where one copy of the adapter's region put its weights already. PEFT's weights become views
+        of the slot (``share``, as :meth:`LoraStack.set_slot`'s) or, weights of another dtype, are copied in. Only
+        this slot is touched: only its column of the tables is uploaded.
+
+        This runs for each layer of every adapter brought in, so the slot's ranks, scalings and offsets in every
+        layer are written as one column per table, into the mirrors the stacks' host lists view; one pass over the
+        layers with plain writes is left, no method call per layer: re-pointing PEFT's two weights is most of it."""
+        if slot >= self.width:
+            for stack in stacks:
+                stack.ensure_capacity(slot + 1)
+        if self.dirty or slot >= self.width:  # the mirrors as wide as the stacks, their host lists views of them
+            self.upload()
+        base, width = slot * self.page_numel, self.width
+        self.dirty_slots.add(slot)
+        ranks_m, scalings_m, a_off_m, b_off_m = self.cells
+        a_col = array.array("q", [base + rel for rel in columns.rel])
+        b_col = array.array("q", [base + rel for rel in columns.b_rel])
+        s_col = array.array("d", scalings)
+        if columns.span is not None:
+            cut = slice(columns.span[0] * width + slot, columns.span[1] * width, width)
+            ranks_m[cut], scalings_m[cut], a_off_m[cut], b_off_m[cut] = columns.ranks, s_col, a_col, b_col
+        else:
+            for i, row in enumerate(columns.rows):
+                cell = row * width + slot
+                ranks_m[cell], scalings_m[cell] = columns.ranks[i], s_col[i]
+                a_off_m[cell], b_off_m[cell] = a_col[i], b_col[i]
+        views = self.views.get((slot, columns.layout))
+        if views is None:
+            views = self.slot_views(slot, stacks, parts, columns.layout)
+        for stack, part, (dst_a, dst_b) in zip(stacks, parts, views):
+            a, b = part.a, part.b
+            stack.held[slot] = part  # the slot's record in this layer: the part itself
+            stack.__dict__["_views"] = None  # (set directly: the stack's __setattr__ would mark the whole group dirty)
+            if part.share:
+                a.data, b.data = dst_a, dst_b
+            else:
+                dst_a.copy_(a.detach(), non_blocking=True)
+                dst_b.copy_(b.detach(), non_blocking=True)
+            if part.bias is not None or stack.mag is not None or stack.lora_bias is not None:
+                stack.set_extras(slot, None, part.bias)
+
+    def slot_views(
+        self, slot: int, stacks: "list[LoraStack]", parts: "list[SlotRecord]", layout: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each part's ``A`` and ``B`` as views of slot ``slot``'s page (``stacks``: each one's; ``layout``: theirs,
+        :attr:`PageColumns.layout`), kept for the next adapter of that layout in this slot (a view costs the host
+        ~2 µs: ~1 ms for an adapter of 224 weights)."""
+        if len(self.views) >= 2 * max(self.count, 1):  # many layouts (mixed ranks): keep the host memory bounded
+            self.views.clear()
+        data, base = self.data, self.data.storage_offset() + slot * self.page_numel
+        views = self.views[(slot, layout)] = [
+            (
+                data.as_strided((part.rank, stack.in_features), (stack.in_features, 1), base + part.rel),
+                data.as_strided((stack.out_features, part.rank), (part.rank, 1), base + part.b_rel),
+            )
+            for stack, part in zip(stacks, parts)
+        ]
+        return views
+
+    def prepare_views(self, layouts: "dict[int, tuple[list[LoraStack], list[SlotRecord]]]") -> None:
+        """Every slot's views for each of ``layouts`` (layout -> the stacks and parts of an adapter of it) ahead of
+        the calls, where they are few (one or two: adapters of the same ranks and targets), so that no call's first
+        move into a slot makes them."""
+        if not 0 < len(layouts) <= 2:
+            return
+        for slot in range(self.count):
+            for layout, (stacks, parts) in layouts.items():
+                if (slot, layout) not in self.views:
+                    self.slot_views(slot, stacks, parts, layout)
+
+    def start(self, slot: int) -> int:
+        """Where slot ``slot``'s page starts in :attr:`data`."""
+        return slot * self.page_numel
+
+    def page(self, slot: int, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of slot ``slot``'s page."""
+        return self.data.narrow(0, slot * self.page_numel, numel)
+
+    def fit(self, count: int, page_numel: int) -> None:
+        """Room for ``count`` pages of ``page_numel`` elements. Where the memory is rebuilt, each page's contents go to
+        the start of its new page, and every stack of the group follows (:meth:`LoraStack.repage`: its slots'
+        offsets, PEFT's views)."""
+        count, page_numel = max(count, self.count), max(page_numel, self.page_numel)
+        if (count, page_numel) == (self.count, self.page_numel):
+            return
+        data = torch.empty(count * page_numel, dtype=self.dtype, device=self.device)
+        old_numel = self.page_numel
+        if self.count and old_numel:
+            old = self.data.view(self.count, old_numel)
+            data.view(count, page_numel)[: self.count, :old_numel].copy_(old)
+        self.data, self.count, self.page_numel = data, count, page_numel
+        self.views.clear()
+        for stack in list(self.stacks):
+            stack.data = data
+            stack.repage()
+
+    def to(self, device: torch.device) -> "DevicePages":
+        """The pages on ``device`` (moved once for every stack of the group)."""
+        device = torch.device(device)
+        if self.data.device != device:
+            self.data, self.device = self.data.to(device), device
+            self.views.clear()
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class HostArena:
+    """Host memory for the host tier's adapters: pinned where CUDA is (so copies both ways are asynchronous), carved
+    out of slabs. The pinned allocator rounds every allocation up to a power of two, so one buffer per adapter would
+    cost up to 2× its bytes (a 22 MiB adapter of the 1B layout takes 32 MiB); a slab of 1 GiB holds 46 of them.
+
+    Slabs are sized to what is asked for: the tier tells the arena the bytes of the regions it is about to take
+    (:meth:`expect`: every adapter's when the model is enabled, the new ones' when adapters are loaded later), and a
+    new slab holds what is left of that, or as much as the arena held when it was told, whichever is more (so the
+    first announcement is met exactly and later ones double the arena: few slow pinned allocations), up to
+    ``slab_bytes`` a slab; pinned, rounded up to the power of two the allocator takes anyway. So a model of small
+    adapters pins about their bytes, not a gigabyte.
+
+    Each adapter keeps its region (one per dtype) for as long as it is loaded: evicting it again copies into the same
+    memory, and a deleted adapter's region is reused by the next one of the same size."""
+
+    ALIGN = 64  # bytes: every region starts on a 64-byte boundary
+
+    def __init__(self, pin: bool, slab_bytes: int = 1 << 30) -> None:
+        self.pin = pin
+        self.slab_bytes = slab_bytes
+        self.slabs: list[torch.Tensor] = []
+        self.used = 0  # bytes taken in the last slab
+        self.expected = 0  # bytes of regions announced and not yet carved (:meth:`expect`)
+        self.grow = 0  # bytes held when the last announcement came: a new slab holds at least that much
+        self.regions: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
+        self.spare: dict[int, list[torch.Tensor]] = {}  # freed regions (uint8) by size
+
+    def expect(self, nbytes: int) -> None:
+        """The regions about to be taken need ``nbytes`` of new memory in all (:meth:`missing`); 0 once taken."""
+        self.expected, self.grow = nbytes, self.nbytes
+
+    def missing(self, name: str, dtype: torch.dtype, numel: int, tag: str = "") -> int:
+        """The new memory :meth:`region` with these arguments would carve: 0 where the region is held already or a
+        freed region of its size waits (:meth:`forget`)."""
+        held = self.regions.get((name, dtype, tag))
+        if held is not None and held.numel() == numel:
+            return 0
+        nbytes = self._aligned(numel * dtype.itemsize)
+        return 0 if self.spare.get(nbytes) else nbytes
+
+    def region(self, name: str, dtype: torch.dtype, numel: int, tag: str = "") -> torch.Tensor:
+        """Adapter ``name``'s host memory for ``numel`` elements of ``dtype`` (the same memory on every call); ``tag``
+        tells apart regions of one adapter and dtype (its page for a device, the rest of its weights)."""
+        key = (name, dtype, tag)
+        held = self.regions.get(key)
+        if held is not None and held.numel() == numel:
+            return held
+        if held is not None:
+            self._give_back(key)
+        nbytes = self._aligned(numel * dtype.itemsize)
+        spare = self.spare.get(nbytes)
+        raw = spare.pop() if spare else self._carve(nbytes)
+        held = self.regions[key] = raw[: numel * dtype.itemsize].view(dtype)
+        return held
+
+    @classmethod
+    def _aligned(cls, nbytes: int) -> int:
+        """``nbytes`` rounded up to :attr:`ALIGN`: the memory a region of ``nbytes`` takes."""
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
+
+    def _carve(self, nbytes: int) -> torch.Tensor:
+        if not self.slabs or self.used + nbytes > self.slabs[-1].numel():
+            size = min(self.slab_bytes, max(self.expected, self.grow))
+            if self.pin and size > 0:
+                size = min(self.slab_bytes, 1 << (size - 1).bit_length())
+            size = max(size, nbytes)
+            self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+            self.used = 0
+        raw = self.slabs[-1][self.used : self.used + nbytes]
+        self.used += nbytes
+        self.expected = max(0, self.expected - nbytes)
+        return raw
+
+    def _give_back(self, key) -> None:
+        held = self.regions.pop(key)
+        raw = held.view(torch.uint8)
+        nbytes = self._aligned(raw.numel())
+        base = raw.untyped_storage()
+        offset = raw.storage_offset()
+        whole = torch.empty(0, dtype=torch.uint8).set_(base, offset, (nbytes,))
+        self.spare.setdefault(nbytes, []).append(whole)
+
+    def forget(self, name: str) -> None:
+        """Adapter ``name`` was deleted: its regions go to the next adapter of the same size."""
+        for key in [k for k in self.regions if k[0] == name]:
+            self._give_back(key)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held (slabs)."""
+        return sum(s.numel() for s in self.slabs)

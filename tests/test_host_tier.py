@@ -362,7 +362,7 @@ def test_host_arena_packs_adapters_into_slabs_and_reuses_regions():
     """Host memory comes out of slabs (the pinned allocator would round each adapter's buffer up to a power of two),
     sized to what the tier announces (or doubling the arena); an adapter's region is the same memory every time, and a
     deleted adapter's region goes to the next one of its size."""
-    from peft_csgmv.slots import HostArena
+    from peft_csgmv.tier import HostArena
 
     arena = HostArena(pin=False, slab_bytes=4096)
     wanted = [("a", torch.float32, 300), ("b", torch.bfloat16, 300), ("c", torch.float32, 300)]
@@ -559,7 +559,6 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
     """A bring-in that fails part way (here: an injected error while the layers' slots are set, at the second page
     copy, or while a resident is moved out) leaves no slot claiming weights it was not given: the next calls, with
     the same adapters and others, give every row its adapter's stock PEFT result."""
-    import peft_csgmv.slots as csgmv_slots
     import peft_csgmv.tier as csgmv_tier
 
     model, _ = tiny_model("llama")
@@ -572,8 +571,8 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
     enable_csgmv(model, backend="torch", max_resident_adapters=2)
     calls = []
     owner, attr, nth = {
-        "place": (csgmv_slots.DevicePages, "place", 1),  # a2's layers: the fifth fails, four slots set before it
-        "page": (csgmv_slots.DevicePages, "page", 4),  # two pages out (a0, a1), then a2's in, then a3's
+        "place": (csgmv_tier.DevicePages, "place", 1),  # a2's layers: the fifth fails, four slots set before it
+        "page": (csgmv_tier.DevicePages, "page", 4),  # two pages out (a0, a1), then a2's in, then a3's
         "evict": (csgmv_tier.HostTier, "evict", 2),
     }[where]
     real = getattr(owner, attr)
@@ -632,7 +631,7 @@ def test_residents_live_in_their_pages_and_move_in_one_copy_each(tiered, monkeyp
     """The stacks' storage is the tier's pages: every resident's PEFT weights are views of its slot's page, every
     other adapter's of its host region; bringing an adapter in is one copy of its region into its page, moving one
     out one copy back (on a GPU: one host-to-device and one device-to-host copy, whatever the number of weights)."""
-    from peft_csgmv.slots import DevicePages
+    from peft_csgmv.tier import DevicePages
 
     model, input_ids, mask, outs = tiered
     tier = model._csgmv.tier
@@ -728,7 +727,7 @@ def _tables_hold_the_host_lists(model, pages) -> None:
 def test_a_call_that_moves_adapters_uploads_the_slot_vectors_once(tiered, monkeypatch):
     """Every layer's per-slot vectors (ranks, scalings, offsets) are rows of one table per vector: a call that moves
     adapters uploads each table once, not four vectors per layer, and each layer's row holds its values."""
-    from peft_csgmv.slots import DevicePages
+    from peft_csgmv.tier import DevicePages
 
     model, input_ids, mask, outs = tiered
     uploads = []
@@ -777,7 +776,7 @@ def _tiered_with_upload_spy(monkeypatch, specs: dict, resident: int):
     """``specs``' adapters on a tiny Llama, stock PEFT's logits of each (and the base model's) on a batch of 4 × 6, then
     the host tier with ``resident`` slots; every upload of the group's tables records ``(dirty, sorted dirty
     slots)`` in ``seen``. Returns ``(model, input_ids, mask, outs, pages, seen)``."""
-    from peft_csgmv.slots import DevicePages
+    from peft_csgmv.tier import DevicePages
 
     model, _ = tiny_model("llama")
     model = add_adapters(model, specs).to(DEVICE)
@@ -843,7 +842,7 @@ def test_adapters_on_some_layers_take_slots_from_adapters_on_all(monkeypatch):
     the MLP only). Through moves that hand slots between such adapters: every row gets its adapter's stock PEFT
     result, the device tables hold exactly every stack's host lists, and each layer's rank in each slot is the slot's
     adapter's there (0 where that adapter has no part: nothing of the slot's last adapter is left)."""
-    from peft_csgmv.slots import DevicePages
+    from peft_csgmv.tier import DevicePages
 
     kinds = [ALL_LINEAR, ["q_proj", "v_proj"], ["gate_proj", "up_proj", "down_proj"]]
     names = [f"d{i}" for i in range(6)]
@@ -881,7 +880,7 @@ def test_page_views_are_made_when_enabling_not_in_the_calls(monkeypatch, ranks):
     the model is enabled, so that no call makes one, even the first move into a slot; PEFT's weights of every
     resident view its slot's page where its own layout puts them, and every call and a stock call on an evicted
     adapter give stock PEFT's results."""
-    from peft_csgmv.slots import DevicePages
+    from peft_csgmv.tier import DevicePages
 
     model, _ = tiny_model("llama")
     specs = {name: dict(r=ranks[i % len(ranks)], lora_alpha=8, target_modules=ALL_LINEAR) for i, name in

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from . import launch
+from .common import block_size
 from .expand import _launch_expand, expand_launch_args, expand_tiles
-from .shrink import _block, _launch_shrink, shrink_launch_args, shrink_tiles
+from .shrink import _launch_shrink, shrink_launch_args, shrink_tiles
 
 
 def _ptrs(args) -> tuple:
@@ -48,7 +49,7 @@ class BoundLayer:
             if v is not None and not v.is_contiguous():
                 return None
         k = x.shape[1]
-        block_m = _block(plan.chunk_size)
+        block_m = block_size(plan.chunk_size)
         block_k, split, k_per_split, s_opts = shrink_tiles(block_m, plan.num_segments, k, x.device)
         if (t.shape[0] if t.dim() == 3 else 1) != split:
             return None

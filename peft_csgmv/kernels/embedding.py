@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from ..plan import BatchPlan
+from .common import block_size, dense, segment_rows
 from .launch import Launcher
 from .pool import pool_offsets, pool_strides
-from .shrink import _block, _dense, _segment_rows
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def _embedding_shrink_kernel(
     rank = tl.where(seg_slot < 0, 0, tl.load(rank_ptr + slot))
     if rank == 0:
         return  # a base segment (slot -1, as in a static plan) or a slot with nothing here
-    rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
+    rows, m_mask = segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
     ids = tl.load(ids_ptr + rows * stride_ids, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask = m_mask[:, None] & (offs_r < rank)[None, :]
@@ -91,7 +91,7 @@ def embedding_shrink(
     elif t.shape != (num_tokens, r):
         raise ValueError(f"embedding_shrink: t {tuple(t.shape)} is not ({num_tokens}, {r})")
     if plan.num_segments:
-        ranks = _dense(ranks)
+        ranks = dense(ranks)
         pooled, stride_as, stride_ar, stride_av = pool_strides(a)
         _launch_embedding_shrink(
             (plan.num_segments, 1, 1),
@@ -99,6 +99,6 @@ def embedding_shrink(
                 ids, a.data if pooled else a, t, plan.permutation, plan.seg_indptr, plan.seg_slot, ranks,
                 pool_offsets(a, ranks), ids.stride(0), stride_as, stride_ar, stride_av, t.stride(0), t.stride(1),
             ),
-            dict(BLOCK_M=_block(plan.chunk_size), BLOCK_R=_block(r), POOLED=pooled),
+            dict(BLOCK_M=block_size(plan.chunk_size), BLOCK_R=block_size(r), POOLED=pooled),
         )  # fmt: skip
     return t

@@ -36,9 +36,9 @@ import triton.language as tl
 
 from ..plan import BatchPlan
 from . import launch
+from .common import a_product, block_size, decode_tiles, dense, override_tiles, segment_rows
 from .launch import Launcher
 from .pool import ALIGN, pool_offsets, pool_strides
-from .shrink import _a_product, _block, _dense, _segment_rows, _tiles, decode_tiles
 
 
 @triton.jit
@@ -105,7 +105,7 @@ def _expand_kernel(
     # (nothing to add; out of place, its rows are copied): the program exits, after the wait below.
     live = (tl.load(seg_indptr_ptr + seg + 1) > tl.load(seg_indptr_ptr + seg)) & (rank + OUT_OF_PLACE > 0)
     scaling = tl.load(scaling_ptr + slot)
-    rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
+    rows, m_mask = segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,7 +125,7 @@ def _expand_kernel(
     if not live:
         return
     if FUSED:  # rank 0 (a base segment copied out of place): no K steps
-        t = _a_product(
+        t = a_product(
             x_ptr, a_ptr, a_off_ptr, slot, rank, rows, m_mask, 0, tl.where(rank > 0, K, 0), stride_xm, stride_xk,
             stride_as, stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, POOLED, ALIGN,
         )  # fmt: skip
@@ -218,9 +218,9 @@ def expand_launch_args(
     )  # fmt: skip
     use_gdc, options = launch.with_pdl(y.device, options)
     constexprs = dict(
-        BLOCK_M=_block(plan.chunk_size),
+        BLOCK_M=block_size(plan.chunk_size),
         BLOCK_N=block_n,
-        BLOCK_R=_block(b.shape[2]),
+        BLOCK_R=block_size(b.shape[2]),
         DOT_PRECISION="ieee" if b.dtype == (act_dtype or y.dtype) == torch.float32 else "tf32",  # as in the shrink
         HAS_DORA=has_dora,
         HAS_LORA_BIAS=has_lora_bias,
@@ -315,26 +315,26 @@ def expand(
     has_dora = mag is not None
     if has_dora and (mag.shape != (num_slots, n) or bias is None or bias.shape != (n,)):
         raise ValueError(f"expand: DoRA needs mag ({num_slots}, {n}) and bias ({n},)")
-    ranks, scalings = _dense(ranks), _dense(scalings)
+    ranks, scalings = dense(ranks), dense(scalings)
     if has_dora:
-        mag, bias = _dense(mag), _dense(bias)
+        mag, bias = dense(mag), dense(bias)
     else:
         mag = bias = scalings  # never read
     has_lora_bias = lora_bias is not None
     if has_lora_bias and lora_bias.shape != (num_slots, n):
         raise ValueError(f"expand: lora_bias must be ({num_slots}, {n}), got {tuple(lora_bias.shape)}")
-    lora_bias = _dense(lora_bias) if has_lora_bias else scalings  # else never read
-    block_m = _block(plan.chunk_size)
+    lora_bias = dense(lora_bias) if has_lora_bias else scalings  # else never read
+    block_m = block_size(plan.chunk_size)
     fused = None
     if fusing:
         block_n, block_k, options = fused_tiles(x.shape[1])
         if config is not None:
-            (block_n, options), block_k = _tiles(config, "block_n"), config.get("block_k", block_k)
+            (block_n, options), block_k = override_tiles(config, "block_n"), config.get("block_k", block_k)
         fused = (x, a, block_k)
     elif config is None:
         block_n, options = expand_tiles(block_m, plan.num_segments, r)
     else:
-        block_n, options = _tiles(config, "block_n")
+        block_n, options = override_tiles(config, "block_n")
     _launch_expand(
         *expand_launch_args(t, b, ranks, scalings, plan, y, mag, bias, lora_bias, has_dora, has_lora_bias, block_n,
                             options, out, fused, act_dtype)

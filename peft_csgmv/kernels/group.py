@@ -25,10 +25,11 @@ import triton
 import triton.language as tl
 
 from ..plan import BatchPlan
+from .common import a_product, block_size, segment_rows
 from .expand import expand_tiles
 from .launch import Launcher
 from .pool import ALIGN, Pooled
-from .shrink import _a_product, _block, _segment_rows, shrink_tiles
+from .shrink import shrink_tiles
 
 MAX_MEMBERS = 3
 
@@ -80,14 +81,14 @@ def _shrink_group_kernel(
     seg_slot = tl.load(seg_slot_ptr + seg)
     slot = tl.maximum(seg_slot, 0)
     rank = tl.where(seg_slot < 0, 0, tl.load(rank_ptr + slot))
-    rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
+    rows, m_mask = segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
     if not live:
         return
     if rank == 0:
         return
     k_start = split * K_PER_SPLIT
     k_len = tl.minimum(K - k_start, K_PER_SPLIT)
-    acc = _a_product(
+    acc = a_product(
         x_ptr, a_ptr, a_off_ptr, slot, rank, rows, m_mask, k_start, k_len, stride_xm, stride_xk, 0, K, 1,
         BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, True, ALIGN,
     )  # fmt: skip
@@ -163,7 +164,7 @@ def _expand_group_kernel(
     if not live:
         return
     scaling = tl.load(scaling_ptr + slot)
-    rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
+    rows, m_mask = segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,7 +194,7 @@ def _padded(items: list, n: int = MAX_MEMBERS) -> list:
 
 def group_splits(plan: BatchPlan, k: int) -> int:
     """How many split-K planes :func:`shrink_group` writes for ``plan`` and input width ``k``."""
-    return shrink_tiles(_block(plan.chunk_size), plan.num_segments, k, plan.permutation.device)[1]
+    return shrink_tiles(block_size(plan.chunk_size), plan.num_segments, k, plan.permutation.device)[1]
 
 
 def shrink_group(x: torch.Tensor, a: list[Pooled], ranks: list[torch.Tensor], plan: BatchPlan, t: torch.Tensor):
@@ -203,7 +204,7 @@ def shrink_group(x: torch.Tensor, a: list[Pooled], ranks: list[torch.Tensor], pl
     g, k = len(a), x.shape[1]
     if not 1 <= g <= MAX_MEMBERS or any(not isinstance(w, Pooled) or w.shape[2] != k for w in a):
         raise ValueError(f"shrink_group: 1 to {MAX_MEMBERS} pooled A stacks of width {k}")
-    block_m = _block(plan.chunk_size)
+    block_m = block_size(plan.chunk_size)
     block_k, splits, k_per_split, options = shrink_tiles(block_m, plan.num_segments, k, x.device)
     if t.shape[:2] != (g, splits) or t.shape[2] != plan.num_tokens or not t.is_contiguous():
         raise ValueError(f"shrink_group: t {tuple(t.shape)} is not a contiguous ({g}, {splits}, {plan.num_tokens}, R)")
@@ -216,7 +217,7 @@ def shrink_group(x: torch.Tensor, a: list[Pooled], ranks: list[torch.Tensor], pl
         *x.stride(), t.stride(0), t.stride(1), t.stride(2),
     )  # fmt: skip
     constexprs = dict(
-        BLOCK_M=block_m, BLOCK_R=_block(r), BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_R=block_size(r), BLOCK_K=block_k,
         DOT_PRECISION="ieee" if a[0].dtype == x.dtype == torch.float32 else "tf32", ALIGN=ALIGN,
     )  # fmt: skip
     _launch_shrink_group((plan.num_segments, splits, g), args, constexprs, options)
@@ -245,7 +246,7 @@ def expand_group(
     if plan.num_segments == 0:
         return outs
     r = max(w.shape[2] for w in b)
-    block_n, options = expand_tiles(_block(plan.chunk_size), plan.num_segments, r)
+    block_n, options = expand_tiles(block_size(plan.chunk_size), plan.num_segments, r)
     ends = list(itertools.accumulate(-(-w.shape[1] // block_n) for w in b))
     # Where members 1 and 2 start (a member past the last starts at the grid's end: no tile picks it).
     starts = (ends[:-1] + [ends[-1]] * MAX_MEMBERS)[: MAX_MEMBERS - 1]
@@ -256,7 +257,7 @@ def expand_group(
         t.shape[1], t.stride(0), t.stride(1), t.stride(2),
     )  # fmt: skip
     constexprs = dict(
-        BLOCK_M=_block(plan.chunk_size), BLOCK_N=block_n, BLOCK_R=_block(t.shape[3]),
+        BLOCK_M=block_size(plan.chunk_size), BLOCK_N=block_n, BLOCK_R=block_size(t.shape[3]),
         DOT_PRECISION="ieee" if b[0].dtype == act_dtype == torch.float32 else "tf32", ALIGN=ALIGN,
         RANK_ALIGN=min(w.rank_align for w in b),
     )  # fmt: skip

@@ -23,68 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..options import env
 from ..plan import BatchPlan
 from . import launch
+from .common import a_product, block_size, decode_tiles, dense, override_tiles, segment_rows, sm_count
 from .launch import Launcher
 from .pool import ALIGN, pool_offsets, pool_strides
-
-
-@triton.jit
-def _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M: tl.constexpr):
-    """The original token indices of segment ``seg`` (``BLOCK_M`` lanes, int64) and the mask of lanes in use."""
-    start = tl.load(seg_indptr_ptr + seg)
-    length = tl.load(seg_indptr_ptr + seg + 1) - start
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < length
-    rows = tl.load(perm_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
-    return rows, m_mask
-
-
-@triton.jit
-def _a_product(
-    x_ptr,
-    a_ptr,
-    a_off_ptr,
-    slot,
-    rank,
-    rows,
-    m_mask,
-    k_start,
-    k_len,
-    stride_xm,
-    stride_xk,
-    stride_as,
-    stride_ar,
-    stride_ak,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    POOLED: tl.constexpr,
-    ALIGN: tl.constexpr,
-):
-    """``x[rows, k_start : k_start + k_len] @ A[slot, :rank, k_start : k_start + k_len]ᵀ`` as a ``(BLOCK_M,
-    BLOCK_R)`` fp32 tile (lanes past ``rank`` and masked rows are 0): the shrink's work, which the fused expand does
-    too."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + offs_k[None, :]) * stride_xk
-    if POOLED:
-        a_base = a_ptr + tl.multiple_of(tl.load(a_off_ptr + slot), ALIGN)
-    else:
-        a_base = a_ptr + slot.to(tl.int64) * stride_as
-    a_ptrs = a_base + offs_r[None, :] * stride_ar + (k_start + offs_k[:, None]) * stride_ak
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, tl.cdiv(k_len, BLOCK_K)):
-        k_mask = offs_k < k_len - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=r_mask[None, :] & k_mask[:, None], other=0.0)
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(x.to(a.dtype), a, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K * stride_ak
-    return acc
 
 
 @triton.jit
@@ -123,7 +66,7 @@ def _shrink_kernel(
     seg_slot = tl.load(seg_slot_ptr + seg)  # segments its shape can have: programs of empty ones exit
     slot = tl.maximum(seg_slot, 0)
     rank = tl.where(seg_slot < 0, 0, tl.load(rank_ptr + slot))
-    rows, m_mask = _segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)  # no lanes for an empty segment
+    rows, m_mask = segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)  # no lanes for an empty segment
     if USE_GDC:
         # The plan is not the previous kernel's output, x is, and t may still be read by the one before: wait for
         # it here, on every path (a grid that ends has waited, so the kernels after it wait for all before it).
@@ -134,7 +77,7 @@ def _shrink_kernel(
         return  # a base segment (slot -1: only an out-of-place expand reads it) or a slot with nothing here
     k_start = split * K_PER_SPLIT
     k_len = tl.minimum(K - k_start, K_PER_SPLIT)
-    acc = _a_product(
+    acc = a_product(
         x_ptr, a_ptr, a_off_ptr, slot, rank, rows, m_mask, k_start, k_len, stride_xm, stride_xk, stride_as,
         stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, POOLED, ALIGN,
     )  # fmt: skip
@@ -144,24 +87,6 @@ def _shrink_kernel(
 
 
 _launch_shrink = Launcher(_shrink_kernel, num_tensors=8)
-
-
-@functools.lru_cache(maxsize=None)
-def _block(n: int) -> int:
-    """Tile size for a dimension of ``n`` (at least 16, as ``tl.dot`` needs). Plain Python: Triton's own helpers
-    cost microseconds per call on the launch path."""
-    return max(16, 1 << (n - 1).bit_length())
-
-
-def _dense(v: torch.Tensor) -> torch.Tensor:
-    """``v`` where the kernels may read it densely (element ``i`` at ``ptr + i``, as they read the per-slot vectors
-    and tables), else a contiguous copy of it."""
-    return v.contiguous()
-
-
-def _tiles(config: dict, block: str) -> tuple[int, tuple]:
-    """``(block size, launch options)`` from a tuning override."""
-    return config[block], tuple((k, config[k]) for k in ("num_warps", "num_stages") if k in config)
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,7 +102,7 @@ def shrink_tiles(block_m: int, num_segments: int, k: int, device: torch.device) 
     inputs of 4096 and more (64 below), 4 warps, 3 stages; decode tiles: BLOCK_K 64, 2 warps when there are 8
     segments or more (else 4), 3 stages.
     """
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if block_m >= 64:
         block_k = 128 if k >= 4096 else 64
         target, options = sms * 6 // 5, (("num_warps", 4), ("num_stages", 3))
@@ -192,32 +117,9 @@ def shrink_tiles(block_m: int, num_segments: int, k: int, device: torch.device) 
     return block_k, -(-k // k_per_split), k_per_split, options
 
 
-def decode_tiles() -> dict:
-    """A developer switch for tuning decode tiles inside compiled graphs, where kernels share the GPU with the base
-    products: ``PEFT_CSGMV_DECODE_TILES="shrink_per_sm=2,expand_block_n=256"`` overrides the decode tiles' choices
-    (keys ``shrink_per_sm`` (programs per SM the split-K aims at), ``shrink_block_k``, ``shrink_warps``,
-    ``expand_block_n``, ``expand_warps``). Read when a tile is first chosen for a shape (the choices are cached:
-    ``shrink_tiles.cache_clear()`` and ``expand_tiles.cache_clear()`` read it again)."""
-    spec = env("PEFT_CSGMV_DECODE_TILES")
-    items = (item.split("=") for item in spec.split(",") if item.strip())
-    return {key.strip(): (float if key.strip() == "shrink_per_sm" else int)(value) for key, value in items}
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    n = _SM_COUNT.get(device)
-    if n is None:
-        # Under the interpreter (CPU tensors) pretend to a small GPU, so CPU tests exercise split-K.
-        n = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        _SM_COUNT[device] = n
-    return n
-
-
 def shrink_splits(plan: BatchPlan, k: int) -> int:
     """How many K splits (planes of the shrink output) ``split_k="auto"`` uses for ``plan`` and input width ``k``."""
-    return shrink_tiles(_block(plan.chunk_size), plan.num_segments, k, plan.permutation.device)[1]
+    return shrink_tiles(block_size(plan.chunk_size), plan.num_segments, k, plan.permutation.device)[1]
 
 
 def shrink_launch_args(x, a, ranks, plan, t, split_k, k_per_split, block_k, options) -> tuple:
@@ -235,8 +137,8 @@ def shrink_launch_args(x, a, ranks, plan, t, split_k, k_per_split, block_k, opti
     )  # fmt: skip
     use_gdc, options = launch.with_pdl(x.device, options)
     constexprs = dict(
-        BLOCK_M=_block(plan.chunk_size),
-        BLOCK_R=_block(a.shape[1]),
+        BLOCK_M=block_size(plan.chunk_size),
+        BLOCK_R=block_size(a.shape[1]),
         BLOCK_K=block_k,
         # fp32 weights: full fp32 products for fp32 activations (PEFT's numerics to accumulation order); TF32 for
         # half-precision activations, whose own rounding is far coarser (bf16/fp16 weights: the dtype's own products).
@@ -284,10 +186,10 @@ def shrink(
         raise ValueError(
             f"shrink: x {tuple(x.shape)} does not fit A {tuple(a.shape)} / plan of {plan.num_tokens} tokens"
         )
-    block_m = _block(plan.chunk_size)
+    block_m = block_size(plan.chunk_size)
     block_k, auto_split, k_per_split, options = shrink_tiles(block_m, plan.num_segments, k, x.device)
     if config is not None:
-        block_k, options = _tiles(config, "block_k")
+        block_k, options = override_tiles(config, "block_k")
     if t is not None and t.dim() == 2 or plan.num_segments == 0:
         split_k = 1
     elif split_k == "auto":
@@ -304,7 +206,7 @@ def shrink(
     elif t.shape[0] < split_k or t.shape[1:] != (num_tokens, r):
         raise ValueError(f"shrink: t {tuple(t.shape)} cannot hold {split_k} splits of ({num_tokens}, {r})")
     if plan.num_segments:
-        _launch_shrink(*shrink_launch_args(x, a, _dense(ranks), plan, t, split_k, k_per_split, block_k, options))
+        _launch_shrink(*shrink_launch_args(x, a, dense(ranks), plan, t, split_k, k_per_split, block_k, options))
     if t.dim() == 2 or t.shape[0] == split_k:
         return t
     return t[0] if split_k == 1 else t[:split_k]
