@@ -27,11 +27,10 @@ from .slots import (
     layer_adapters,
     module_param,
     set_peft_rows,
-    vacate,
     weights_device,
 )
 from .static_cache import KeptStaticCache
-from .tier import HostTier, copies_out, host_copies_done, move_adapter, no_gc_pauses, settle
+from .tier import HostTier, host_copies_done, move_adapter, settle
 
 BASE = "__base__"
 BASE_NAMES = (None, BASE)
@@ -148,12 +147,12 @@ class CsgmvState:
         # weights wait in (pinned) host memory and are brought into a slot when a call needs them, least recently
         # used out. None: every adapter has a slot.
         self.max_resident = max_resident
-        self.tier = None if max_resident is None else HostTier()
+        self.registry = SlotRegistry()
+        self.tier = None if max_resident is None else HostTier(max_resident, self.registry)
         self.loading = 0  # PEFT's load_adapter under way (its add_adapter then waits for the load to sync)
         # Runs the layers' LoRA for each call; it restacks a layer through this state when PEFT rescales it.
         # (its restack through a weak method: no cycle through the executor)
         self.executor = Executor(backend, WeakMethod(CsgmvState._restack, self), Options.from_env())
-        self.registry = SlotRegistry()
         self.layers: dict[str, nn.Module] = {}  # module name -> lora.Linear / lora.Embedding on the kernels
         self.peft_path: dict[str, nn.Module] = {}  # module name -> module on PEFT's mixed-batch path
         self.peft_only: str | None = None  # why calls with ids go to PEFT whole (adapters that are not LoRA)
@@ -399,102 +398,18 @@ class CsgmvState:
         if self.static_cache is not None:
             self.static_cache.drop()
 
-    # -- per call -------------------------------------------------------------------------------------------------
-
-    # -- the host tier ----------------------------------------------------------------------------------------------
+    # -- the host tier (its own bookkeeping: tier.HostTier) -----------------------------------------------------------
 
     def _check_residency(self, needed, what: str) -> None:
-        if self.max_resident is not None and len(needed) > self.max_resident:
-            raise ValueError(
-                f"this call's `{what}` need {len(needed)} distinct adapters, more than the {self.max_resident} that "
-                f"fit on the device (enable_csgmv(..., max_resident_adapters={self.max_resident})): split the batch "
-                "or raise max_resident_adapters"
-            )
+        if self.tier is not None:
+            self.tier.check_fits(needed, what)
 
     def make_resident(self, needed) -> list:
-        """Give every adapter in ``needed`` a slot (host tier only): the least recently used residents that are not
-        needed go back to host memory, the needed ones come in (one copy of each into its slot's page; PEFT's weights
-        become views of it again). ``needed`` fits: :meth:`_check_residency` ran first. Returns the events of the
-        copies out still in flight (:func:`~peft_csgmv.tier.copies_out`), which the caller settles before host code
-        may read the weights that went out (as its call ends)."""
-        tier = self.tier
-        if tier is None:
+        """Give every adapter in ``needed`` a slot (host tier only; :meth:`~peft_csgmv.tier.HostTier.make_resident`);
+        the events of the copies out still in flight."""
+        if self.tier is None:
             return []
-        missing = [n for n in needed if n not in self.registry.index]
-        out = []
-        if missing:
-            with no_gc_pauses():
-                try:
-                    out = self._bring_in(missing, needed)
-                except BaseException:
-                    self._abandon(missing)
-                    raise
-        for name in needed:
-            tier.lru.move_to_end(name)
-        return out
-
-    def _bring_in(self, missing: list[str], needed) -> list:
-        """:meth:`make_resident`'s moves: evict the least recently used residents that are not needed, then bring
-        ``missing`` into their slots; the events of the copies out."""
-        tier = self.tier
-        victims = [n for n in tier.lru if n not in needed]
-        # Slots whose adapter left, by the stacks that still describe it: a slot's next adapter writes the same
-        # fields in the stacks it has a part in, so the slot is emptied only in the others (most often none).
-        held: dict[int, list[LoraStack]] = {}
-        try:
-            for name in missing:
-                if len(self.registry.index) >= self.max_resident:
-                    victim = victims.pop(0)
-                    slot = self.registry.index[victim]
-                    held[slot] = self._evict(victim, empty=False)
-                self.registry.add(name)
-                tier.lru[name] = None
-            out = copies_out(self.layers.values()) if held else []
-            stacks = {layer._csgmv_stack for layer in self.layers.values()}
-            for stack in stacks:
-                stack.ensure_capacity(self.registry.capacity)
-            for name in missing:
-                slot = self.registry.index[name]
-                if slot in held:
-                    tier.refill(name, slot, held.pop(slot))
-                tier.bring_in(name, slot, _dora_scale, self.dora_refused)
-        finally:  # (slots left unfilled: emptied in full, as an eviction does)
-            for slot, left in held.items():
-                vacate(slot, left)
-        for stack in stacks:
-            stack.refresh()
-        return out
-
-    def _abandon(self, missing: list[str]) -> None:
-        """Undo a bring-in that failed part way (out of memory, an interrupt): the adapters it was bringing in leave
-        their slots and the registry again, and their weights go back to their host regions, so no slot claims
-        weights it was not given and the next call brings them in afresh; the residents evicted for them stay in
-        host memory."""
-        tier = self.tier
-        layers = list(self.layers.values())
-        for name in missing:
-            slot = self.registry.index.get(name)
-            if slot is None:
-                continue
-            tier.park(name)  # from wherever each weight got to: its page, its host region, the device
-            vacate(slot, [layer._csgmv_stack for layer in layers])
-            for layer in layers:
-                if name in layer._csgmv_peft:
-                    set_peft_rows(layer, layer._csgmv_peft - {name})
-            self.registry.remove(name)
-            tier.lru.pop(name, None)
-        for layer in layers:
-            layer._csgmv_stack.refresh()
-        host_copies_done(layers)
-        tier.page_out.clear()
-
-    def _evict(self, name: str, empty: bool = True) -> list[LoraStack]:
-        # Its weights leave the slot as they are (edits included), copied out first: a copy that fails leaves the
-        # adapter resident and shared as it was. (``empty``: see HostTier.evict.)
-        stacks = self.tier.evict(name, self.registry.index[name], empty)
-        self.registry.remove(name)
-        self.tier.lru.pop(name)
-        return stacks
+        return self.tier.make_resident(needed, list(self.layers.values()), _dora_scale, self.dora_refused)
 
     @property
     def resident(self) -> list[str]:

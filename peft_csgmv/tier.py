@@ -30,6 +30,7 @@ from .slots import (
     VECTORS,
     LoraStack,
     SlotRecord,
+    SlotRegistry,
     layer_adapter,
     module_param,
     set_peft_rows,
@@ -109,13 +110,104 @@ class HostTier:
     """The host tier's state: the residents in least-recently-used order, the host memory, the device pages of each
     (device, dtype) group and every adapter's :class:`Placement`."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int, registry: SlotRegistry) -> None:
+        self.capacity = capacity  # at most this many adapters have slots (enable_csgmv's max_resident_adapters)
+        self.registry = registry  # the model's name -> slot registry, which the tier's moves keep
         self.lru: collections.OrderedDict = collections.OrderedDict()  # resident names, least recently used first
         self.host = HostArena(pin=torch.cuda.is_available())
         self.pages: dict[tuple[torch.device, torch.dtype], DevicePages] = {}
         self.placements: dict[str, Placement] = {}
         # (pages, slot) -> the event after that page's last copy out (:meth:`park`), until a copy in waits for it
         self.page_out: dict[tuple[DevicePages, int], torch.cuda.Event] = {}
+
+    # -- a call's adapters made resident ---------------------------------------------------------------------------
+
+    def check_fits(self, needed, what: str) -> None:
+        """Refuse a call that needs more distinct adapters than have slots (before anything moves)."""
+        if len(needed) > self.capacity:
+            raise ValueError(
+                f"this call's `{what}` need {len(needed)} distinct adapters, more than the {self.capacity} that "
+                f"fit on the device (enable_csgmv(..., max_resident_adapters={self.capacity})): split the batch "
+                "or raise max_resident_adapters"
+            )
+
+    def make_resident(self, needed, layers: list, dora_scale, dora_refused) -> list:
+        """Give every adapter in ``needed`` a slot: the least recently used residents that are not needed go back to
+        host memory, the needed ones come in (one copy of each into its slot's page; PEFT's weights become views of it
+        again). ``needed`` fits: :meth:`check_fits` ran first. ``layers``: the model's kernel layers. Returns the events
+        of the copies out still in flight (:func:`copies_out`), which the caller settles before host code may read the
+        weights that went out (as its call ends)."""
+        missing = [n for n in needed if n not in self.registry.index]
+        out = []
+        if missing:
+            with no_gc_pauses():
+                try:
+                    out = self._bring_in(missing, needed, layers, dora_scale, dora_refused)
+                except BaseException:
+                    self._abandon(missing, layers)
+                    raise
+        for name in needed:
+            self.lru.move_to_end(name)
+        return out
+
+    def _bring_in(self, missing: list[str], needed, layers: list, dora_scale, dora_refused) -> list:
+        """:meth:`make_resident`'s moves: evict the least recently used residents that are not needed, then bring
+        ``missing`` into their slots; the events of the copies out."""
+        registry = self.registry
+        victims = [n for n in self.lru if n not in needed]
+        # Slots whose adapter left, by the stacks that still describe it: a slot's next adapter writes the same
+        # fields in the stacks it has a part in, so the slot is emptied only in the others (most often none).
+        held: dict[int, list[LoraStack]] = {}
+        try:
+            for name in missing:
+                if len(registry.index) >= self.capacity:
+                    victim = victims.pop(0)
+                    slot = registry.index[victim]
+                    # Its weights leave the slot as they are (edits included), copied out first: a copy that fails
+                    # leaves the adapter resident and shared as it was.
+                    held[slot] = self.evict(victim, slot, empty=False)
+                    registry.remove(victim)
+                    self.lru.pop(victim)
+                registry.add(name)
+                self.lru[name] = None
+            out = copies_out(layers) if held else []
+            stacks = {layer._csgmv_stack for layer in layers}
+            for stack in stacks:
+                stack.ensure_capacity(registry.capacity)
+            for name in missing:
+                slot = registry.index[name]
+                if slot in held:
+                    self.refill(name, slot, held.pop(slot))
+                self.bring_in(name, slot, dora_scale, dora_refused)
+        finally:  # (slots left unfilled: emptied in full, as an eviction does)
+            for slot, left in held.items():
+                vacate(slot, left)
+        for stack in stacks:
+            stack.refresh()
+        return out
+
+    def _abandon(self, missing: list[str], layers: list) -> None:
+        """Undo a bring-in that failed part way (out of memory, an interrupt): the adapters it was bringing in leave
+        their slots and the registry again, and their weights go back to their host regions, so no slot claims
+        weights it was not given and the next call brings them in afresh; the residents evicted for them stay in
+        host memory."""
+        for name in missing:
+            slot = self.registry.index.get(name)
+            if slot is None:
+                continue
+            self.park(name)  # from wherever each weight got to: its page, its host region, the device
+            vacate(slot, [layer._csgmv_stack for layer in layers])
+            for layer in layers:
+                if name in layer._csgmv_peft:
+                    set_peft_rows(layer, layer._csgmv_peft - {name})
+            self.registry.remove(name)
+            self.lru.pop(name, None)
+        for layer in layers:
+            layer._csgmv_stack.refresh()
+        host_copies_done(layers)
+        self.page_out.clear()
+
+    # -- pages and placements ----------------------------------------------------------------------------------------
 
     def pages_for(self, device: torch.device, dtype: torch.dtype) -> DevicePages:
         key = (torch.device(device), dtype)
