@@ -94,10 +94,10 @@ def main(argv=None) -> int:
         from peft_csgmv.slots import LoraStack
         from peft_csgmv.tier import DevicePages
 
-        for name in ("evict", "bring_in", "park"):
+        for name in ("evict", "bring_in", "to_host"):
             _timed(tier.HostTier, name, totals)
         _timed(DevicePages, "place", totals)  # an adapter's slot set in a group's layers
-        _timed(tier, "vacate", totals)  # emptied in its layers
+        _timed(tier, "empty_slot", totals)  # emptied in its layers
         _timed(LoraStack, "refresh", totals)
     times = []
     profiler = None

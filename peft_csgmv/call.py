@@ -20,7 +20,7 @@ from ._compat import deferred_stop_check
 from .executor import Executor
 from .mapping import Mapping
 from .sync import BASE, BASE_NAMES, PEFT_DORA_ERROR, CsgmvState, adapters_in, outside_inference_mode
-from .tier import settle
+from .tier import wait_for_copies
 
 
 def _check_ids(ids, arg: str) -> None:
@@ -166,7 +166,7 @@ def open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | No
             state.sync(model)
             active = [n for n in model.active_adapters if n in model.peft_config]
             state._check_residency(active, "active adapters")
-            settle(state.make_resident(active))
+            wait_for_copies(state.make_resident(active))
         return None
     state.sync(model)
     if state.peft_only is not None:
@@ -191,7 +191,7 @@ def open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | No
             )
         )
     except BaseException:
-        settle(out)
+        wait_for_copies(out)
         raise
     return executor
 

@@ -468,7 +468,7 @@ def peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
     names = mapping.names_for(len(x)) if isinstance(x, torch.Tensor) and x.dim() else list(mapping.names)
     # Rows whose adapter this module does not hold run its base module, as they do in that adapter's own PEFT run
     # (PEFT's trainable-token and modules_to_save wrappers fail on names they do not hold).
-    held = self._csgmv_held
+    held = self._csgmv_adapters
     names = [name if name in held else "__base__" for name in names]
     if hasattr(self, "lora_A"):  # a LoRA layer: the mapping's variant arguments, not those PEFT's hooks passed
         kwargs = {k: v for k, v in kwargs.items() if k not in VARIANT_KWARGS}

@@ -40,7 +40,7 @@ from .patching import (
     is_patched,
     method_function,
     patched_class,
-    restore_walks,
+    restore_parameter_walks,
     unpatch_layer,
     unpatched_type,
     weights_lent,
@@ -71,8 +71,8 @@ def _generate(self, *args: Any, **kwargs: Any):
 
 def _load_adapter(self, *args: Any, **kwargs: Any):
     """PEFT's ``load_adapter``; with the host tier, the adapters beyond ``max_resident_adapters`` then go to host
-    memory at once (:func:`_park_loaded`), so that loading many adapters never holds more than N + 1 on the device.
-    It holds the model's call lock: a call from another thread waits for the load, and the load for the call."""
+    memory at once (:func:`_to_host_after_load`), so that loading many adapters never holds more than N + 1 on the
+    device. It holds the model's call lock: a call from another thread waits for the load, and the load for the call."""
     state = self.__dict__.get("_csgmv")
     with state.executor.lock if state is not None else contextlib.nullcontext():
         return _load_adapter_locked(self, state, args, kwargs)
@@ -86,7 +86,7 @@ def _load_adapter_locked(self, state, args: tuple, kwargs: dict):
         out = _own_method(self, "load_adapter")(self, *args, **kwargs)
     finally:
         state.loading -= 1
-    _park_loaded(self, state)
+    _to_host_after_load(self, state)
     return out
 
 
@@ -98,12 +98,12 @@ def _add_adapter(self, *args: Any, **kwargs: Any):
         out = _own_method(self, "add_adapter")(self, *args, **kwargs)
         empty = kwargs.get("low_cpu_mem_usage", args[2] if len(args) > 2 else False)
         if state is not None and state.tier is not None and not state.loading and not empty:
-            _park_loaded(self, state)
+            _to_host_after_load(self, state)
     return out
 
 
 @outside_inference_mode
-def _park_loaded(model, state: "CsgmvState") -> None:
+def _to_host_after_load(model, state: "CsgmvState") -> None:
     """Bring the slots and the host tier in line with the adapters PEFT now holds (a call would do it first): new
     adapters beyond ``max_resident_adapters`` leave the device for host memory now. Where that fails, PEFT's load
     stands and the next call tries again (and raises what it meets)."""
@@ -174,7 +174,7 @@ def _unpatch_model(model) -> None:
 
 def _add_weighted_adapter_lending(tuner: nn.Module, state: CsgmvState):
     """``tuner.add_weighted_adapter`` (PEFT's LoRA model's) with the weights it combines lent to their kernel layers'
-    devices for the call (:func:`~peft_csgmv.layers.weights_lent`; ``state``'s layers, where the host tier parks
+    devices for the call (:func:`~peft_csgmv.patching.weights_lent`; ``state``'s layers, where the host tier keeps
     adapters): with the host tier, those of adapters waiting in host memory would meet device weights there."""
     original = method_function(tuner, "add_weighted_adapter")
 
@@ -283,7 +283,7 @@ def disable_csgmv(model):
     for module in model.modules():
         if is_patched(module):
             unpatch_layer(module)
-        restore_walks(module)
+        restore_parameter_walks(module)
     if getattr(model.base_model.__dict__.get("add_weighted_adapter"), "_csgmv_lending", False):
         del model.base_model.__dict__["add_weighted_adapter"]
     _unpatch_model(model)

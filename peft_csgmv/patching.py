@@ -1,7 +1,7 @@
 """Reversible patching of PEFT's modules: csgmv's forward through a subclass of each module's class (same name; or on
 the instance, over a forward set there), PEFT's rescaling and merging methods wrapped on the instance, the parameter
-walks torch.compile would make spared; :func:`unpatch_layer` and :func:`restore_walks` undo each. Methods set on an
-instance go through :class:`WeakMethod`, so patching leaves no reference cycle (a dropped model is freed at once).
+walks torch.compile would make skipped; :func:`unpatch_layer` and :func:`restore_parameter_walks` undo each. Methods set
+on an instance go through :class:`WeakMethod`, so patching leaves no reference cycle (a dropped model is freed at once).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def unpatch_layer(layer: nn.Module) -> None:
     for attr in (
         "_csgmv_stack",
         "_csgmv_exec",
-        "_csgmv_held",
+        "_csgmv_adapters",
         "_csgmv_peft",
         "_csgmv_siblings",
         "_csgmv_member",
@@ -230,7 +230,7 @@ def _named_buffers(self, *args, **kwargs):
 _WALKS = (("named_parameters", _named_parameters), ("named_buffers", _named_buffers))
 
 
-def spare_walks(model: nn.Module, names) -> None:
+def skip_parameter_walks(model: nn.Module, names) -> None:
     """Give ``model``'s modules named ``names`` and every module above them the class's own ``named_parameters`` and
     ``named_buffers`` as instance attributes (see above); a module with an instance-level one of its own keeps it."""
     wanted = {""}
@@ -244,8 +244,8 @@ def spare_walks(model: nn.Module, names) -> None:
                 module.__dict__[attr] = WeakMethod(function, module)
 
 
-def restore_walks(module: nn.Module) -> None:
-    """Undo :func:`spare_walks` on ``module``."""
+def restore_parameter_walks(module: nn.Module) -> None:
+    """Undo :func:`skip_parameter_walks` on ``module``."""
     state = module.__dict__
     for attr, function in _WALKS:
         if getattr(state.get(attr), "__func__", None) is function:

@@ -227,7 +227,7 @@ class LoraStack:
         # :meth:`base`), rank and length, the weights it came from (``a``: a restack copies a slot whose ``a`` is not
         # its adapter's weight), whether PEFT's parameters view it (``share``). With pages, a slot the tier reserved
         # but has not filled yet has a record without weights (``a`` None).
-        self.held: dict[int, SlotRecord] = {}
+        self.records: dict[int, SlotRecord] = {}
         self.tail = 0  # end of the last extent allocated at the end of data
         self.a_off = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.b_off = torch.zeros(capacity, dtype=torch.int64, device=device)
@@ -341,7 +341,7 @@ class LoraStack:
     @property
     def used_bytes(self) -> int:
         """Bytes of :attr:`data` that hold a slot's weights (the rest: holes left by freed slots, room to grow)."""
-        return sum(rec.length for rec in self.held.values()) * self.data.element_size()
+        return sum(rec.length for rec in self.records.values()) * self.data.element_size()
 
     def ensure_capacity(self, capacity: int) -> None:
         """Make room for slots ``0 .. capacity-1`` (new slots have rank 0)."""
@@ -372,7 +372,7 @@ class LoraStack:
             start, self.tail = self.tail, self.tail + length
             return start
         end = 0
-        for start, used in sorted((rec.rel, rec.length) for rec in self.held.values()):
+        for start, used in sorted((rec.rel, rec.length) for rec in self.records.values()):
             if start - end >= length:
                 return end
             end = start + used
@@ -384,30 +384,30 @@ class LoraStack:
         """Storage of exactly the live slots, packed back to back, where holes and room to grow take more than 2%."""
         if self.pages is not None:  # the tier's pages: fixed places, nothing to pack
             return
-        used = sum(rec.length for rec in self.held.values())
+        used = sum(rec.length for rec in self.records.values())
         if self.data.numel() > used + used // 50:
             self._repack(0, room=False)
 
     def _repack(self, extra: int, room: bool = True) -> None:
         """New storage: the live slots back to back, then room for ``extra`` elements and (``room``) 1/16 of the whole
         more."""
-        used = sum(rec.length for rec in self.held.values())
+        used = sum(rec.length for rec in self.records.values())
         size = used + extra + ((used + extra) // 16 if room else 0)
         data = torch.empty(size, dtype=self.dtype, device=self.device)
         pos, held = 0, {}
-        for slot, rec in sorted(self.held.items(), key=lambda kv: kv[1].rel):
+        for slot, rec in sorted(self.records.items(), key=lambda kv: kv[1].rel):
             data[pos : pos + rec.length] = self.data[rec.rel : rec.rel + rec.length]
             held[slot] = rec._replace(rel=pos, b_rel=pos + rec.b_rel - rec.rel)
             self._set_offsets(slot, pos, self.ranks_host[slot])
             pos += rec.length
-        self.data, self.held, self.tail = data, held, pos
+        self.data, self.records, self.tail = data, held, pos
         self._views = None
         self._point_shared()
 
     def repage(self) -> None:
         """:attr:`pages` were rebuilt with pages of another size: every slot is at the same place in its new page (its
         record's ``rel`` holds); its offsets and PEFT's views follow."""
-        for slot, rec in self.held.items():
+        for slot, rec in self.records.items():
             self._set_offsets(slot, self.base(slot) + rec.rel, self.ranks_host[slot])
         self._point_shared()
 
@@ -421,7 +421,7 @@ class LoraStack:
         self._views = None  # the device copies follow on refresh
 
     def _free(self, slot: int) -> None:
-        rec = self.held.pop(slot, None)
+        rec = self.records.pop(slot, None)
         if rec is not None and self.pages is None and rec.rel + rec.length == self.tail:
             self.tail = rec.rel
 
@@ -461,9 +461,9 @@ class LoraStack:
         else:  # memory of their own, or elsewhere (pinned host memory): one asynchronous copy into the slot
             a_val, b_val = lora_a.detach(), lora_b.detach()
         length = self.slot_elements(r, self.in_features, self.out_features)
-        rec = self.held.get(slot)
+        rec = self.records.get(slot)
         if self.pages is not None:  # where the host tier laid this adapter out in its page (a record, maybe reserved)
-            rel = self.held[slot].rel
+            rel = self.records[slot].rel
         elif rec is None or rec.length != length:
             self._free(slot)
             rel = self._alloc(length)
@@ -478,7 +478,7 @@ class LoraStack:
             lora_a.data, lora_b.data = dst_a, dst_b
         self.scalings_host[slot] = float(scaling)
         b_rel = rel + self.b_start(r, self.in_features)
-        self.held[slot] = SlotRecord(rel, b_rel, r, length, lora_a, lora_b, share, lora_bias)
+        self.records[slot] = SlotRecord(rel, b_rel, r, length, lora_a, lora_b, share, lora_bias)
         self.set_extras(slot, dora, lora_bias)
 
     def set_extras(
@@ -513,28 +513,28 @@ class LoraStack:
 
     def _point_shared(self) -> None:
         """Re-point every shared parameter at its view of the current storage."""
-        for slot, rec in self.held.items():
+        for slot, rec in self.records.items():
             if rec.share:
                 rec.a.data, rec.b.data = self.slot_a(slot), self.slot_b(slot)
 
     def _release(self, slot: int) -> None:
         """Give a shared slot's parameters their own memory again (a copy of their values)."""
-        rec = self.held.get(slot)
+        rec = self.records.get(slot)
         if rec is not None and rec.share:
             rec.a.data, rec.b.data = rec.a.data.clone(), rec.b.data.clone()
-            self.held[slot] = rec._replace(share=False)
+            self.records[slot] = rec._replace(share=False)
 
     def release_slot(self, slot: int) -> None:
         """Slot ``slot``'s shared parameters own their memory again, and its next restack copies them in afresh (its
         record keeps the slot's place, forgets its weights)."""
         self._release(slot)
-        rec = self.held.get(slot)
+        rec = self.records.get(slot)
         if rec is not None:
-            self.held[slot] = rec._replace(a=None, b=None)
+            self.records[slot] = rec._replace(a=None, b=None)
 
     def release_shared(self) -> None:
         """Every shared parameter owns its memory again (``disable_csgmv``, a layer unpatched or restacked)."""
-        for slot in list(self.held):
+        for slot in list(self.records):
             self._release(slot)
 
     @property
@@ -542,7 +542,7 @@ class LoraStack:
         """Bytes of PEFT's adapter weights that live in this stack instead of a second copy."""
         return sum(
             rec.a.numel() * rec.a.element_size() + rec.b.numel() * rec.b.element_size()
-            for rec in self.held.values()
+            for rec in self.records.values()
             if rec.share
         )
 
@@ -582,7 +582,7 @@ class LoraStack:
         return self
 
 
-def vacate(slot: int, stacks) -> None:
+def empty_slot(slot: int, stacks) -> None:
     """The host tier moved slot ``slot``'s adapter out of ``stacks``: the slot is empty in each (rank 0), and PEFT's
     parameters that viewed it are left as they are (the tier has pointed them at host memory). No copies to make, so
     :meth:`LoraStack.clear_slot` without its release; one loop over the layers, not a call per layer."""
@@ -590,14 +590,15 @@ def vacate(slot: int, stacks) -> None:
         if slot < len(stack.ranks_host):
             stack._empty(slot)
         else:
-            stack.held.pop(slot, None)
+            stack.records.pop(slot, None)
 
 
 class SlotRecord(NamedTuple):
-    """What one layer's slot holds (:attr:`LoraStack.held`), and, with the host tier, one layer's part of an adapter's
-    page as :meth:`~peft_csgmv.tier.DevicePages.place` reads it: the tier works each part's place and rank out once,
-    when it lays the adapter out, and a bring-in stores the part itself as the slot's record (one write per layer). It
-    names no stack (a stack holds its records: no reference cycle); the tier keeps each part's stack beside it."""
+    """What one layer's slot holds (:attr:`LoraStack.records`), and, with the host tier, one layer's part of an
+    adapter's page as :meth:`~peft_csgmv.tier.DevicePages.place` reads it: the tier works each part's place and rank
+    out once, when it lays the adapter out, and a bring-in stores the part itself as the slot's record (one write per
+    layer). It names no stack (a stack holds its records: no reference cycle); the tier keeps each part's stack
+    beside it."""
 
     rel: int  # where its A starts, in elements from the slot's base (its page's start: :meth:`LoraStack.base`)
     b_rel: int  # where its B starts (after the aligned A)

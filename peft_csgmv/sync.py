@@ -19,7 +19,15 @@ from torch import nn
 
 from .executor import Executor
 from .options import Options
-from .patching import WeakMethod, is_patched, patch_layer, patch_peft_path, spare_walks, unpatch_layer, unpatched_type
+from .patching import (
+    WeakMethod,
+    is_patched,
+    patch_layer,
+    patch_peft_path,
+    skip_parameter_walks,
+    unpatch_layer,
+    unpatched_type,
+)
 from .slots import (
     LoraStack,
     SlotRegistry,
@@ -30,7 +38,7 @@ from .slots import (
     weights_device,
 )
 from .static_cache import KeptStaticCache
-from .tier import HostTier, host_copies_done, move_adapter, settle
+from .tier import HostTier, host_copies_done, move_adapter, wait_for_copies
 
 BASE = "__base__"
 BASE_NAMES = (None, BASE)
@@ -228,7 +236,7 @@ class CsgmvState:
             for module in peft_path.values():
                 if not is_patched(module):
                     patch_peft_path(module, self.executor)
-                module._csgmv_held = frozenset(_held_adapters(module))
+                module._csgmv_adapters = frozenset(_held_adapters(module))
             restack = set()
             for layer in found.values():
                 if not is_patched(layer):
@@ -248,7 +256,7 @@ class CsgmvState:
                     tier.reserve(names)
                 hosted = [n for n in names if n not in self.registry.index]
                 for name in hosted:
-                    tier.park(name)
+                    tier.to_host(name)
                 for slot, name in enumerate(self.registry.names):
                     if name is not None and tier.hosted(name):
                         tier.bring_in(name, slot, _dora_scale, self.dora_refused)
@@ -262,7 +270,7 @@ class CsgmvState:
                     unpatch_layer(module)
         self.layers, self.peft_path, self.known = found, peft_path, frozenset(known)
         if found or peft_path:
-            spare_walks(model, [*found, *peft_path])
+            skip_parameter_walks(model, [*found, *peft_path])
         self.fingerprint = (list(model.peft_config), tuple(model.peft_config.values()))
         if regroup and len(found) > 1:  # sibling groups name stacks by handle: learned again (Executor.observe)
             self.executor.forget_groups(found.values())
@@ -336,7 +344,7 @@ class CsgmvState:
                 stack.clear_slot(slot)
                 continue
             a, b = weights
-            held = stack.held.get(slot)
+            held = stack.records.get(slot)
             if force or held is None or held.a is not a:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
                 lora_bias = None if stack.embedding else module_param(layer._modules["lora_B"][name], "bias")
@@ -425,11 +433,11 @@ class CsgmvState:
 
     def slots_for(self, ids: Sequence[str | None], copies_out: list | None = None) -> tuple[int, ...]:
         """The slot of each row of a validated call (``-1`` for base rows), its adapters made resident first.
-        ``copies_out``: a call's list, which takes :meth:`make_resident`'s events for the call to settle as it ends;
-        without it they are settled before this returns."""
+        ``copies_out``: a call's list, which takes :meth:`make_resident`'s events for the call to wait for as it ends;
+        without it they are waited for before this returns."""
         out = self.make_resident(adapters_in(ids))
         if copies_out is None:
-            settle(out)
+            wait_for_copies(out)
         else:
             copies_out += out
         index = self.registry.index

@@ -31,10 +31,10 @@ from .slots import (
     LoraStack,
     SlotRecord,
     SlotRegistry,
+    empty_slot,
     layer_adapter,
     module_param,
     set_peft_rows,
-    vacate,
 )
 
 
@@ -117,7 +117,7 @@ class HostTier:
         self.host = HostArena(pin=torch.cuda.is_available())
         self.pages: dict[tuple[torch.device, torch.dtype], DevicePages] = {}
         self.placements: dict[str, Placement] = {}
-        # (pages, slot) -> the event after that page's last copy out (:meth:`park`), until a copy in waits for it
+        # (pages, slot) -> the event after that page's last copy out (:meth:`to_host`), until a copy in waits for it
         self.page_out: dict[tuple[DevicePages, int], torch.cuda.Event] = {}
 
     # -- a call's adapters made resident ---------------------------------------------------------------------------
@@ -181,7 +181,7 @@ class HostTier:
                 self.bring_in(name, slot, dora_scale, dora_refused)
         finally:  # (slots left unfilled: emptied in full, as an eviction does)
             for slot, left in held.items():
-                vacate(slot, left)
+                empty_slot(slot, left)
         for stack in stacks:
             stack.refresh()
         return out
@@ -195,8 +195,8 @@ class HostTier:
             slot = self.registry.index.get(name)
             if slot is None:
                 continue
-            self.park(name)  # from wherever each weight got to: its page, its host region, the device
-            vacate(slot, [layer._csgmv_stack for layer in layers])
+            self.to_host(name)  # from wherever each weight got to: its page, its host region, the device
+            empty_slot(slot, [layer._csgmv_stack for layer in layers])
             for layer in layers:
                 if name in layer._csgmv_peft:
                     set_peft_rows(layer, layer._csgmv_peft - {name})
@@ -247,7 +247,7 @@ class HostTier:
         ]
         moved = set()
         for slot, stack, part in places:
-            record = stack.held.get(slot)
+            record = stack.records.get(slot)
             if record is not None and record.rel != part.rel:
                 moved.add(slot)
         for slot in moved:
@@ -263,9 +263,9 @@ class HostTier:
             for pages, of_pages in layouts.items():
                 pages.prepare_views(of_pages)
         for slot, stack, part in places:  # reserved: the restack that follows (or a bring-in) fills it
-            record = stack.held.get(slot)
+            record = stack.records.get(slot)
             if record is None or record.rel != part.rel:
-                stack.held[slot] = part._replace(a=None, b=None, share=False)
+                stack.records[slot] = part._replace(a=None, b=None, share=False)
 
     def regions(self, name: str) -> list[tuple[DevicePages | None, torch.Tensor, list, list]]:
         """Adapter ``name``'s host regions as ``(pages, region, parameters, their views of it)``: one per group of
@@ -303,7 +303,7 @@ class HostTier:
         """Whether adapter ``name``'s page weights wait in host memory (not on their stacks' devices)."""
         return any(part.share and part.a.device != stack.device for stack, part in self.placements[name].all_parts())
 
-    def park(self, name: str, slot: int | None = None) -> None:
+    def to_host(self, name: str, slot: int | None = None) -> None:
         """Adapter ``name``'s weights into its host regions, PEFT's parameters re-pointed at them (weights there
         already stay). ``slot``: the adapter is resident there: each group's page leaves in one copy, on CUDA on the
         device's copy-out stream (:func:`out_stream`), after the work queued so far on the current one, so that it
@@ -370,13 +370,13 @@ class HostTier:
         fills the slot again at once (:meth:`refill`) and empties it where the next adapter does not overwrite it;
         here the stacks only let go of its parameters (which now view host memory)."""
         placement = self.placements[name]
-        self.park(name, slot)
+        self.to_host(name, slot)
         stacks = placement.stack_list
         if empty:
-            vacate(slot, stacks)
+            empty_slot(slot, stacks)
         else:
             for stack in stacks:
-                stack.held.pop(slot, None)  # (PEFT's parameters now view host memory: no longer the slot's)
+                stack.records.pop(slot, None)  # (PEFT's parameters now view host memory: no longer the slot's)
         for layer in placement.peft_layers:
             set_peft_rows(layer, layer._csgmv_peft - {name})
         return stacks
@@ -386,7 +386,7 @@ class HostTier:
         still describe: the slot emptied in those of them that ``name``'s bring-in does not write (every field it
         would empty, the bring-in sets anew in the others)."""
         placement = self.placements[name]
-        vacate(slot, [stack for stack in held if stack not in placement.stacks])
+        empty_slot(slot, [stack for stack in held if stack not in placement.stacks])
 
 
 def _gather(region: torch.Tensor, params: list[torch.Tensor], views: list[torch.Tensor]) -> None:
@@ -446,9 +446,9 @@ def _copy_streams(layers) -> Iterator["torch.cuda.Stream"]:
 def copies_out(layers) -> list:
     """Events after the asynchronous copies of adapter weights to pinned host memory queued so far, on each stream
     that makes them for ``layers`` (none on the CPU, where they are done already): a call that moved adapters out
-    waits for them as it ends (:func:`settle`), before host code may read those weights, instead of before it brings
-    others in. The copies then overlap the bring-ins' host work and their copies in, and the wait is for them alone,
-    not for all queued work."""
+    waits for them as it ends (:func:`wait_for_copies`), before host code may read those weights, instead of before it
+    brings others in. The copies then overlap the bring-ins' host work and their copies in, and the wait is for them
+    alone, not for all queued work."""
     events = []
     for stream in _copy_streams(layers):
         event = torch.cuda.Event()
@@ -457,7 +457,7 @@ def copies_out(layers) -> list:
     return events
 
 
-def settle(events) -> None:
+def wait_for_copies(events) -> None:
     """Wait for the copies :func:`copies_out` marked."""
     for event in events:
         event.synchronize()
@@ -677,7 +677,7 @@ class DevicePages:
             views = self.slot_views(slot, stacks, parts, columns.layout)
         for stack, part, (dst_a, dst_b) in zip(stacks, parts, views):
             a, b = part.a, part.b
-            stack.held[slot] = part  # the slot's record in this layer: the part itself
+            stack.records[slot] = part  # the slot's record in this layer: the part itself
             stack.__dict__["_views"] = None  # (set directly: the stack's __setattr__ would mark the whole group dirty)
             if part.share:
                 a.data, b.data = dst_a, dst_b

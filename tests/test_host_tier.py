@@ -95,7 +95,7 @@ def test_a_slot_refilled_at_once_is_emptied_only_where_its_new_adapter_has_no_pa
     state = model._csgmv
     slot = state.registry.index["a2"]
     embed = model.base_model.model.model.embed_tokens._csgmv_stack
-    assert embed.ranks_host[slot] == 0 and slot not in embed.held
+    assert embed.ranks_host[slot] == 0 and slot not in embed.records
     linear = [layer._csgmv_stack for layer in state.layers.values() if layer._csgmv_stack is not embed]
     assert all(stack.ranks_host[slot] == 8 for stack in linear), "a2 (rank 8) is not in its slot in every layer"
 
