@@ -143,7 +143,6 @@ class BatchPlan:
         rows = len(row_slots)
         if rows == 0 or tokens_per_row <= 0:
             raise ValueError(f"a plan needs at least one row and one token per row, got {rows} × {tokens_per_row}")
-        num_tokens = rows * tokens_per_row
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         if row_tokens is not None:
@@ -170,6 +169,62 @@ class BatchPlan:
             pos = runs[-1][2]
             i = j
 
+        if row_tokens is not None:
+            # Each adapter row's last tokens in the slot runs, then every base token (base rows whole, and the leading
+            # tokens of rows that keep their slot for their last tokens only), in row order.
+            perm: list[int] | torch.Tensor = []
+            for r in order:
+                if row_slots[r] < 0:
+                    break
+                end = (r + 1) * tokens_per_row
+                perm.extend(range(end - row_tokens[r], end))
+            for r in range(rows):
+                start = r * tokens_per_row
+                perm.extend(range(start, start + tokens_per_row - (row_tokens[r] if row_slots[r] >= 0 else 0)))
+        elif tokens_per_row == 1:
+            perm = order
+        else:  # (a long permutation: expanded with tensor ops)
+            order_t = torch.tensor(order, dtype=torch.int32)[:, None] * tokens_per_row
+            perm = (order_t + torch.arange(tokens_per_row, dtype=torch.int32)).view(-1)
+        return cls._assemble(rows, tokens_per_row, perm, runs, chunk_size, device)
+
+    @classmethod
+    def from_token_slots(
+        cls, token_slots: Sequence[int], device: torch.device | str = "cpu", chunk_size: int | None = None
+    ) -> "BatchPlan":
+        """The plan of one row of packed tokens (a continuous-batching step: each scheduled request's prefill chunk or
+        decode token, back to back): token ``i`` uses slot ``token_slots[i]`` (``-1``: a base token). The tokens are
+        sorted by slot with a stable sort, base tokens last, as :meth:`build` sorts rows::
+
+            token_slots      [2, 2, -1, 0, 0, 0, 2]
+            permutation      [3, 4, 5, 0, 1, 6, 2]
+            seg_indptr       [0, 3, 6]        (chunk 16)
+            seg_slot         [0, 2]
+        """
+        num_tokens = len(token_slots)
+        if num_tokens == 0:
+            raise ValueError("a plan needs at least one token")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        slots = torch.as_tensor(token_slots, dtype=torch.int64)
+        key = torch.where(slots < 0, torch.iinfo(torch.int64).max, slots)
+        perm = torch.argsort(key, stable=True).to(torch.int32)
+        values, counts = torch.unique_consecutive(key[perm.long()], return_counts=True)
+        runs: list[tuple[int, int, int]] = []
+        pos = 0
+        for slot, count in zip(values.tolist(), counts.tolist()):
+            if slot == torch.iinfo(torch.int64).max:
+                break
+            runs.append((slot, pos, pos + count))
+            pos += count
+        return cls._assemble(1, num_tokens, perm, runs, chunk_size, device)
+
+    @classmethod
+    def _assemble(cls, rows: int, tokens_per_row: int, perm, runs: list, chunk_size: int | None, device) -> "BatchPlan":
+        """The plan of ``perm`` (every token's index in the permuted order: a list or an int32 tensor) whose
+        ``runs`` ``(slot, start, end)`` are cut into segments of at most ``chunk_size`` tokens (default:
+        :func:`chunk_size_for`), in one device buffer."""
+        num_tokens = rows * tokens_per_row
         chunk = chunk_size if chunk_size is not None else chunk_size_for(num_tokens, [e - s for _, s, e in runs])
         seg_lens: list[int] = []
         seg_slot: list[int] = []
@@ -186,25 +241,10 @@ class BatchPlan:
         # call with new ids); only a long permutation is expanded with tensor ops.
         indptr_at, slot_at, _ = aligned_parts(num_tokens, num_segments)
         tail = aligned_tail(num_tokens, list(itertools.accumulate(seg_lens, initial=0)), seg_slot)
-        if row_tokens is not None:
-            # Each adapter row's last tokens in the slot runs, then every base token (base rows whole, and the leading
-            # tokens of rows that keep their slot for their last tokens only), in row order.
-            perm: list[int] = []
-            for r in order:
-                if row_slots[r] < 0:
-                    break
-                end = (r + 1) * tokens_per_row
-                perm.extend(range(end - row_tokens[r], end))
-            for r in range(rows):
-                start = r * tokens_per_row
-                perm.extend(range(start, start + tokens_per_row - (row_tokens[r] if row_slots[r] >= 0 else 0)))
-            host = torch.tensor(perm + tail, dtype=torch.int32)
-        elif tokens_per_row == 1:
-            host = torch.tensor(order + tail, dtype=torch.int32)
-        else:
-            order_t = torch.tensor(order, dtype=torch.int32)[:, None] * tokens_per_row
-            perm = (order_t + torch.arange(tokens_per_row, dtype=torch.int32)).view(-1)
+        if isinstance(perm, torch.Tensor):
             host = torch.cat([perm, torch.tensor(tail, dtype=torch.int32)])
+        else:
+            host = torch.tensor(perm + tail, dtype=torch.int32)
 
         device = torch.device(device)
         if device.type == "cuda":

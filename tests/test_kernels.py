@@ -1056,3 +1056,22 @@ def test_pdl_launches_give_the_serial_launches_results(out_of_place, monkeypatch
     assert torch.isfinite(serial).all() and serial.abs().sum() > 0
     for got in with_pdl[0] + with_pdl[1]:
         assert torch.equal(got, serial)
+
+
+def _packed_step(seed: int) -> list[int]:
+    """The token slots of one packed continuous-batching step: requests of 1 to 9 tokens (decode tokens and prefill
+    chunks) back to back, each with its adapter's slot (zipf-skewed) or a base request."""
+    rng = random.Random(seed)
+    slots = _zipf_rows(24, seed, base_fraction=0.2)
+    return [slot for slot in slots for _ in range(rng.choice([1, 1, 1, 4, 9]))]
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("seed", [0, 1])
+def test_packed_token_plan_end_to_end(dtype, seed):
+    """A plan made from each token's slot (``BatchPlan.from_token_slots``: a packed step's tokens, requests of
+    different lengths back to back) runs shrink and expand as the float64 oracle says, every untouched entry kept."""
+    token_slot = _packed_step(seed)
+    plan = BatchPlan.from_token_slots(token_slot, device=DEVICE)
+    ranks, r_max = RANKS["r8-0-3-16"]
+    run_and_check_end_to_end(plan, token_slot, ranks, r_max, 33, 47, dtype, seed=seed, what=f"packed seed {seed}")

@@ -371,3 +371,24 @@ def test_plan_parts_start_on_16_bytes(rows, tokens_per_row):
 def test_build_rejects(row_slots, tokens_per_row, chunk_size):
     with pytest.raises(ValueError):
         BatchPlan.build(row_slots, tokens_per_row, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("row_slots, tokens_per_row, chunk_size", PROPERTY_CASES)
+def test_token_slots_plan_is_the_row_plan(row_slots, tokens_per_row, chunk_size):
+    """A plan made from each token's slot equals the plan of the same tokens made from their rows: the same stable
+    order by slot (base tokens last), segments, chunk and runs."""
+    token_slots = [slot for slot in row_slots for _ in range(tokens_per_row)]
+    by_rows = BatchPlan.build(row_slots, tokens_per_row, chunk_size=chunk_size)
+    by_tokens = BatchPlan.from_token_slots(token_slots, chunk_size=chunk_size)
+    assert by_tokens.num_tokens == by_rows.num_tokens and by_tokens.runs == by_rows.runs
+    assert by_tokens.chunk_size == by_rows.chunk_size
+    for part in ("permutation", "seg_indptr", "seg_slot"):
+        assert getattr(by_tokens, part).tolist() == getattr(by_rows, part).tolist(), part
+
+
+def test_token_slots_docstring_example():
+    plan = BatchPlan.from_token_slots([2, 2, -1, 0, 0, 0, 2])
+    assert_plan(plan, chunk_size=16, permutation=[3, 4, 5, 0, 1, 6, 2], seg_indptr=[0, 3, 6], seg_slot=[0, 2],
+                runs=((0, 0, 3), (2, 3, 6)))  # fmt: skip
+    with pytest.raises(ValueError, match="at least one token"):
+        BatchPlan.from_token_slots([])
