@@ -162,3 +162,27 @@ def test_alora_offsets_passed_by_the_caller():
         close(got, want, "caller's offsets")
         with pytest.raises(ValueError, match="alora_offsets"):
             model(input_ids, attention_mask=mask, adapter_ids=names, alora_offsets=[2, 3])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_alora_under_torch_compile(backend):
+    """``torch.compile(model)`` with aLoRA rows in ``forward``: the compiled prefill reads the static plan of its shape,
+    whose rows keep their adapter from the invocation on; each row's logits equal its adapter's own stock PEFT run,
+    for two calls with other ids."""
+    model = _model()
+    input_ids, mask = _prompts(4, 9)
+    calls = (["al", "a0", "al2", BASE], ["al2", "al", BASE, "al"])
+    expected = []
+    for names in calls:
+        outs = per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits)
+        expected.append(stitch(outs, names))
+    enable_csgmv(model, backend=backend)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+        for names, want in zip(calls, expected):
+            with torch.no_grad():
+                got = compiled(input_ids, attention_mask=mask, adapter_ids=names).logits
+            close(got, want, f"compiled {names}")
+    finally:
+        torch._dynamo.reset()
