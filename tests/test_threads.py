@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from helpers import BASE, close, make, make_batch, per_adapter, stitch
+from helpers import BASE, DEVICE, close, make, make_batch, per_adapter, stitch
 
 from peft_csgmv import enable_csgmv
 
@@ -91,7 +91,7 @@ def test_layer_called_from_another_thread_during_a_call_is_stock():
 
     model = make()
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
-    x = torch.randn(2, 3, layer.in_features, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 3, layer.in_features, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     with torch.no_grad():
         stock = layer(x)  # the active adapter (a0) on both rows
         model.set_adapter("a1")
