@@ -348,7 +348,7 @@ def _compiled_plan(ex: Executor, stack: "LoraStack", x: torch.Tensor, rows: int,
 def compiled_launch(ex_handle: int, epoch: int, n: int, rows: int, tokens_per_row: int, device: str, stack: int):
     """How compiled code launches the LoRA of stack handle ``stack`` for ``rows`` × ``tokens_per_row`` tokens on
     ``device`` (``n`` ids in the call): ``(static plan attribute, triton, fused)``. The attribute holding the shape's
-    :class:`~peft_csgmv.executor.StaticPlan` (:func:`static_plan_attr`); whether the Triton kernels run (on CUDA
+    :class:`~peft_csgmv.mapping.StaticPlan` (:func:`static_plan_attr`); whether the Triton kernels run (on CUDA
     always: the torch reference reads the plan on the host; on the CPU the backend's choice); whether in one fused
     launch (:attr:`Executor.fused_decode`, a shape that fits). Decided when the graph is traced, outside it: a
     constant of the graph, which guards its arguments (``epoch``, :data:`~peft_csgmv.slots.ROUTE_EPOCH`, advances on

@@ -1,6 +1,6 @@
 """The kernels as a torch custom op, for compiled code (``torch.compile``, transformers' static-cache decode).
 
-``peft_csgmv::lora`` is one layer's LoRA over a plan given as tensors (a :class:`~peft_csgmv.executor.StaticPlan`'s
+``peft_csgmv::lora`` is one layer's LoRA over a plan given as tensors (a :class:`~peft_csgmv.mapping.StaticPlan`'s
 buffers): ``out = y + LoRA(x)``, ``y`` itself untouched. dynamo and inductor see it as one opaque call with a fake
 (shape-only) implementation, so a patched layer traces into a graph without a break, and a CUDA graph captures its
 launches as they are. The grid is the plan's most segments; empty segments exit at once. Its graph inputs are the
@@ -98,7 +98,7 @@ def _lora(
 ) -> torch.Tensor:
     """``x``: (..., in) activations or (...) token ids (an embedding stack) of T tokens; ``y``: (..., out), the same
     leading dimensions; ``permutation`` (T,), ``seg_indptr`` (M + 1,), ``seg_slot`` (M,) int32: the plan (a
-    :class:`~peft_csgmv.executor.StaticPlan`'s: base rows in segments of slot ``-1``, then empty segments);
+    :class:`~peft_csgmv.mapping.StaticPlan`'s: base rows in segments of slot ``-1``, then empty segments);
     ``embed_scale``: a scaled embedding's factor (0-dim fp32); ``stack``: the layer's
     :class:`~peft_csgmv.slots.LoraStack` handle, whose tensors are read here (not graph inputs); ``version``: the
     stack's version the caller's graph was traced with; ``chunk``: the plan's row tile; ``triton``: the Triton kernels

@@ -2,7 +2,7 @@
 others' kernel-layer weights wait in host memory (pinned where CUDA is) and come into a slot when a call needs them,
 the least recently used resident out.
 
-Layout. The stacks of one device and dtype share one :class:`~peft_csgmv.slots.DevicePages`: a page per slot, holding
+Layout. The stacks of one device and dtype share one :class:`DevicePages`: a page per slot, holding
 the slot's adapter in every layer of the group, laid out as that adapter's host region (a :class:`Placement`: its
 layers in order, each one's ``A`` then ``B``). Bringing an adapter in is one host-to-device copy of its region into
 its page, after which each layer's slot only records where it is and PEFT's parameters are re-pointed at it; moving
