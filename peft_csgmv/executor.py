@@ -165,14 +165,14 @@ class Executor:
         """``run``'s layers (siblings, in call order) as groups of up to three layers with a stack and a base weight
         (unless ``PEFT_CSGMV_GROUPS=beside``, leaving out layers that compiled code runs beside their base product):
         each group's first member holds its key, the other members' stack handles and (``PEFT_CSGMV_GROUPS=beside``)
-        their base layers' ``(weight, bias)`` (``_csgmv_siblings``; a group that runs beside computes its members' base
-        products too), and the other members hold the key and their place (``_csgmv_member``). No module holds
+        their base layers' ``(weight, bias)`` (their records' ``siblings``; a group that runs beside computes its
+        members' base products too), and the other members hold the key and their place (``member``). No module holds
         another: compiled code would guard each such reference in Python at every step (a replaced base parameter:
         :meth:`check_groups`)."""
         from .kernels.group import MAX_MEMBERS
 
         def joins(layer) -> bool:
-            stack, base = layer.__dict__.get("_csgmv_stack"), layer._modules.get("base_layer")
+            stack, base = layer._csgmv_record.stack, layer._modules.get("base_layer")
             weight = getattr(base, "weight", None)
             if stack is None or not isinstance(weight, torch.Tensor):
                 return False
@@ -194,7 +194,7 @@ class Executor:
                 if len(chunk) < 2:
                     continue
                 key = id(chunk[0])
-                handles = tuple(m.__dict__["_csgmv_stack"].handle for m in chunk[1:])
+                handles = tuple(m._csgmv_record.stack.handle for m in chunk[1:])
                 # (only groups that may run beside their base products read the members' weights)
                 bases = (
                     tuple((m.base_layer.weight, getattr(m.base_layer, "bias", None)) for m in chunk[1:])
@@ -202,17 +202,18 @@ class Executor:
                     else ()
                 )
                 self._groups.append(chunk)
-                chunk[0].__dict__["_csgmv_siblings"] = (key, handles, bases)
+                chunk[0]._csgmv_record.siblings = (key, handles, bases)
                 for index, member in enumerate(chunk[1:], start=1):
-                    member.__dict__["_csgmv_member"] = (key, index)
+                    member._csgmv_record.member = (key, index)
                 bump_routes()
 
     def forget_groups(self, layers) -> None:
         """A layer got a new stack (another handle), or a call failed while learning: the groups (of ``layers`` and
         those given so far) are learned again from the next eager call."""
         for layer in itertools.chain(layers, *self._groups):
-            layer.__dict__.pop("_csgmv_siblings", None)
-            layer.__dict__.pop("_csgmv_member", None)
+            record = layer.__dict__.get("_csgmv_record")
+            if record is not None:
+                record.siblings = record.member = None
         self._seen, self._seen_x, self._groups = [], None, []
         self.groups_learned = not self.groups_on
         bump_routes()
@@ -224,7 +225,7 @@ class Executor:
         layers' group entries). The weights' values may change in place (merging, loading a state dict): the leader
         reads the same tensors."""
         for chunk in self._groups:
-            for member, (weight, bias) in zip(chunk[1:], chunk[0].__dict__["_csgmv_siblings"][2]):
+            for member, (weight, bias) in zip(chunk[1:], chunk[0]._csgmv_record.siblings[2]):
                 base = member._modules.get("base_layer")
                 if getattr(base, "weight", None) is not weight or getattr(base, "bias", None) is not bias:
                     self.forget_groups(())

@@ -123,7 +123,7 @@ def _kernel_stacks(ex: Executor, device: torch.device) -> list:
         kinds = {}
         for layer in list(KERNEL_LAYERS.values()):
             state = layer.__dict__
-            stack = state.get("_csgmv_stack")
+            stack = state["_csgmv_record"].stack
             if state.get("_csgmv_exec") == ex.handle and stack is not None and not stack.embedding:
                 if stack.device == device:
                     kind = (stack.dtype, stack.launch_shape, stack.in_features, stack.out_features, stack.mag is None,
@@ -193,7 +193,8 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
                 return (y + deltas[0]).to(y.dtype)
     base = self._modules["base_layer"]
     hooked = _hooked(base)
-    stack: LoraStack = state["_csgmv_stack"]
+    record = state["_csgmv_record"]
+    stack: LoraStack = record.stack
     embedding = stack.embedding
     if x.dim() < (1 if embedding else 2):
         raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
@@ -207,7 +208,7 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         mapping = ex.mapping
         names = mapping.names_for(rows)
         return self._csgmv_orig_forward(x, *args, adapter_names=names, **mapping.variant_kwargs(), **kwargs)
-    peft_rows = state["_csgmv_peft"]
+    peft_rows = record.peft_rows
     if peft_rows and not peft_rows.isdisjoint(ex.mapping.name_set):
         # Adapters the kernels do not serve here: PEFT's mixed-batch forward for their rows (base output included).
         mapping = ex.mapping
@@ -272,10 +273,11 @@ def compiled_route(key: int, epoch: int, n: int, shape: torch.Size, device: torc
     if layer is None or not torch._dynamo.config.skip_nnmodule_hook_guards:
         return None
     state, base = layer.__dict__, layer._modules.get("base_layer")
-    stack, ex = state.get("_csgmv_stack"), executor_of(state["_csgmv_exec"])
+    record = state["_csgmv_record"]
+    stack, ex = record.stack, executor_of(state["_csgmv_exec"])
     if stack is None or base is None or stack.embedding or stack.device != device or len(shape) < 2:
         return None
-    if state.get("_csgmv_peft") or _hooked(base):
+    if record.peft_rows or _hooked(base):
         return None
     width = shape[-1]
     num_tokens = math.prod(shape[:-1])
@@ -290,7 +292,7 @@ def compiled_route(key: int, epoch: int, n: int, shape: torch.Size, device: torc
 
     if ex.groups_on:
         groupable = plain and stack.lora_bias is None and small
-        member, group = state.get("_csgmv_member"), state.get("_csgmv_siblings")
+        member, group = record.member, record.siblings
         if member is not None:
             return ("member", member, stack.handle) if groupable else None
         if group is not None:
@@ -407,7 +409,8 @@ def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x,
     the same ``x``, its stack is the one the group named and its base weight and bias are the ones the group used;
     otherwise (another input, hooks, a switched-off layer: checked by the caller) it runs on its own."""
     state = layer.__dict__
-    member = state.get("_csgmv_member")
+    record = state["_csgmv_record"]
+    member = record.member
     if member is not None:
         taken = ex.stash.pop(member, None)
         if taken is None or taken[0] is not x or taken[1] != stack.handle or not _groupable(base, stack, x):
@@ -416,7 +419,7 @@ def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x,
             return None
         _, _, delta, y = taken
     else:
-        group = state.get("_csgmv_siblings")
+        group = record.siblings
         if group is None or not _groupable(base, stack, x):
             return None
         key, handles, bases = group
@@ -468,7 +471,7 @@ def peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
     names = mapping.names_for(len(x)) if isinstance(x, torch.Tensor) and x.dim() else list(mapping.names)
     # Rows whose adapter this module does not hold run its base module, as they do in that adapter's own PEFT run
     # (PEFT's trainable-token and modules_to_save wrappers fail on names they do not hold).
-    held = self._csgmv_adapters
+    held = self.__dict__["_csgmv_record"].adapters
     names = [name if name in held else "__base__" for name in names]
     if hasattr(self, "lora_A"):  # a LoRA layer: the mapping's variant arguments, not those PEFT's hooks passed
         kwargs = {k: v for k, v in kwargs.items() if k not in VARIANT_KWARGS}

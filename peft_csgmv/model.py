@@ -308,10 +308,10 @@ def csgmv_stats(model) -> dict:
     return dict(
         kernel_layers=len(state.layers),
         peft_path_modules=len(state.peft_path),
-        peft_row_layers=sum(1 for layer in state.layers.values() if layer._csgmv_peft),
-        stack_bytes=sum(layer._csgmv_stack.nbytes for layer in state.layers.values())
+        peft_row_layers=sum(1 for layer in state.layers.values() if layer._csgmv_record.peft_rows),
+        stack_bytes=sum(layer._csgmv_record.stack.nbytes for layer in state.layers.values())
         + (0 if state.tier is None else sum(pages.nbytes for pages in state.tier.pages.values())),
-        shared_bytes=sum(layer._csgmv_stack.shared_bytes for layer in state.layers.values()),
+        shared_bytes=sum(layer._csgmv_record.stack.shared_bytes for layer in state.layers.values()),
         plans_cached=state.executor.num_plans,
         static_plans=len(state.executor.statics),
         resident=state.resident,

@@ -23,18 +23,43 @@ if TYPE_CHECKING:
     from .slots import LoraStack
 
 
-def _patch(module: nn.Module, forward, executor: Executor) -> None:
-    """Give ``module`` the csgmv ``forward`` (``module._csgmv_orig_forward`` is its own) and its executor's handle.
+class ModuleRecord:
+    """What csgmv keeps on one patched module besides the two numbers compiled code reads at every step
+    (``_csgmv_exec``, its executor's handle, and a kernel layer's ``_csgmv_key``: plain dict entries, each one C++
+    guard, where a field read through this object costs a type guard more per layer). Read by eager code and by
+    compiled code's general path, not by its routed path.
+
+    Attributes:
+        stack: a kernel layer's :class:`~peft_csgmv.slots.LoraStack`.
+        peft_rows: the adapters PEFT's own forward serves in a kernel layer (:func:`~peft_csgmv.slots.set_peft_rows`).
+        adapters: the adapter names a PEFT-path module holds (rows of others run its base module).
+        siblings: a sibling group's first member: ``(key, the others' stack handles, their base weights)``.
+        member: a sibling group's later member: ``(the group's key, its place)``.
+    """
+
+    def __init__(self) -> None:
+        self.stack: "LoraStack | None" = None
+        self.peft_rows: frozenset = frozenset()
+        self.adapters: frozenset = frozenset()
+        self.siblings: tuple | None = None
+        self.member: tuple | None = None
+
+
+def _patch(module: nn.Module, forward, executor: Executor) -> ModuleRecord:
+    """Give ``module`` the csgmv ``forward`` (``module._csgmv_orig_forward`` is its own), its executor's handle and its
+    :class:`ModuleRecord` (``_csgmv_record``).
     A module whose forward is its class's gets a subclass of that class with ``forward`` (made once per class, same
     name): compiled code then checks a patched module with one type guard, where an instance-level bound forward
     costs a Python guard per module (``module is module.forward.__self__``) at every step. A module with a forward of
     its own (accelerate's hooks) gets ``forward`` on the instance, over it."""
     module._csgmv_exec = executor.handle
+    record = module.__dict__["_csgmv_record"] = ModuleRecord()
     if "forward" in module.__dict__:
         module._csgmv_orig_forward = module.forward
         module.forward = types.MethodType(forward, module)
     else:
         module.__class__ = patched_class(type(module), forward=forward)
+    return record
 
 
 _PATCHED_CLASSES: dict = {}
@@ -138,7 +163,7 @@ def weights_lent(pairs) -> Iterator[None]:
     lent = []
     try:
         for layer, name in pairs:
-            device = layer._csgmv_stack.device
+            device = layer._csgmv_record.stack.device
             for p in adapter_params(layer, name):
                 if p.device != device:
                     lent.append((p, p.data))
@@ -162,10 +187,9 @@ def _lending(layer: nn.Module, method: str) -> WeakMethod:
 def patch_layer(layer: nn.Module, stack: "LoraStack", executor: Executor) -> None:
     """Give a kernel layer the csgmv forward (see :func:`_patch`), make its rescaling methods refresh the stack, and
     its merges lend host weights to the device (instance attributes; :func:`unpatch_layer` undoes them)."""
-    layer._csgmv_stack = stack
     layer._csgmv_key = key = next(layer_keys)
     KERNEL_LAYERS[key] = layer
-    _patch(layer, kernel_forward, executor)
+    _patch(layer, kernel_forward, executor).stack = stack
     for method in _RESCALING_METHODS:
         if hasattr(layer, method):
             layer.__dict__[method] = _restack_after(layer, method)
@@ -180,25 +204,15 @@ def patch_peft_path(module: nn.Module, executor: Executor) -> None:
 
 
 def unpatch_layer(layer: nn.Module) -> None:
-    stack = layer.__dict__.get("_csgmv_stack")
-    if stack is not None:  # PEFT's weights own their memory again
-        stack.release_shared()
     state = layer.__dict__
+    record = state.get("_csgmv_record")
+    if record is not None and record.stack is not None:  # PEFT's weights own their memory again
+        record.stack.release_shared()
     if "_csgmv_orig_forward" in state:  # patched on the instance: the instance's own forward again
         state["forward"] = state.pop("_csgmv_orig_forward")
     else:  # patched by class: its class again (a forward set on the instance since, as accelerate's hooks do, stays)
         layer.__class__ = unpatched_type(layer)
-    for attr in (
-        "_csgmv_stack",
-        "_csgmv_exec",
-        "_csgmv_adapters",
-        "_csgmv_peft",
-        "_csgmv_siblings",
-        "_csgmv_member",
-        "_csgmv_key",
-        *_RESCALING_METHODS,
-        *_WEIGHT_READERS,
-    ):
+    for attr in ("_csgmv_record", "_csgmv_exec", "_csgmv_key", *_RESCALING_METHODS, *_WEIGHT_READERS):
         layer.__dict__.pop(attr, None)
 
 

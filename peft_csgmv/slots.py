@@ -156,11 +156,12 @@ def bump_routes() -> None:
 
 
 def set_peft_rows(layer: nn.Module, names) -> None:
-    """The adapters PEFT's own path serves in kernel layer ``layer`` (``_csgmv_peft``), which compiled code's routes
-    read: a change advances :data:`ROUTE_EPOCH`."""
+    """The adapters PEFT's own path serves in kernel layer ``layer`` (its record's ``peft_rows``), which compiled code's
+    routes read: a change advances :data:`ROUTE_EPOCH`."""
     names = frozenset(names)
-    if layer.__dict__.get("_csgmv_peft") != names:
-        layer._csgmv_peft = names
+    record = layer._csgmv_record
+    if record.peft_rows != names:
+        record.peft_rows = names
         bump_routes()
 
 

@@ -236,16 +236,16 @@ class CsgmvState:
             for module in peft_path.values():
                 if not is_patched(module):
                     patch_peft_path(module, self.executor)
-                module._csgmv_adapters = frozenset(_held_adapters(module))
+                module._csgmv_record.adapters = frozenset(_held_adapters(module))
             restack = set()
             for layer in found.values():
                 if not is_patched(layer):
                     patch_layer(layer, self._new_stack(layer), self.executor)
                     regroup = True
-                elif layer._csgmv_stack.dtype != self.stack_dtype(layer):
+                elif layer._csgmv_record.stack.dtype != self.stack_dtype(layer):
                     # An adapter of a wider dtype arrived: the stack takes that dtype, every slot copied again.
-                    layer._csgmv_stack.release_shared()
-                    layer._csgmv_stack = self._new_stack(layer)
+                    layer._csgmv_record.stack.release_shared()
+                    layer._csgmv_record.stack = self._new_stack(layer)
                     restack.add(layer)
                     regroup = True
             if tier is not None:
@@ -287,7 +287,7 @@ class CsgmvState:
                 warnings.warn(f"csgmv: {self.peft_only}; calls with ids run PEFT's own mixed-batch path", stacklevel=3)
             return
         slow = [n for n, m in self.peft_path.items() if n not in self.reported and _held_adapters(m)]
-        slow += [n for n, layer in self.layers.items() if n not in self.reported and layer._csgmv_peft]
+        slow += [n for n, layer in self.layers.items() if n not in self.reported and layer._csgmv_record.peft_rows]
         if slow:
             self.reported.update(slow)
             shown = ", ".join(slow[:6]) + (f" and {len(slow) - 6} more" if len(slow) > 6 else "")
@@ -325,11 +325,11 @@ class CsgmvState:
     def stack_layer(self, layer: nn.Module, force: bool = False) -> None:
         """Bring one kernel-path layer's stack in line with its adapters: copy new or replaced ones (all with
         ``force``), clear the rest. Adapters the kernels do not serve here get rank 0 in the stack and are named in
-        the layer's ``_csgmv_peft``: their rows run through PEFT's forward of this layer. Also called when PEFT
+        the layer's record (``peft_rows``): their rows run through PEFT's forward of this layer. Also called when PEFT
         rescales the layer (``set_scale``, ``scale_layer``, ``unscale_layer``, or a new ``scaling`` dict as
         ``peft.helpers.rescale_adapter_scale`` sets). The host tier brings adapters into slots on its own
         (:meth:`~peft_csgmv.tier.HostTier.bring_in`)."""
-        stack: LoraStack = layer._csgmv_stack
+        stack: LoraStack = layer._csgmv_record.stack
         names = self.registry.names
         peft_rows = set()
         for slot, name in enumerate(names):
@@ -398,7 +398,7 @@ class CsgmvState:
         if self.max_resident is not None:  # PEFT holds every adapter on the device again
             for layer in self.layers.values():
                 for name in layer_adapters(layer):
-                    move_adapter(layer, name, layer._csgmv_stack.device)
+                    move_adapter(layer, name, layer._csgmv_record.stack.device)
         for module in [*self.layers.values(), *self.peft_path.values()]:
             unpatch_layer(module)
         self.layers, self.peft_path = {}, {}
@@ -428,7 +428,7 @@ class CsgmvState:
         """Restack the layers whose ``scaling`` dict PEFT replaced (``peft.helpers.rescale_adapter_scale`` assigns a new
         one; ``set_scale`` and friends are caught as they happen)."""
         for layer in self.layers.values():
-            if layer.scaling is not layer._csgmv_stack.scaling_src:
+            if layer.scaling is not layer._csgmv_record.stack.scaling_src:
                 self.stack_layer(layer, force=True)
 
     def slots_for(self, ids: Sequence[str | None], copies_out: list | None = None) -> tuple[int, ...]:

@@ -81,7 +81,7 @@ def placement_of(layers, name: str, kernel_reason: Callable[[nn.Module, str], st
         if weights is None:
             continue
         params = adapter_params(layer, name)
-        stack: LoraStack = layer._csgmv_stack
+        stack: LoraStack = layer._csgmv_record.stack
         if kernel_reason(layer, name) is not None:
             placement.peft_layers.append(layer)
             placement.rest += [(p, stack.device) for p in params]
@@ -171,7 +171,7 @@ class HostTier:
                 registry.add(name)
                 self.lru[name] = None
             out = copies_out(layers) if held else []
-            stacks = {layer._csgmv_stack for layer in layers}
+            stacks = {layer._csgmv_record.stack for layer in layers}
             for stack in stacks:
                 stack.ensure_capacity(registry.capacity)
             for name in missing:
@@ -196,14 +196,14 @@ class HostTier:
             if slot is None:
                 continue
             self.to_host(name)  # from wherever each weight got to: its page, its host region, the device
-            empty_slot(slot, [layer._csgmv_stack for layer in layers])
+            empty_slot(slot, [layer._csgmv_record.stack for layer in layers])
             for layer in layers:
-                if name in layer._csgmv_peft:
-                    set_peft_rows(layer, layer._csgmv_peft - {name})
+                if name in layer._csgmv_record.peft_rows:
+                    set_peft_rows(layer, layer._csgmv_record.peft_rows - {name})
             self.registry.remove(name)
             self.lru.pop(name, None)
         for layer in layers:
-            layer._csgmv_stack.refresh()
+            layer._csgmv_record.stack.refresh()
         host_copies_done(layers)
         self.page_out.clear()
 
@@ -226,7 +226,7 @@ class HostTier:
         layers = list(layers)
         self.page_out.clear()  # (the caller waited for every copy out: host_copies_done)
         self.placements = {name: placement_of(layers, name, kernel_reason) for name in names}
-        live = {layer._csgmv_stack.pages for layer in layers}
+        live = {layer._csgmv_record.stack.pages for layer in layers}
         self.pages = {key: pages for key, pages in self.pages.items() if pages in live}
         need: dict[DevicePages, int] = {}
         for placement in self.placements.values():
@@ -239,7 +239,7 @@ class HostTier:
             for stack, part in placement.all_parts():
                 held.setdefault(stack, set()).add(part.rank)
         for layer in layers:
-            layer._csgmv_stack.hold_ranks(held.get(layer._csgmv_stack, ()))
+            layer._csgmv_record.stack.hold_ranks(held.get(layer._csgmv_record.stack, ()))
         places = [
             (slot, stack, part)
             for slot, name in enumerate(registry.names)
@@ -252,7 +252,7 @@ class HostTier:
                 moved.add(slot)
         for slot in moved:
             for layer in layers:
-                layer._csgmv_stack.release_slot(slot)
+                layer._csgmv_record.stack.release_slot(slot)
         layouts: dict[DevicePages, dict] = {}
         for placement in self.placements.values():  # each adapter's columns, once, and the pages' views of them
             for pages, parts in placement.parts.items():
@@ -360,7 +360,7 @@ class HostTier:
         for layer, stack, bias in placement.dora:
             stack.set_extras(slot, dora_scale(layer, name), bias)
         for layer in placement.peft_layers:
-            set_peft_rows(layer, layer._csgmv_peft | {name})
+            set_peft_rows(layer, layer._csgmv_record.peft_rows | {name})
             if layer.use_dora.get(name, False):
                 dora_refused.add(name)
 
@@ -378,7 +378,7 @@ class HostTier:
             for stack in stacks:
                 stack.records.pop(slot, None)  # (PEFT's parameters now view host memory: no longer the slot's)
         for layer in placement.peft_layers:
-            set_peft_rows(layer, layer._csgmv_peft - {name})
+            set_peft_rows(layer, layer._csgmv_record.peft_rows - {name})
         return stacks
 
     def refill(self, name: str, slot: int, held: list[LoraStack]) -> None:
@@ -437,7 +437,7 @@ def out_stream(device: torch.device) -> "torch.cuda.Stream":
 def _copy_streams(layers) -> Iterator["torch.cuda.Stream"]:
     """The streams that copy adapter weights to host memory for ``layers`` on CUDA: each device's current stream
     (the weights that move parameter by parameter) and its copy-out stream (the pages)."""
-    for device in {layer._csgmv_stack.device for layer in layers}:
+    for device in {layer._csgmv_record.stack.device for layer in layers}:
         if streamed(device):
             yield torch.cuda.current_stream(device)
             yield out_stream(device)

@@ -147,7 +147,7 @@ def test_lora_linear_launches_without_pdl_beside_the_base(monkeypatch):
     model = make()
     enable_csgmv(model, backend="triton")
     layer = model.base_model.model.model.layers[0].mlp.up_proj
-    stack, base = layer._csgmv_stack, layer.base_layer
+    stack, base = layer._csgmv_record.stack, layer.base_layer
     static = StaticPlan(2, 2, 1, DEVICE)
     static.fill((0, 1))
     seen = []
@@ -239,8 +239,8 @@ def test_group_beside_base_products_gives_the_serial_results():
 
     def chain(x, beside: bool):
         for members in blocks:
-            stacks = [m._csgmv_stack.handle for m in members]
-            versions = [m._csgmv_stack.version for m in members]
+            stacks = [m._csgmv_record.stack.handle for m in members]
+            versions = [m._csgmv_record.stack.version for m in members]
             if beside:
                 weights, biases = [m.base_layer.weight for m in members], [m.base_layer.bias for m in members]
                 outs = ops.lora_group_linear(x, weights, biases, *plan, stacks, versions, static.chunk, True)
@@ -276,7 +276,7 @@ def test_lora_beside_base_product_gives_the_serial_results(adapters):
     pm.to("cuda")
     enable_csgmv(pm)
     layers = [layer.self_attn.q_proj for layer in pm.base_model.model.model.layers]
-    assert layers[0]._csgmv_stack.a.dtype == (torch.float32 if adapters == "fp32" else torch.bfloat16)
+    assert layers[0]._csgmv_record.stack.a.dtype == (torch.float32 if adapters == "fp32" else torch.bfloat16)
     device = torch.device("cuda", torch.cuda.current_device())
     static = StaticPlan(32, 32, 1, device)
     static.fill(tuple(-1 if i % 5 == 0 else (7 * i) % 32 for i in range(32)))  # base rows too
@@ -284,7 +284,7 @@ def test_lora_beside_base_product_gives_the_serial_results(adapters):
 
     def chain(x, beside: bool):
         for layer in layers:
-            stack, base = layer._csgmv_stack, layer.base_layer
+            stack, base = layer._csgmv_record.stack, layer.base_layer
             if beside:
                 y, delta = ops.lora_linear(
                     x, base.weight, base.bias, *plan, stack.handle, stack.version, static.chunk, True

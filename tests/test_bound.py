@@ -63,11 +63,11 @@ def test_bound_launches_match_the_checked_path(recorded):
             layer(x)  # first call: Triton compiles (recorded as "triton"); a plan used once is not bound
             assert [(e[0], e[1]) for e in recorded] == [("shrink", "triton"), ("expand", "triton")]
             plan = next(iter(executor.plans.values()))  # the PlanRun: plan, workspaces, bindings
-            assert not isinstance(plan.bound[layer._csgmv_stack], BoundLayer)
+            assert not isinstance(plan.bound[layer._csgmv_record.stack], BoundLayer)
             recorded.clear()
             layer(x)  # second call: the checked path's direct launch, then the launches are bound to the plan
             assert [(e[0], e[1]) for e in recorded] == [("shrink", "direct"), ("expand", "direct")]
-            assert isinstance(plan.bound[layer._csgmv_stack], BoundLayer)
+            assert isinstance(plan.bound[layer._csgmv_record.stack], BoundLayer)
 
             recorded.clear()
             layer(x)  # bound launches
@@ -91,7 +91,7 @@ def test_bound_launches_match_the_checked_path(recorded):
             assert not any(isinstance(a, torch.Tensor) for e in via_bound for a in e[3]), "bound: addresses only"
 
             # A misaligned x would compile differently: the binding does not fit, the checked path runs.
-            stack = layer._csgmv_stack
+            stack = layer._csgmv_record.stack
             bound = plan.bound[stack]
             wide = torch.randn(4 * 41 + 1)[1:].view(4, 41)[:, :40]
             assert wide.data_ptr() % 16 and not bound.fits(wide, torch.empty(4, 24), stack)
@@ -99,8 +99,8 @@ def test_bound_launches_match_the_checked_path(recorded):
             # A reallocated stack (a new adapter of a larger rank) does not fit either.
             model.add_adapter("a2", LoraConfig(r=16, target_modules=["proj"], init_lora_weights=False))
             model._csgmv.sync(model)
-            assert layer._csgmv_stack.a is not bound.tensors[0]
-            assert not bound.fits(torch.randn(4, 40), torch.empty(4, 24), layer._csgmv_stack)
+            assert layer._csgmv_record.stack.a is not bound.tensors[0]
+            assert not bound.fits(torch.randn(4, 40), torch.empty(4, 24), layer._csgmv_record.stack)
     finally:
         executor.end()
         disable_csgmv(model)
@@ -160,7 +160,7 @@ def test_pdl_reaches_checked_and_bound_launches(recorded, monkeypatch, pdl):
             kwargs = dict(kwargs)
             assert how == "triton" and kwargs["USE_GDC"] is pdl and kwargs.get("launch_pdl", False) is pdl, name
         plan = next(iter(executor.plans.values()))
-        assert isinstance(plan.bound[layer._csgmv_stack], BoundLayer)
+        assert isinstance(plan.bound[layer._csgmv_record.stack], BoundLayer)
         assert [(e[0], e[1]) for e in bound] == [("shrink", "direct"), ("expand", "direct")]
         assert all(e[3][-1] is pdl for e in bound), "USE_GDC is the last constexpr of both kernels"
     finally:

@@ -331,9 +331,9 @@ def _stacks(model):
         # The storage's raw bytes: the alignment gaps between slots are never written (uninitialized memory may hold
         # NaN patterns, which no float comparison calls equal).
         name: (
-            layer._csgmv_stack.device,
-            layer._csgmv_stack.data.data_ptr(),
-            layer._csgmv_stack.data.view(torch.uint8).clone(),
+            layer._csgmv_record.stack.device,
+            layer._csgmv_record.stack.data.data_ptr(),
+            layer._csgmv_record.stack.data.view(torch.uint8).clone(),
         )
         for name, layer in state.layers.items()
     }

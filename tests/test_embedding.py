@@ -105,7 +105,7 @@ def test_llama_embedding_through_kernels(backend, kernel_calls):
     model = add_adapters(model, specs).to(DEVICE)
     layer = _embedding_layer(model)
     enable_csgmv(model, backend=backend)
-    assert is_patched(layer) and layer._csgmv_stack.embedding
+    assert is_patched(layer) and layer._csgmv_record.stack.embedding
     disable_csgmv(model)
     _check(model, backend, generate=backend == "torch")
     assert kernel_calls, "no kernel ran"
@@ -158,7 +158,7 @@ def test_max_norm_embedding_takes_peft_path():
     enable_csgmv(model, backend="torch")
     try:
         layer = _embedding_layer(model)
-        assert is_patched(layer) and "_csgmv_stack" not in layer.__dict__
+        assert is_patched(layer) and layer._csgmv_record.stack is None
         got = model(x, adapter_ids=names)
     finally:
         disable_csgmv(model)

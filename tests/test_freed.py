@@ -80,7 +80,8 @@ def _dropped(scenario: str, csgmv: bool) -> list[weakref.ref]:
     refs = [weakref.ref(model), *(weakref.ref(p) for p in model.parameters())]
     if csgmv:
         SCENARIOS[scenario](model)
-        stacks = [m._csgmv_stack for m in model.modules() if "_csgmv_stack" in m.__dict__]
+        records = [m.__dict__.get("_csgmv_record") for m in model.modules()]
+        stacks = [r.stack for r in records if r is not None and r.stack is not None]
         assert stacks or scenario == "disabled", "no kernel layer: the case proves nothing about csgmv's stacks"
         refs += [weakref.ref(t) for s in stacks for t in (s.data, s.ranks, s.a_off)]
         refs += [weakref.ref(s) for s in stacks]
@@ -123,7 +124,7 @@ def test_methods_set_on_instances_read_as_bound_methods():
     assert type(model) is not cls and isinstance(model, cls) and type(model).__name__ == cls.__name__
     assert model.forward.__self__ is model and "forward" not in model.__dict__
     assert inspect.signature(model.named_parameters) == inspect.signature(torch.nn.Module().named_parameters)
-    layer = next(m for m in model.modules() if "_csgmv_stack" in m.__dict__)
+    layer = next(m for m in model.modules() if getattr(m.__dict__.get("_csgmv_record"), "stack", None) is not None)
     bound = type(layer).get_delta_weight.__get__(layer)
     assert layer.get_delta_weight.__self__ is layer and layer.get_delta_weight.__name__ == "get_delta_weight"
     assert inspect.signature(layer.get_delta_weight) == inspect.signature(bound)

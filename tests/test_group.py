@@ -41,7 +41,7 @@ def test_group_kernels_match_the_layer_kernels(dtype, view):
     model = _model(dtype)
     enable_csgmv(model, backend="triton")
     attn = model.base_model.model.model.layers[0].self_attn
-    stacks = [attn.q_proj._csgmv_stack, attn.k_proj._csgmv_stack, attn.v_proj._csgmv_stack]
+    stacks = [attn.q_proj._csgmv_record.stack, attn.k_proj._csgmv_record.stack, attn.v_proj._csgmv_record.stack]
     slots = model._csgmv.slots_for(["a0", None, "a1", "a1", "a0"])
     plan = BatchPlan.build(list(slots), 1, DEVICE)
     g = torch.Generator().manual_seed(0)
@@ -114,7 +114,7 @@ def test_groups_off_and_members_that_cannot_join(monkeypatch):
     kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=ID_LISTS[0], max_new_tokens=3, do_sample=False)
     assert torch.equal(model.generate(cache_implementation="static", compile_config=config, **kw), model.generate(**kw))
     assert _ops(graphs, "lora_group") == 0
-    assert "_csgmv_siblings" not in model.base_model.model.model.layers[0].self_attn.q_proj.__dict__
+    assert model.base_model.model.model.layers[0].self_attn.q_proj._csgmv_record.siblings is None
     torch._dynamo.reset()
 
     monkeypatch.setenv("PEFT_CSGMV_GROUPS", "1")
@@ -123,7 +123,7 @@ def test_groups_off_and_members_that_cannot_join(monkeypatch):
     config, graphs = _graph_capture()
     assert torch.equal(model.generate(cache_implementation="static", compile_config=config, **kw), model.generate(**kw))
     assert _ops(graphs, "lora_group") == 0
-    assert "_csgmv_siblings" in model.base_model.model.model.layers[0].self_attn.q_proj.__dict__, "groups learned"
+    assert model.base_model.model.model.layers[0].self_attn.q_proj._csgmv_record.siblings is not None, "groups learned"
 
 
 def test_a_failed_first_call_learns_no_groups(monkeypatch):
@@ -139,10 +139,9 @@ def test_a_failed_first_call_learns_no_groups(monkeypatch):
     enable_csgmv(model, backend="torch")
     ex = model._csgmv.executor
     layers = list(model._csgmv.layers.values())
-    marks = ("_csgmv_siblings", "_csgmv_member")
 
     def marked():
-        return [layer for layer in layers if any(m in layer.__dict__ for m in marks)]
+        return [layer for layer in layers if (r := layer._csgmv_record).siblings is not None or r.member is not None]
 
     class Fail(transformers.StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):

@@ -104,7 +104,7 @@ def test_compiled_step_checks_no_python_guard_per_layer(groups, monkeypatch):
     python = [g for g in guards if "LAMBDA_GUARD" in g and (on_layers.search(g) or ".forward.__self__" in g)]
     assert not python, f"{len(python)} Python guards on patched modules, e.g. {python[0]}"
     if groups != "off":  # (groups after their base products: read by each layer's route, which the epoch guards)
-        read = "_csgmv_siblings" if groups == "beside" else "ROUTE_EPOCH"
+        read = ".siblings" if groups == "beside" else "ROUTE_EPOCH"
         assert any(read in g for g in guards), f"no guard on {read}: no sibling group was traced"
 
 
@@ -138,11 +138,12 @@ def test_compiled_routes_and_the_epoch_that_guards_them():
     model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=ID_LISTS[0], max_new_tokens=1)
     assert slots.ROUTE_EPOCH > epoch, "learning the groups did not advance the epoch"
     lead, second, third = route(q), route(k), route(v)
-    assert lead[0] == "group" and lead[2] == tuple(m._csgmv_stack.handle for m in (q, k, v)), lead
-    assert lead[3] == tuple(m._csgmv_stack.version for m in (q, k, v)), lead
-    assert second == ("member", lead[6][1], k._csgmv_stack.handle) and third[:2] == ("member", lead[6][2])
-    assert lead[6][1:] == (k._csgmv_member, v._csgmv_member), "the group's stash keys are not its members'"
-    assert route(o)[0] == "lora" and route(o)[2:4] == (o._csgmv_stack.handle, o._csgmv_stack.version)
+    assert lead[0] == "group" and lead[2] == tuple(m._csgmv_record.stack.handle for m in (q, k, v)), lead
+    assert lead[3] == tuple(m._csgmv_record.stack.version for m in (q, k, v)), lead
+    assert second == ("member", lead[6][1], k._csgmv_record.stack.handle) and third[:2] == ("member", lead[6][2])
+    members = (k._csgmv_record.member, v._csgmv_record.member)
+    assert lead[6][1:] == members, "the group's stash keys are not its members'"
+    assert route(o)[0] == "lora" and route(o)[2:4] == (o._csgmv_record.stack.handle, o._csgmv_record.stack.version)
     assert route(embed, (3, 1)) is None, "an embedding takes the general path"
     assert route(q, (3, 600, 48)) is None, "a prefill-sized input is no group member: the general path"
     # what the graph does not guard, read when it is traced: hooks (as torch.compile reads a module's own), and the
@@ -166,12 +167,12 @@ def test_compiled_routes_and_the_epoch_that_guards_them():
     epoch = slots.ROUTE_EPOCH
     ex.set_backend("torch")
     assert slots.ROUTE_EPOCH > epoch, "a backend switch did not advance the epoch"
-    epoch, version = slots.ROUTE_EPOCH, q._csgmv_stack.version
+    epoch, version = slots.ROUTE_EPOCH, q._csgmv_record.stack.version
     model.add_adapter("wide", LoraConfig(r=16, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
     model.to(DEVICE)
     model.generate(input_ids=input_ids, attention_mask=mask, adapter_ids=["wide", "a0", None], max_new_tokens=1)
-    assert q._csgmv_stack.version > version and slots.ROUTE_EPOCH > epoch, "a new launch shape left the epoch"
-    assert route(q)[3][0] == q._csgmv_stack.version
+    assert q._csgmv_record.stack.version > version and slots.ROUTE_EPOCH > epoch, "a new launch shape left the epoch"
+    assert route(q)[3][0] == q._csgmv_record.stack.version
 
 
 def test_compiled_code_walks_no_adapter_it_does_not_read():

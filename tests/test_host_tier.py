@@ -66,7 +66,7 @@ def test_adapters_come_and_go_least_recently_used_first(tiered):
     largest = max(sum(p.numel() for p in _weights(model, name) if p.dim() == 2) for name in ADAPTERS)
     assert pages.count == 2 and largest <= pages.page_numel <= largest + 2 * 64 * len(model._csgmv.layers)
     assert csgmv_stats(model)["stack_bytes"] == pages.nbytes + sum(
-        layer._csgmv_stack.nbytes for layer in model._csgmv.layers.values()
+        layer._csgmv_record.stack.nbytes for layer in model._csgmv.layers.values()
     )
 
 
@@ -94,9 +94,9 @@ def test_a_slot_refilled_at_once_is_emptied_only_where_its_new_adapter_has_no_pa
     assert emptied == {"embedding": 1}, dict(emptied)
     state = model._csgmv
     slot = state.registry.index["a2"]
-    embed = model.base_model.model.model.embed_tokens._csgmv_stack
+    embed = model.base_model.model.model.embed_tokens._csgmv_record.stack
     assert embed.ranks_host[slot] == 0 and slot not in embed.records
-    linear = [layer._csgmv_stack for layer in state.layers.values() if layer._csgmv_stack is not embed]
+    linear = [layer._csgmv_record.stack for layer in state.layers.values() if layer._csgmv_record.stack is not embed]
     assert all(stack.ranks_host[slot] == 8 for stack in linear), "a2 (rank 8) is not in its slot in every layer"
 
 
@@ -594,7 +594,7 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
     state = model._csgmv
     held = set(state.registry.index.values())
     for name, layer in state.layers.items():
-        stack = layer._csgmv_stack
+        stack = layer._csgmv_record.stack
         stale = [slot for slot, rank in enumerate(stack.ranks_host) if rank and slot not in held]
         assert not stale, f"{name}: slots {stale} hold no adapter but keep a rank (a half-done bring-in's)"
     for names in (["a2", "a3", BASE, "a2"], ["a0", "a2", "a0", BASE], ["a3", "a1", BASE, "a3"]):
@@ -716,7 +716,7 @@ def test_pages_rebuilt_in_place_give_new_bring_ins_views_of_the_new_memory(tiere
 def _tables_hold_the_host_lists(model, pages) -> None:
     """Every stack's device vectors are its rows of the group's tables and hold its host lists."""
     for layer in model._csgmv.layers.values():
-        stack = layer._csgmv_stack
+        stack = layer._csgmv_record.stack
         for name in ("ranks", "scalings", "a_off", "b_off"):
             vector = getattr(stack, name)
             assert vector.data_ptr() == pages.table[name][stack.row].data_ptr(), f"{name} is not its table row"
@@ -866,7 +866,7 @@ def test_adapters_on_some_layers_take_slots_from_adapters_on_all(monkeypatch):
         _call(model, input_ids, mask, outs, ids)
         _tables_hold_the_host_lists(model, pages)
         for layer in state.layers.values():
-            stack = layer._csgmv_stack
+            stack = layer._csgmv_record.stack
             for slot, name in enumerate(state.registry.names):
                 want = layer.r.get(name, 0) if name is not None and name in layer.lora_A else 0
                 got = stack.ranks_host[slot]

@@ -77,7 +77,7 @@ def test_device_map_over_two_gpus_matches_stock_peft(builds):
     input_ids, mask = _prompts(7, seed=0)
     outs = per_adapter(model, NAMES, lambda: model(input_ids, attention_mask=mask).logits)
     enable_csgmv(model)
-    stacks = {n: layer._csgmv_stack.device for n, layer in model._csgmv.layers.items()}
+    stacks = {n: layer._csgmv_record.stack.device for n, layer in model._csgmv.layers.items()}
     assert {d.index for d in stacks.values()} == {0, 1}
     for name, device in stacks.items():
         assert device == torch.device("cuda", 1 if "layers.1" in name else 0), f"{name}'s stack on {device}"

@@ -46,7 +46,7 @@ def _setup(device):
 def _csgmv(pm, input_ids, mask, backend, dtype=None):
     enable_csgmv(pm, backend=backend, dtype=dtype)
     try:
-        stack_dtypes = {layer._csgmv_stack.dtype for layer in pm._csgmv.layers.values()}
+        stack_dtypes = {layer._csgmv_record.stack.dtype for layer in pm._csgmv.layers.values()}
         with torch.no_grad():
             out = pm(input_ids, attention_mask=mask, adapter_ids=NAMES).logits
     finally:
@@ -91,14 +91,14 @@ def test_wider_adapter_added_later_retypes_the_stack():
     )
     enable_csgmv(pm, backend="torch")
     layer = next(iter(pm._csgmv.layers.values()))
-    assert layer._csgmv_stack.dtype == torch.bfloat16
+    assert layer._csgmv_record.stack.dtype == torch.bfloat16
     pm.add_adapter("f", LoraConfig(r=8, target_modules=targets, init_lora_weights=False))  # PEFT: fp32
     input_ids, mask = make_batch(3, 5)
     names = ["h", "f", BASE]
     outs = per_adapter(pm, names, lambda: pm(input_ids, attention_mask=mask).logits)
     with torch.no_grad():
         got = pm(input_ids, attention_mask=mask, adapter_ids=names).logits
-    assert layer._csgmv_stack.dtype == torch.float32
+    assert layer._csgmv_record.stack.dtype == torch.float32
     # The fp32 adapter's and the base rows as PEFT computes them; the bf16 adapter's rows now in fp32, closer to
     # float64 than PEFT's bf16 products, within bf16's tolerance of them.
     close(got, stitch(outs, names), "after an fp32 adapter joined bf16 ones", dtype=torch.bfloat16)

@@ -128,7 +128,7 @@ def test_adapter_config_variants(backend):
     # The stacks carry PEFT's per-layer rank and scaling (pattern-adjusted), rank 0 where an adapter is absent.
     state = model._csgmv
     for layer in state.layers.values():
-        stack = layer._csgmv_stack
+        stack = layer._csgmv_record.stack
         for name, slot in state.registry.index.items():
             assert stack.ranks_host[slot] == layer.r.get(name, 0)
             assert stack.scalings_host[slot] == pytest.approx(layer.scaling.get(name, 0.0))
@@ -543,11 +543,11 @@ def test_fp16_model_fp32_adapters():
     with torch.no_grad():
         peft_mixed = run(adapter_names=names)
     enable_csgmv(model, backend="torch", dtype=torch.float16)
-    assert next(iter(model._csgmv.layers.values()))._csgmv_stack.data.dtype == torch.float16
+    assert next(iter(model._csgmv.layers.values()))._csgmv_record.stack.data.dtype == torch.float16
     close(run(adapter_ids=names), peft_mixed, "fp16 stacks vs PEFT adapter_names", dtype=torch.bfloat16)
     enable_csgmv(model, backend="torch")  # enabling again with another dtype restacks in it: the adapters' own
     for layer in model._csgmv.layers.values():
-        assert layer._csgmv_stack.data.dtype == torch.float32
+        assert layer._csgmv_record.stack.data.dtype == torch.float32
     out = run(adapter_ids=names)
     assert out.dtype == torch.float16
     close(out, peft_mixed, "csgmv vs PEFT adapter_names", dtype=torch.float16)

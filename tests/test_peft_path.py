@@ -190,8 +190,8 @@ def test_adapters_narrower_than_the_model_take_peft_path():
         enable_csgmv(model, backend="torch")
         with torch.no_grad():
             got = model(input_ids, attention_mask=mask, adapter_ids=names).logits
-    assert all(layer._csgmv_peft == {"h"} for layer in model._csgmv.layers.values() if "h" in layer.lora_A)
+    assert all(layer._csgmv_record.peft_rows == {"h"} for layer in model._csgmv.layers.values() if "h" in layer.lora_A)
     assert any("PEFT's own mixed-batch path" in str(w.message) for w in caught)
     close(got, stitch(outs, names), "bf16 adapter rows on an fp32 model")
     enable_csgmv(model, backend="torch", dtype=torch.float32)
-    assert not any(layer._csgmv_peft for layer in model._csgmv.layers.values())
+    assert not any(layer._csgmv_record.peft_rows for layer in model._csgmv.layers.values())

@@ -53,7 +53,7 @@ def _storage_bytes(tensors) -> int:
 def _stack_tensors(model) -> list[torch.Tensor]:
     out = []
     for layer in model._csgmv.layers.values():
-        st = layer._csgmv_stack
+        st = layer._csgmv_record.stack
         tensors = (st.data, st.a_off, st.b_off, st.ranks, st.scalings, st.mag, st.bias, st.lora_bias)
         out += [t for t in tensors if t is not None]
     return out
@@ -194,7 +194,7 @@ def test_adapters_loaded_and_deleted_after_enabling_reuse_and_grow_the_storage()
     PEFT's views re-pointed): results stay PEFT's at every step, and storage stays near PEFT's bytes."""
     model = _model(ranks=(4, 8, 16))
     enable_csgmv(model, backend="torch")
-    stack = next(m for n, m in model._csgmv.layers.items() if n.endswith("q_proj"))._csgmv_stack
+    stack = next(m for n, m in model._csgmv.layers.items() if n.endswith("q_proj"))._csgmv_record.stack
     data = stack.data
     model.delete_adapter("a1")  # frees rank-8 room in every layer
     _add(model, "b0", 4)  # fits in the hole: no new storage

@@ -617,7 +617,7 @@ def test_lora_linear_takes_strided_inputs(backend, layout):
     model = make()
     enable_csgmv(model, backend=backend)
     layer = model.base_model.model.model.layers[1].mlp.down_proj
-    stack, base = layer._csgmv_stack, layer.base_layer
+    stack, base = layer._csgmv_record.stack, layer.base_layer
     static = StaticPlan(4, 4, 2, DEVICE)
     static.fill((1, -1, 0, 1))
     x, parent = view_2d(lambda shape: torch.randn(shape, device=DEVICE), 8, layer.in_features, layout)
@@ -653,7 +653,7 @@ def test_ops_take_a_layers_input_with_its_leading_dimensions(backend):
     static = StaticPlan(4, 4, 1, DEVICE)
     static.fill((1, -1, 0, 1))
     plan, triton = (static.permutation, static.seg_indptr, static.seg_slot), backend == "triton"
-    stacks = [m._csgmv_stack for m in (q, k, v)]
+    stacks = [m._csgmv_record.stack for m in (q, k, v)]
     handles, versions = [s.handle for s in stacks], [s.version for s in stacks]
     weights, biases = [m.base_layer.weight for m in (q, k, v)], [m.base_layer.bias for m in (q, k, v)]
     g = torch.Generator().manual_seed(0)
@@ -677,7 +677,7 @@ def test_ops_take_a_layers_input_with_its_leading_dimensions(backend):
             s = stacks[0]
             got = ops.lora(x, y, *plan, None, s.handle, s.version, static.chunk, triton)
             same(got, ops.lora(flat(x), flat(y), *plan, None, s.handle, s.version, static.chunk, triton), lead, "lora")
-            es = embed._csgmv_stack
+            es = embed._csgmv_record.stack
             got = ops.lora(ids, e, *plan, None, es.handle, es.version, static.chunk, triton)
             want = ops.lora(ids.reshape(-1).contiguous(), flat(e), *plan, None, es.handle, es.version, static.chunk,
                             triton)  # fmt: skip
