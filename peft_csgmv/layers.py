@@ -123,7 +123,8 @@ def _kernel_stacks(ex: Executor, device: torch.device) -> list:
         kinds = {}
         for layer in list(KERNEL_LAYERS.values()):
             state = layer.__dict__
-            stack = state["_csgmv_record"].stack
+            record = state.get("_csgmv_record")  # (a layer unpatched since, and not yet freed, has none)
+            stack = None if record is None else record.stack
             if state.get("_csgmv_exec") == ex.handle and stack is not None and not stack.embedding:
                 if stack.device == device:
                     kind = (stack.dtype, stack.launch_shape, stack.in_features, stack.out_features, stack.mag is None,
@@ -273,7 +274,9 @@ def compiled_route(key: int, epoch: int, n: int, shape: torch.Size, device: torc
     if layer is None or not torch._dynamo.config.skip_nnmodule_hook_guards:
         return None
     state, base = layer.__dict__, layer._modules.get("base_layer")
-    record = state["_csgmv_record"]
+    record = state.get("_csgmv_record")
+    if record is None:  # (unpatched since the key was given)
+        return None
     stack, ex = record.stack, executor_of(state["_csgmv_exec"])
     if stack is None or base is None or stack.embedding or stack.device != device or len(shape) < 2:
         return None
