@@ -134,14 +134,14 @@ def _alora_offsets(model, names: tuple[str, ...], args: tuple, kwargs: dict, gen
     return offsets
 
 
-def _row_keep(model, names: tuple[str, ...], offsets, arg: str) -> tuple[int | None, ...] | None:
+def _row_keep(state: CsgmvState, names: tuple[str, ...], offsets, arg: str) -> tuple[int | None, ...] | None:
     """Per row of a call: ``None`` where its adapter applies to every token, else how many of its last tokens it
     applies to: an aLoRA adapter's rows, from PEFT's offsets (0 where PEFT found no invocation, or computed none: PEFT
-    then runs those rows as base rows). ``None`` when the call has no aLoRA row."""
-    configs = model.peft_config
-    alora = [name != BASE and getattr(configs.get(name), "alora_invocation_tokens", None) is not None for name in names]
-    if not any(alora):
+    then runs those rows as base rows). ``None`` when the call has no aLoRA row (one set check: the aLoRA adapters are
+    known since the last sync)."""
+    if state.alora.isdisjoint(names):
         return None
+    alora = [name in state.alora for name in names]
     if offsets is not None and len(offsets) != len(names):
         raise ValueError(f"`alora_offsets` holds {len(offsets)} entries for the {len(names)} entries of `{arg}`")
     return tuple(
@@ -178,7 +178,7 @@ def open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | No
     validate(state, model, ids, arg, args, kwargs, generate)
     names = tuple(BASE if i in BASE_NAMES else i for i in ids)
     offsets = _alora_offsets(model, names, args, kwargs, generate)  # may raise PEFT's own error: before any move
-    keep = _row_keep(model, names, offsets, arg)
+    keep = _row_keep(state, names, offsets, arg)
     out: list = []
     row_slots = state.slots_for(ids, out)
     try:

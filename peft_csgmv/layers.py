@@ -140,6 +140,15 @@ def _embed_scale(layer: nn.Module) -> torch.Tensor | None:
     return None if scale is None else scale.to(torch.float32)
 
 
+def _peft_forward(layer: nn.Module, mapping, x: torch.Tensor, args: tuple, kwargs: dict, only=None) -> torch.Tensor:
+    """PEFT's own mixed-batch forward of kernel layer ``layer`` for the call's rows (as many as ``x`` has), with the
+    call's variant arguments; ``only``: the adapters it serves, the other rows as base rows (the kernels add theirs)."""
+    names = mapping.names_for(x.shape[0])
+    if only is not None:
+        names = [n if n in only else "__base__" for n in names]
+    return layer._csgmv_orig_forward(x, *args, adapter_names=names, **mapping.variant_kwargs(), **kwargs)
+
+
 def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The forward of a patched kernel layer (``x``: rows × ... × in) or ``lora.Embedding`` (``x``: rows × ...
     token ids)."""
@@ -161,9 +170,7 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if ex.masked and x.dim() and x.shape[0] != ex.num_ids:
         # aLoRA rows, and this layer sees other rows than the call's ids (returned sequences, tokens flattened into
         # rows): PEFT's own forward, which counts each row's tokens its way (its result, or its error).
-        mapping = ex.mapping
-        names = mapping.names_for(x.shape[0])
-        return self._csgmv_orig_forward(x, *args, adapter_names=names, **mapping.variant_kwargs(), **kwargs)
+        return _peft_forward(self, ex.mapping, x, args, kwargs)
     if compiling and not (args or kwargs):
         # Compiled code: the path :func:`compiled_route` chose for this layer when the graph was traced, written out
         # here (dynamo steps through every line of it for each layer of the model: each line, each call, costs the
@@ -206,15 +213,11 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if stack.device != device and not _follow_weights(self, stack, ex, device):
         # The input is not where the layer's weights are: PEFT's own path decides (its result, or its error), and
         # the stack stays where the weights are.
-        mapping = ex.mapping
-        names = mapping.names_for(rows)
-        return self._csgmv_orig_forward(x, *args, adapter_names=names, **mapping.variant_kwargs(), **kwargs)
+        return _peft_forward(self, ex.mapping, x, args, kwargs)
     peft_rows = record.peft_rows
     if peft_rows and not peft_rows.isdisjoint(ex.mapping.name_set):
         # Adapters the kernels do not serve here: PEFT's mixed-batch forward for their rows (base output included).
-        mapping = ex.mapping
-        names = [n if n in peft_rows else "__base__" for n in mapping.names_for(rows)]
-        result = self._csgmv_orig_forward(x, *args, adapter_names=names, **mapping.variant_kwargs(), **kwargs)
+        result = _peft_forward(self, ex.mapping, x, args, kwargs, only=peft_rows)
     else:
         if compiling and not (hooked or args or kwargs):
             if ex.groups_on:  # (off: the layer's dict is not read for groups, so no guard on it)

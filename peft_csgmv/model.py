@@ -69,32 +69,34 @@ def _generate(self, *args: Any, **kwargs: Any):
     return run(self, _own_method(self, "generate"), args, kwargs, generate=True)
 
 
+def _call_lock(state: CsgmvState | None):
+    """The model's call lock (``state``: its csgmv state, ``None`` once disabled: no lock), for the adapter loads that
+    hold it: a call from another thread waits for the load, and the load for the call."""
+    return state.executor.lock if state is not None else contextlib.nullcontext()
+
+
 def _load_adapter(self, *args: Any, **kwargs: Any):
-    """PEFT's ``load_adapter``; with the host tier, the adapters beyond ``max_resident_adapters`` then go to host
-    memory at once (:func:`_to_host_after_load`), so that loading many adapters never holds more than N + 1 on the
-    device. It holds the model's call lock: a call from another thread waits for the load, and the load for the call."""
+    """PEFT's ``load_adapter``, under the model's call lock; with the host tier, the adapters beyond
+    ``max_resident_adapters`` then go to host memory at once (:func:`_to_host_after_load`), so that loading many
+    adapters never holds more than N + 1 on the device."""
     state = self.__dict__.get("_csgmv")
-    with state.executor.lock if state is not None else contextlib.nullcontext():
-        return _load_adapter_locked(self, state, args, kwargs)
-
-
-def _load_adapter_locked(self, state, args: tuple, kwargs: dict):
-    if state is None or state.tier is None:
-        return _own_method(self, "load_adapter")(self, *args, **kwargs)
-    state.loading += 1  # (PEFT's load_adapter calls add_adapter, whose weights are not loaded yet: no sync there)
-    try:
-        out = _own_method(self, "load_adapter")(self, *args, **kwargs)
-    finally:
-        state.loading -= 1
-    _to_host_after_load(self, state)
-    return out
+    with _call_lock(state):
+        if state is None or state.tier is None:
+            return _own_method(self, "load_adapter")(self, *args, **kwargs)
+        state.loading += 1  # (PEFT's load_adapter calls add_adapter, whose weights are not loaded yet: no sync there)
+        try:
+            out = _own_method(self, "load_adapter")(self, *args, **kwargs)
+        finally:
+            state.loading -= 1
+        _to_host_after_load(self, state)
+        return out
 
 
 def _add_adapter(self, *args: Any, **kwargs: Any):
-    """PEFT's ``add_adapter``; with the host tier, as :func:`_load_adapter` (not for ``low_cpu_mem_usage=True``, whose
-    weights are empty, on the meta device, until a state dict is loaded into them)."""
+    """PEFT's ``add_adapter``, under the model's call lock; with the host tier, as :func:`_load_adapter` (not for
+    ``low_cpu_mem_usage=True``, whose weights are empty, on the meta device, until a state dict is loaded into them)."""
     state = self.__dict__.get("_csgmv")
-    with state.executor.lock if state is not None else contextlib.nullcontext():
+    with _call_lock(state):
         out = _own_method(self, "add_adapter")(self, *args, **kwargs)
         empty = kwargs.get("low_cpu_mem_usage", args[2] if len(args) > 2 else False)
         if state is not None and state.tier is not None and not state.loading and not empty:

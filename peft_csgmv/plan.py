@@ -143,8 +143,6 @@ class BatchPlan:
         rows = len(row_slots)
         if rows == 0 or tokens_per_row <= 0:
             raise ValueError(f"a plan needs at least one row and one token per row, got {rows} × {tokens_per_row}")
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         if row_tokens is not None:
             if len(row_tokens) != rows or any(not 0 <= k <= tokens_per_row for k in row_tokens):
                 raise ValueError(f"row_tokens must hold {rows} counts from 0 to {tokens_per_row}, got {row_tokens}")
@@ -204,8 +202,6 @@ class BatchPlan:
         num_tokens = len(token_slots)
         if num_tokens == 0:
             raise ValueError("a plan needs at least one token")
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         slots = torch.as_tensor(token_slots, dtype=torch.int64)
         key = torch.where(slots < 0, torch.iinfo(torch.int64).max, slots)
         perm = torch.argsort(key, stable=True).to(torch.int32)
@@ -224,6 +220,8 @@ class BatchPlan:
         """The plan of ``perm`` (every token's index in the permuted order: a list or an int32 tensor) whose
         ``runs`` ``(slot, start, end)`` are cut into segments of at most ``chunk_size`` tokens (default:
         :func:`chunk_size_for`), in one device buffer."""
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         num_tokens = rows * tokens_per_row
         chunk = chunk_size if chunk_size is not None else chunk_size_for(num_tokens, [e - s for _, s, e in runs])
         seg_lens: list[int] = []

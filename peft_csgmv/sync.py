@@ -165,6 +165,7 @@ class CsgmvState:
         self.peft_path: dict[str, nn.Module] = {}  # module name -> module on PEFT's mixed-batch path
         self.peft_only: str | None = None  # why calls with ids go to PEFT whole (adapters that are not LoRA)
         self.known: frozenset[str] = frozenset()  # the adapter names PEFT accepts in `adapter_names`
+        self.alora: frozenset[str] = frozenset()  # the aLoRA adapters (their configs' alora_invocation_tokens)
         self.dora_refused: set[str] = set()  # DoRA adapters held by a layer whose PEFT path refuses DoRA
         self.reported: set[str] = set()  # modules already named in the PEFT-path warning
         # The adapters' names and config objects when last synced (see _unchanged; the objects kept alive here).
@@ -272,6 +273,11 @@ class CsgmvState:
         if found or peft_path:
             skip_parameter_walks(model, [*found, *peft_path])
         self.fingerprint = (list(model.peft_config), tuple(model.peft_config.values()))
+        self.alora = frozenset(
+            name
+            for name, config in model.peft_config.items()
+            if getattr(config, "alora_invocation_tokens", None) is not None
+        )
         if regroup and len(found) > 1:  # sibling groups name stacks by handle: learned again (Executor.observe)
             self.executor.forget_groups(found.values())
         weights = next((w for layer in found.values() for w in layer_adapters(layer).values()), None)

@@ -149,6 +149,8 @@ def add_adapters(model, specs: dict, seed: int = 1):
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BASE = "__base__"
+# The enable_csgmv backends the model-level tests run on (the CPU runs Triton's interpreter).
+BACKENDS = ["torch", "triton"]
 # Smallest max-abs difference between two adapters' logits (or an adapter's and the base model's) that counts as
 # "the adapter clearly changes the output"; parity tolerances are ~1e-5.
 CLEAR_MARGIN = 1e-2

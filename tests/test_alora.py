@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
+    BACKENDS,
     BASE,
     DEVICE,
     add_adapters,
@@ -87,7 +88,7 @@ def test_plan_maps_each_rows_last_tokens():
     close(got, want.float(), "masked plan")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_alora_rows_run_in_the_kernels(backend, kernel_calls):
     """aLoRA rows mixed with plain LoRA and base rows: each row's logits equal stock PEFT with that adapter alone, and
     no layer runs PEFT's forward for them (csgmv_stats)."""
@@ -164,7 +165,7 @@ def test_alora_offsets_passed_by_the_caller():
             model(input_ids, attention_mask=mask, adapter_ids=names, alora_offsets=[2, 3])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_alora_under_torch_compile(backend):
     """``torch.compile(model)`` with aLoRA rows in ``forward``: the compiled prefill reads the static plan of its shape,
     whose rows keep their adapter from the invocation on; each row's logits equal its adapter's own stock PEFT run,

@@ -25,6 +25,7 @@ import torch
 import transformers as tf
 from helpers import (
     ALL_LINEAR,
+    BACKENDS,
     BASE,
     CLEAR_MARGIN,
     DEVICE,
@@ -45,7 +46,6 @@ from peft_csgmv.executor import active_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
-BACKENDS = ["torch", "triton"]
 VOCAB = 97
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
+    BACKENDS,
     BASE,
     DEVICE,
     add_adapters,
@@ -30,7 +31,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
-BACKENDS = ["torch", "triton"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

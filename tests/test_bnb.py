@@ -35,6 +35,7 @@ import pytest
 import torch
 from helpers import (
     ALL_LINEAR,
+    BACKENDS,
     BASE,
     DEVICE,
     TOLERANCES,
@@ -56,7 +57,6 @@ bnb = pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 QUANTS = ["4bit", "8bit"]
-BACKENDS = ["torch", "triton"]
 # Interleaved base rows (both spellings) and three adapters; a2 targets only some modules.
 NAMES = [BASE, "a0", "a1", "a2", None, "a1", "a0", "a2"]
 SPECS = {

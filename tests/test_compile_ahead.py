@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from helpers import (
+    BACKENDS,
     BASE,
     DEVICE,
     ID_LISTS,
@@ -28,7 +29,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
-BACKENDS = ["torch", "triton"]
 
 
 def test_eager_first_call_compiles_its_kernel_variants_ahead(monkeypatch):

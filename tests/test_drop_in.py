@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import (
     ALL_LINEAR,
+    BACKENDS,
     BASE,
     DEVICE,
     add_adapters,
@@ -31,7 +32,6 @@ from peft_csgmv import disable_csgmv, enable_csgmv
 from peft_csgmv.executor import active_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore:csgmv. .*PEFT:UserWarning")
-BACKENDS = ["torch", "triton"]
 
 
 def outcome(fn):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import (
     ALL_LINEAR,
+    BACKENDS,
     BASE,
     DEVICE,
     add_adapters,
@@ -31,7 +32,6 @@ from peft_csgmv.kernels import embedding_shrink, embedding_shrink_reference
 from peft_csgmv.patching import is_patched
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-BACKENDS = ["torch", "triton"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

@@ -24,7 +24,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
-BACKENDS = ["torch", "triton"]
 
 
 def _graph_inputs(fn) -> list[int]:

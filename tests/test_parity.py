@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
+    BACKENDS,
     BASE,
     CLEAR_MARGIN,
     DEVICE,
@@ -43,7 +44,6 @@ from peft_csgmv.executor import active_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
-BACKENDS = ["torch", "triton"]
 ARCHS = ["llama", "qwen2", "mistral", "gpt2", "opt"]
 
 

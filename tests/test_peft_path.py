@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import (
     ALL_LINEAR,
+    BACKENDS,
     BASE,
     DEVICE,
     add_adapters,
@@ -26,7 +27,6 @@ from peft import LoraConfig, get_peft_model
 from peft_csgmv import disable_csgmv, enable_csgmv
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-BACKENDS = ["torch", "triton"]
 
 
 def _perturb(params, seed: int) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from helpers import (
+    BACKENDS,
     BASE,
     DEVICE,
     ID_LISTS,
@@ -34,7 +35,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
-BACKENDS = ["torch", "triton"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from helpers import BASE, DEVICE, close, make, make_batch, per_adapter, stitch
+from helpers import BACKENDS, BASE, DEVICE, close, make, make_batch, per_adapter, stitch
 
 from peft_csgmv import enable_csgmv
 
@@ -38,7 +38,7 @@ def _run_threads(jobs):
     return results
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_threads_get_their_own_ids(backend):
     """Two threads call one model with different ids at the same time, over and over, and a third makes stock calls
     with the active adapter: each gets the result of its own ids, equal to stock PEFT's single-adapter runs."""

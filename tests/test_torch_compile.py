@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
+    BACKENDS,
     BASE,
     DEVICE,
     ID_LISTS,
@@ -27,7 +28,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
-BACKENDS = ["torch", "triton"]
 
 
 def test_torch_compile_model_forward():
