@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig
 
 from ._compat import deferred_stop_check
+from .eager_ahead import compile_ahead_eager, kernel_stacks
 from .executor import Executor
 from .mapping import Mapping
 from .sync import BASE, BASE_NAMES, PEFT_DORA_ERROR, CsgmvState, adapters_in, outside_inference_mode
@@ -183,17 +184,61 @@ def open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | No
     row_slots = state.slots_for(ids, out)
     try:
         state.restack_rescaled()
+        state.follow_weights()
         executor = state.executor
         executor.check_groups()
-        executor.begin(
-            Mapping(
-                row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets, row_keep=keep, copies_out=out
-            )
+        mapping = Mapping(
+            row_slots=row_slots, names=names, arg_name=arg, alora_offsets=offsets, row_keep=keep, copies_out=out
         )
+        executor.begin(mapping)
     except BaseException:
         wait_for_copies(out)
         raise
+    try:
+        prepare_plans(model, executor, mapping, args, kwargs, generate)
+    except BaseException:
+        executor.end(failed=True)
+        raise
     return executor
+
+
+def step_shapes(model, args: tuple, kwargs: dict, generate: bool) -> list[tuple[int, int]]:
+    """The layer inputs (rows × tokens per row) a call's steps will have, as far as its arguments tell: a
+    ``forward`` of a ``rows × tokens`` input, its last layer on ``logits_to_keep`` tokens; a ``generate``'s prefill
+    and decode steps on its rows repeated for beams or returned sequences (as transformers expands them), its prefill's
+    last layer on one token. Other shapes (a model that reshapes its activations its own way, assisted decoding,
+    chunked prefill) are prepared when a layer first reads them (:meth:`Mapping.plan`)."""
+    value, tokens = _main_input(args, kwargs)
+    if value is None:
+        return []
+    rows = value.shape[0]
+    length = value.shape[1] if tokens and value.dim() >= 2 else 1
+    if not generate:
+        keep = kwargs.get("logits_to_keep")
+        shapes = [(rows, length)]
+        if isinstance(keep, int) and 0 < keep < length:
+            shapes.append((rows, keep))
+        return shapes
+    beams = _generation_setting(model, args, kwargs, "num_beams") or 1
+    returned = _generation_setting(model, args, kwargs, "num_return_sequences") or 1
+    rows *= beams if beams > 1 else returned
+    return [(rows, length), (rows, 1)]
+
+
+def prepare_plans(model, executor: Executor, mapping: Mapping, args: tuple, kwargs: dict, generate: bool) -> None:
+    """The driver's work before a call's layers run: the plan of each of its steps' shapes (:func:`step_shapes`) on
+    every device the stacks are on, and, on CUDA with the Triton kernels, a new plan's kernel variants compiled ahead
+    side by side (:func:`~peft_csgmv.eager_ahead.compile_ahead_eager`, with the model's activation dtype)."""
+    state: CsgmvState = model._csgmv
+    shapes = [s for s in step_shapes(model, args, kwargs, generate) if s[0] % len(mapping.row_slots) == 0]
+    for device in state.devices:
+        for rows, tokens_per_row in shapes:
+            run = mapping.prepare(rows, tokens_per_row, device)
+            if not run.ahead and not run.plan.is_empty:
+                run.ahead = True
+                if executor.triton_on(device):
+                    dtype = getattr(model.get_base_model(), "dtype", torch.float32)
+                    compile_ahead_eager(kernel_stacks(executor, state.layers.values(), device), run.plan, dtype, device)
 
 
 @torch.compiler.disable

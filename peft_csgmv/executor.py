@@ -89,21 +89,19 @@ class Executor:
         # sequences, tokens flattened into rows) run PEFT's forward, PEFT's result or PEFT's error.
         self.masked = False
         self.num_ids = 0  # ids of the call in progress (compiled code reads this: a guard per batch shape)
-        self.direct_launch = True  # the kernels' lean launch path; off for good once a Triton rejects it
-        self.ahead_stacks: dict = {}  # device -> (route epoch, a stack per kind of launch): layers._kernel_stacks
+        self.ahead_stacks: dict = {}  # device -> (route epoch, a stack per kind of launch): eager_ahead.kernel_stacks
         # The launch-path choices (see Options), as attributes compiled code reads (each a guard with a fixed value).
         self.options = options = options if options is not None else Options.from_env()
         self.fused_decode = options.fused_decode
         self.beside = options.beside
         self.beside_min_bytes = options.beside_min_bytes
         # Sibling groups (kernels.group): layers that read the same input tensor one after another, learned from the
-        # first eager call with ids (observe), then run by compiled code as one op per group.
+        # first eager call with ids (Mapping.observe), then run by compiled code as one op per group.
         self.groups_on = options.groups != "off"
         self.groups_beside = options.groups == "beside"
         self.groups_learned = not self.groups_on
-        self._seen: list = []  # this call's layers that read the tensor _seen_x, in order
-        self._seen_x = None
         self._groups: list[list] = []  # the groups given to layers, each its layers in call order
+        self.unforeseen = 0  # plans made on a layer's first read, over every call (Mapping.unforeseen)
         # A group's members' outputs, computed by its first member in compiled code, for the others: (group leader's
         # id, member index) -> (input, output). Emptied as they are taken, and at the end of every call.
         self.stash: dict = {}
@@ -136,13 +134,19 @@ class Executor:
     def end(self, failed: bool = False) -> None:
         """Close the call in progress; an interrupted outer call is in progress again. A call that ``failed`` learns
         no groups: the runs it marked are dropped, and the next eager call learns them again."""
-        for event in self.mapping.copies_out if self.mapping is not None else ():
-            event.synchronize()
+        mapping = self.mapping
+        if mapping is not None:
+            for event in mapping.copies_out:
+                event.synchronize()
+            self.unforeseen += mapping.unforeseen
         self.stash.clear()
         if failed and not self.groups_learned:
             self.forget_groups(())
-        elif self._seen_x is not None:
-            self._learn()
+        elif mapping is not None and mapping.learn is not None and mapping.observed:
+            # The first eager call that observed its layers: its last run is grouped too, and the groups are learned
+            # for good.
+            self._group(mapping.last_run())
+            self.groups_learned = True
         if self._outer:
             self._open(self._outer.pop())
         else:
@@ -150,16 +154,12 @@ class Executor:
 
     # -- sibling groups ---------------------------------------------------------------------------------------------
 
-    def observe(self, layer: torch.nn.Module, x: torch.Tensor) -> None:
-        """An eager kernel layer of the call in progress read ``x`` (until the groups are learned): layers that read
-        the very same tensor one after another are siblings. A run of them becomes a group as soon as it ends (the
-        next layer reads another tensor), so a static-cache ``generate`` has its groups from its eager prefill on,
-        before its decode step is compiled."""
-        if x is self._seen_x:
-            self._seen.append(layer)
-            return
-        self._group(self._seen)
-        self._seen, self._seen_x = [layer], x
+    def _run_ended(self, run: list) -> None:
+        """A run of layers that read one tensor, from the call in progress (:meth:`Mapping.observe`): grouped at once,
+        so a static-cache ``generate`` has its groups from its eager prefill on, before its decode step is
+        compiled."""
+        if not self.groups_learned:
+            self._group(run)
 
     def _group(self, run: list) -> None:
         """``run``'s layers (siblings, in call order) as groups of up to three layers with a stack and a base weight
@@ -214,7 +214,7 @@ class Executor:
             record = layer.__dict__.get("_csgmv_record")
             if record is not None:
                 record.siblings = record.member = None
-        self._seen, self._seen_x, self._groups = [], None, []
+        self._groups = []
         self.groups_learned = not self.groups_on
         bump_routes()
 
@@ -231,19 +231,15 @@ class Executor:
                     self.forget_groups(())
                     return
 
-    def _learn(self) -> None:
-        """The end of the first eager call that observed its layers: its last run is grouped too, and the groups
-        are learned for good."""
-        self._group(self._seen)
-        self._seen, self._seen_x = [], None
-        self.groups_learned = True
-
     def _open(self, mapping: Mapping) -> None:
         """The mapping's call is in progress: the static plans of its number of ids hold it, and layers read it."""
         for static in self.statics:
             if static.n == len(mapping.row_slots):
                 static.fill(mapping.row_slots, mapping.row_keep)
         self.mapping, self.active, self.num_ids = mapping, True, len(mapping.row_slots)
+        # Until the groups are learned, the call's eager layers tell its mapping what they read (Mapping.observe),
+        # which hands each run of siblings here as it ends.
+        mapping.learn = None if self.groups_learned else self._run_ended
         self.owner, self.masked = threading.get_ident(), mapping.row_keep is not None
 
     def triton_on(self, device: torch.device) -> bool:

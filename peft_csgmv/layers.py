@@ -28,10 +28,9 @@ from torch import nn
 
 from . import kernels, ops
 from . import slots as _slots
-from .eager_ahead import compile_ahead_eager
 from .executor import _LIVE, Executor, executor_of, static_plan_attr, use_triton
 from .mapping import PlanRun
-from .slots import stack_by_handle, weights_device
+from .slots import stack_by_handle
 
 if TYPE_CHECKING:
     from .slots import LoraStack
@@ -55,19 +54,19 @@ def apply_lora(
     triton_backend: bool,
     *,
     embed_scale: torch.Tensor | None,
-    executor: Executor,
 ) -> None:
     """``y[i] += scaling[s] * (x[i] @ A[s]ᵀ) @ B[s]ᵀ`` for every token ``i`` of slot ``s``, in place; ``x``: (T, in)
     activations, or (T,) token ids for an embedding stack (``A[s][:, x[i]]`` instead of ``x[i] @ A[s]ᵀ``, times
     ``embed_scale`` where given: a scaled embedding's factor, read per call as PEFT does); ``y``: (T, out). Eager:
-    ``run`` is the host-built plan in use; ``executor`` decides whether bound launches are used."""
+    ``run`` is the host-built plan in use, whose bound launches run where this Triton takes them
+    (:attr:`kernels.BoundLayer.direct`)."""
     plan = run.plan
     if triton_backend:
         device = x.device
         if device.type == "cuda" and device.index != torch.cuda.current_device():
             # Triton launches on the current device; a model spread over GPUs (device_map) has layers elsewhere.
             with torch.cuda.device(device):
-                apply_lora(x, y, stack, run, triton_backend, embed_scale=embed_scale, executor=executor)
+                apply_lora(x, y, stack, run, triton_backend, embed_scale=embed_scale)
             return
         if stack.embedding:
             t = kernels.embedding_shrink(x, stack.a, stack.ranks, plan, run.workspace(stack.r_max))
@@ -75,13 +74,13 @@ def apply_lora(
                 t.mul_(embed_scale)
             kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
             return
-        bound = run.bound.get(stack) if executor.direct_launch else _UNBINDABLE
+        bound = run.bound.get(stack) if kernels.BoundLayer.direct else _UNBINDABLE
         if bound.__class__ is kernels.BoundLayer:
             try:
                 if bound.run_if_fits(x, y, stack):
                     return
             except TypeError:  # this Triton's compiled-kernel launcher takes other arguments: Triton's path
-                executor.direct_launch = False
+                kernels.BoundLayer.direct = False
                 bound = _UNBINDABLE
         t = run.workspace(stack.r_max, kernels.shrink_splits(plan, x.shape[1]))
         t = kernels.shrink(x, stack.a, stack.ranks, plan, t)
@@ -113,25 +112,6 @@ def _hooked(base: nn.Module) -> bool:
         base._forward_pre_hooks or base._forward_hooks or base._backward_hooks or g._global_forward_pre_hooks
         or g._global_forward_hooks or g._global_backward_hooks or g._global_backward_pre_hooks
     )  # fmt: skip
-
-
-def _kernel_stacks(ex: Executor, device: torch.device) -> list:
-    """One activation stack of the executor's layers on ``device`` per kind of launch (dtype, launch shape, widths,
-    extras), found again whenever the routes' epoch moved (any stack changed)."""
-    held = ex.ahead_stacks.get(device)
-    if held is None or held[0] != _slots.ROUTE_EPOCH:
-        kinds = {}
-        for layer in list(KERNEL_LAYERS.values()):
-            state = layer.__dict__
-            record = state.get("_csgmv_record")  # (a layer unpatched since, and not yet freed, has none)
-            stack = None if record is None else record.stack
-            if state.get("_csgmv_exec") == ex.handle and stack is not None and not stack.embedding:
-                if stack.device == device:
-                    kind = (stack.dtype, stack.launch_shape, stack.in_features, stack.out_features, stack.mag is None,
-                            stack.lora_bias is None)  # fmt: skip
-                    kinds.setdefault(kind, stack)
-        held = ex.ahead_stacks[device] = (_slots.ROUTE_EPOCH, list(kinds.values()))
-    return held[1]
 
 
 def _embed_scale(layer: nn.Module) -> torch.Tensor | None:
@@ -208,11 +188,11 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         raise ValueError(f"csgmv expects a batched input of shape (rows, ..., features), got {tuple(x.shape)}")
     rows = x.shape[0]
     device = x.device
-    if not compiling and not ex.groups_learned:  # (compiled code reads no flag: no guard)
-        ex.observe(self, x)
-    if stack.device != device and not _follow_weights(self, stack, ex, device):
-        # The input is not where the layer's weights are: PEFT's own path decides (its result, or its error), and
-        # the stack stays where the weights are.
+    if not compiling and ex.mapping.learn is not None:  # (compiled code reads no flag: no guard)
+        ex.mapping.observe(self, x)
+    if stack.device != device:
+        # The input is not where the stack is (the driver moves stacks with their layer's weights before each call:
+        # CsgmvState.follow_weights): PEFT's own path decides (its result, or its error).
         return _peft_forward(self, ex.mapping, x, args, kwargs)
     peft_rows = record.peft_rows
     if peft_rows and not peft_rows.isdisjoint(ex.mapping.name_set):
@@ -234,17 +214,13 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if compiling:
         return _compiled_lora(ex, stack, x, result, rows, device, embed_scale)
     x2 = x.reshape(-1) if embedding else x.reshape(-1, x.shape[-1])
-    run = ex.mapping.plan(rows, x2.shape[0] // rows, device)
+    run = ex.mapping.plan(rows, x2.shape[0] // rows, device)  # (prepared by the driver: a lookup)
     if run.plan.is_empty:
         return result
-    if not run.ahead and not embedding:  # (the first activation layer of a new plan: once per plan)
-        run.ahead = True
-        if ex.triton_on(device):
-            compile_ahead_eager(_kernel_stacks(ex, device), run.plan, x2)
     if not result.is_contiguous():
         result = result.contiguous()
     y = result.view(-1, result.shape[-1])
-    apply_lora(x2, y, stack, run, ex.triton_on(device), embed_scale=embed_scale, executor=ex)
+    apply_lora(x2, y, stack, run, ex.triton_on(device), embed_scale=embed_scale)
     return result
 
 
@@ -405,7 +381,7 @@ def _groupable(base: nn.Module, stack: "LoraStack", x: torch.Tensor) -> bool:
 
 
 def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x, rows: int, device):
-    """A sibling group's member inside compiled code (groups: :meth:`Executor.observe`), or ``None`` for the layer's
+    """A sibling group's member inside compiled code (groups: :meth:`Mapping.observe`), or ``None`` for the layer's
     own path. The group's first member runs the group's op, one shrink and one expand launch for every member's LoRA
     (found by stack handle), and leaves the others' parts in :attr:`Executor.stash`. A group whose members' base
     weights hold at least :attr:`Executor.beside_min_bytes` together, where the executor runs LoRA beside base products
@@ -452,16 +428,6 @@ def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x,
     # output's reader)
     y = base.forward(x) if y is None else y
     return (y + delta).to(y.dtype)
-
-
-def _follow_weights(layer: nn.Module, stack: "LoraStack", ex: Executor, device: torch.device) -> bool:
-    """The stack is not on the input's ``device``: if the layer's weights are (the model was moved after enabling),
-    move the stack there and drop bindings to its old tensors; ``False`` when the input is somewhere else."""
-    if weights_device(layer) != device:
-        return False
-    stack.to(device)
-    ex.drop_bindings(stack)
-    return True
 
 
 def peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 A call's :class:`Mapping` holds its rows' slots (``-1``: a base row) and, for aLoRA rows, how many of each row's last
 tokens use the row's adapter (PEFT's offsets). Every layer input the call's layers see, ``rows × tokens_per_row``
-tokens with ``rows`` a whole multiple of the ids, gets its plan from it (:meth:`Mapping.plan`): a
+tokens with ``rows`` a whole multiple of the ids, reads its plan from it (:meth:`Mapping.plan`), prepared by the driver
+before the call's layers run (:meth:`Mapping.prepare`): a
 :class:`~peft_csgmv.plan.BatchPlan` (tokens grouped by slot into segments, see :mod:`peft_csgmv.plan` for a worked
 example) in a :class:`PlanRun` with its workspaces and bound launches, kept across calls with the same ids
 (:class:`PlanCache`). Compiled code cannot run Python per layer, so its plans are :class:`StaticPlan` buffers at fixed
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -41,9 +42,10 @@ def row_tokens(row_keep: tuple[int | None, ...] | None, rows: int, tokens_per_ro
 @dataclasses.dataclass
 class Mapping:
     """One call's LoRA work per token: each input row's slot, each aLoRA row's tokens, and from them the plan of every
-    layer input shape the call's layers see (:meth:`plan`). The driver (:func:`peft_csgmv.call.open_call`) makes it
-    once per call from the validated ids, before anything runs; the executor holds it for the call's thread from
-    :meth:`~peft_csgmv.executor.Executor.begin` to :meth:`~peft_csgmv.executor.Executor.end`; layers only read it."""
+    layer input shape the call's layers see. The driver (:func:`peft_csgmv.call.open_call`) makes it once per call
+    from the validated ids and prepares the plans of the shapes the call's steps will have (:meth:`prepare`), before
+    anything runs; the executor holds it for the call's thread from :meth:`~peft_csgmv.executor.Executor.begin` to
+    :meth:`~peft_csgmv.executor.Executor.end`; layers only read it (:meth:`plan`)."""
 
     row_slots: tuple[int, ...]  # slot of each input row, -1 for base rows
     names: tuple[str, ...]  # adapter name of each input row in PEFT's spelling ("__base__" for base rows)
@@ -58,21 +60,58 @@ class Mapping:
     # Plans kept across calls (the model's, by ids and shape); the executor gives its own where none is given.
     cache: "PlanCache | None" = None
 
+    # Until the model's sibling groups are learned: where each run of layers that read one tensor goes when it ends
+    # (the executor's, set when the call opens); ``None`` once they are learned.
+    learn: "Callable[[list], None] | None" = None
+
     def __post_init__(self) -> None:
         self.name_set = frozenset(self.names)
+        self._seen: list = []  # the layers that read the tensor _seen_x, in order (while learning)
+        self._seen_x = None
         self.runs: dict = {}  # (rows, tokens_per_row, device) -> PlanRun: this call's plans, by shape
+        self.unforeseen = 0  # plans of shapes the driver did not prepare, made when a layer first read them
 
-    def plan(self, rows: int, tokens_per_row: int, device: torch.device) -> "PlanRun":
-        """The plan of a layer input of ``rows × tokens_per_row`` tokens on ``device``: made once per call and shape
-        (from the cache when an earlier call with the same ids made it), then only looked up by every later layer of
-        that shape. ``rows`` is a whole multiple of the ids (each id's entry repeated for its rows: beams, returned
-        sequences, tokens flattened into rows)."""
+    def prepare(self, rows: int, tokens_per_row: int, device: torch.device) -> "PlanRun":
+        """Make the plan of a layer input of ``rows × tokens_per_row`` tokens on ``device`` (from the cache when an
+        earlier call with the same ids made it): the driver's step, before the layers run. ``rows`` is a whole
+        multiple of the ids (each id's entry repeated for its rows: beams, returned sequences, tokens flattened into
+        rows)."""
         key = (rows, tokens_per_row, device)
         run = self.runs.get(key)
         if run is None:
             repeat = self.repeat(rows)
             keep = self.row_tokens(rows, tokens_per_row)
             run = self.runs[key] = self.cache.run_for(self.row_slots, repeat, tokens_per_row, device, keep)
+        return run
+
+    def plan(self, rows: int, tokens_per_row: int, device: torch.device) -> "PlanRun":
+        """What a layer reads: the plan of its input's shape, which the driver prepared (:meth:`prepare`). A shape no
+        driver foresaw (a model that reshapes its activations its own way) is prepared here, on first use, and
+        counted in :attr:`unforeseen`."""
+        run = self.runs.get((rows, tokens_per_row, device))
+        if run is None:
+            self.unforeseen += 1
+            run = self.prepare(rows, tokens_per_row, device)
+        return run
+
+    def observe(self, layer, x: torch.Tensor) -> None:
+        """An eager kernel layer of this call read ``x`` (while :attr:`learn` is set): layers that read the very same
+        tensor one after another are siblings, and a run of them goes to :attr:`learn` as soon as it ends (the next
+        layer reads another tensor). Held by the call, so another thread's call never sees it."""
+        if x is self._seen_x:
+            self._seen.append(layer)
+            return
+        run, self._seen, self._seen_x = self._seen, [layer], x
+        self.learn(run)
+
+    @property
+    def observed(self) -> bool:
+        """Whether a layer of this call was observed (:meth:`observe`)."""
+        return self._seen_x is not None
+
+    def last_run(self) -> list:
+        """The run of siblings still open as the call ends (its layers), forgotten here."""
+        run, self._seen, self._seen_x = self._seen, [], None
         return run
 
     def repeat(self, rows: int) -> int:

@@ -301,7 +301,8 @@ def csgmv_stats(model) -> dict:
     * ``stack_bytes``: device memory of every stack; ``shared_bytes``: of that, PEFT's own adapter weights, which are
       views into the stacks (stored once);
     * ``plans_cached``: host-built plans kept for later calls with the same ids; ``static_plans``: plans of compiled
-      shapes;
+      shapes; ``unforeseen_plans``: plans a layer read that its call's driver had not prepared (shapes the call's
+      arguments do not tell: made on the layer's first read), over every call so far;
     * ``resident``: the adapters with a slot on the device, least recently used first with ``max_resident_adapters``;
       ``max_resident_adapters``: the option (None without the host tier); ``host_bytes``: host memory held for the
       host tier's adapters;
@@ -316,6 +317,7 @@ def csgmv_stats(model) -> dict:
         shared_bytes=sum(layer._csgmv_record.stack.shared_bytes for layer in state.layers.values()),
         plans_cached=state.executor.num_plans,
         static_plans=len(state.executor.statics),
+        unforeseen_plans=state.executor.unforeseen,
         resident=state.resident,
         max_resident_adapters=state.max_resident,
         host_bytes=0 if state.tier is None else state.tier.host.nbytes,

@@ -173,6 +173,10 @@ class CsgmvState:
         # One adapter weight and its dtype when last synced: a cast of the model (model.to(dtype), .half()) gives every
         # weight a new dtype, and the next call restacks (a probe of one weight: read on every call).
         self.probe: tuple[torch.Tensor, torch.dtype] | None = None
+        # One base weight of a kernel layer and where it was when the stacks last followed their layers
+        # (follow_weights), and the devices the kernel layers' stacks are on (those a call's plans are prepared for).
+        self.place: tuple[torch.Tensor, torch.device] | None = None
+        self.devices: tuple[torch.device, ...] = ()
 
     # -- adapters -------------------------------------------------------------------------------------------------
 
@@ -278,10 +282,11 @@ class CsgmvState:
             for name, config in model.peft_config.items()
             if getattr(config, "alora_invocation_tokens", None) is not None
         )
-        if regroup and len(found) > 1:  # sibling groups name stacks by handle: learned again (Executor.observe)
+        if regroup and len(found) > 1:  # sibling groups name stacks by handle: learned again (Mapping.observe)
             self.executor.forget_groups(found.values())
         weights = next((w for layer in found.values() for w in layer_adapters(layer).values()), None)
         self.probe = None if weights is None else (weights[0], weights[0].dtype)
+        self._find_devices()
         self.executor.clear_plans()
         self._report(model)
 
@@ -436,6 +441,31 @@ class CsgmvState:
         for layer in self.layers.values():
             if layer.scaling is not layer._csgmv_record.stack.scaling_src:
                 self.stack_layer(layer, force=True)
+
+    def follow_weights(self) -> None:
+        """Before a call: where the model was moved since the last one (``model.to(device)``: a base weight of a
+        kernel layer is elsewhere), every kernel layer's stack moves to its base layer's weight (not to its adapter
+        weights: the host tier keeps those of adapters without a slot in host memory), and bindings to its old
+        tensors are dropped. One read per call; a layer whose stack is not where its input is runs PEFT's own
+        forward."""
+        place = self.place
+        if place is None or place[0].device == place[1]:
+            return
+        for layer in self.layers.values():
+            stack, weight = layer._csgmv_record.stack, getattr(layer.get_base_layer(), "weight", None)
+            if stack is not None and isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+                if stack.device != weight.device:
+                    stack.to(weight.device)
+                    self.executor.drop_bindings(stack)
+        self._find_devices()
+
+    def _find_devices(self) -> None:
+        """The devices of the kernel layers' stacks, and the place :meth:`follow_weights` reads."""
+        stacks = [(layer, layer._csgmv_record.stack) for layer in self.layers.values()]
+        self.devices = tuple(dict.fromkeys(stack.device for _, stack in stacks if stack is not None))
+        weights = (getattr(layer.get_base_layer(), "weight", None) for layer, _ in stacks)
+        weight = next((w for w in weights if isinstance(w, torch.Tensor)), None)
+        self.place = None if weight is None else (weight, weight.device)
 
     def slots_for(self, ids: Sequence[str | None], copies_out: list | None = None) -> tuple[int, ...]:
         """The slot of each row of a validated call (``-1`` for base rows), its adapters made resident first.

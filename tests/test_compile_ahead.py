@@ -32,8 +32,8 @@ pytestmark = [
 
 
 def test_eager_first_call_compiles_its_kernel_variants_ahead(monkeypatch):
-    """An eager call's first activation layer of each new plan hands the kernel variants the plan launches to worker
-    threads before any of its layers launches (one shrink per input width, one expand per split count and output
+    """An eager call's driver hands the kernel variants each new plan launches to worker threads before any of its
+    layers launches (one shrink per input width, one expand per split count and output
     kind): each job runs its kernel, without error and off the main thread, over a plan of the real one's shape
     (tokens, segment count) whose segments are all empty; each description goes once per process (a second call of
     the same shape hands none out); the logits are stock PEFT's."""
@@ -46,11 +46,11 @@ def test_eager_first_call_compiles_its_kernel_variants_ahead(monkeypatch):
     jobs, errors = [], []
     job = eager_ahead._eager_job
 
-    def recorded(kind, stack, a, b, splits, plan, x):
+    def recorded(kind, stack, a, b, splits, plan, dtype, device):
         empty = int(plan.seg_indptr.count_nonzero()) == 0 and plan.num_segments > 0
         jobs.append((kind, stack.in_features, plan.num_segments, empty, threading.current_thread()))
         try:
-            job(kind, stack, a, b, splits, plan, x)
+            job(kind, stack, a, b, splits, plan, dtype, device)
         except Exception as e:  # (the library's runner swallows errors: the test records them)
             errors.append(e)
             raise

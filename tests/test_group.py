@@ -152,7 +152,7 @@ def test_a_failed_first_call_learns_no_groups(monkeypatch):
     kw = dict(input_ids=input_ids, attention_mask=mask, adapter_ids=ID_LISTS[0], max_new_tokens=3, do_sample=False)
     with pytest.raises(RuntimeError, match="stop here"):
         model.generate(stopping_criteria=transformers.StoppingCriteriaList([Fail()]), **kw)
-    assert marked() == [] and not ex.groups_learned and ex._seen == [] and ex._seen_x is None
+    assert marked() == [] and not ex.groups_learned and ex.mapping is None
 
     with pytest.raises(RuntimeError, match="inside the scope"):
         with adapter_ids_scope(model, ID_LISTS[0]):

@@ -33,6 +33,10 @@ def _ptrs(args) -> tuple:
 class BoundLayer:
     """A patched layer's shrink + expand for one plan; see the module docstring."""
 
+    # Whether this Triton's compiled-kernel launcher takes the arguments bound launches pass: off for good (Triton's
+    # own launch path) once one raises ``TypeError``. A fact of the installed Triton, not of a model or a call.
+    direct = True
+
     __slots__ = (
         "tensors", "x_dtype", "x_stride", "x_aligned", "y_dtype", "y_stride", "y_aligned", "device", "t",
         "s_run", "s_grid", "s_fn", "s_meta", "s_tail", "e_run", "e_grid", "e_fn", "e_meta", "e_head", "e_tail",
