@@ -278,6 +278,8 @@ class Executor:
                 return f"_static_{i}"
         with torch.inference_mode(False):  # every later call rewrites its buffer in place
             static = StaticPlan(n, rows, tokens_per_row, device)
+        if self.mapping is not None and self.mapping.token_slots is not None:
+            raise NotImplementedError("csgmv serves packed continuous-batching steps eagerly, not in compiled code")
         if self.mapping is not None:
             self.mapping.repeat(rows)  # the rows must be a whole multiple of the ids
             static.fill(self.mapping.row_slots, self.mapping.row_keep)

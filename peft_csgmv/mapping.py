@@ -59,6 +59,10 @@ class Mapping:
     copies_out: list = dataclasses.field(default_factory=list)
     # Plans kept across calls (the model's, by ids and shape); the executor gives its own where none is given.
     cache: "PlanCache | None" = None
+    # A step of packed tokens (continuous batching: every scheduled request's tokens back to back in one row): each
+    # token's slot (-1: a base token), in place of ``row_slots``; a layer input of any ``rows × tokens_per_row`` with
+    # at least that many tokens reads them in order, the tokens past them (padding) as base tokens.
+    token_slots: tuple[int, ...] | None = None
 
     # Until the model's sibling groups are learned: where each run of layers that read one tensor goes when it ends
     # (the executor's, set when the call opens); ``None`` once they are learned.
@@ -78,7 +82,9 @@ class Mapping:
         rows)."""
         key = (rows, tokens_per_row, device)
         run = self.runs.get(key)
-        if run is None:
+        if run is None and self.token_slots is not None:
+            run = self.runs[key] = self.cache.run_for_tokens(self._packed(rows * tokens_per_row), device)
+        elif run is None:
             repeat = self.repeat(rows)
             keep = self.row_tokens(rows, tokens_per_row)
             run = self.runs[key] = self.cache.run_for(self.row_slots, repeat, tokens_per_row, device, keep)
@@ -129,11 +135,23 @@ class Mapping:
         """:func:`row_tokens` of the call's rows."""
         return row_tokens(self.row_keep, rows, tokens_per_row)
 
+    def _packed(self, num_tokens: int) -> tuple[int, ...]:
+        """The token slots of a packed step for a layer input of ``num_tokens`` tokens (padding: base tokens)."""
+        slots = self.token_slots
+        if num_tokens < len(slots):
+            raise ValueError(
+                f"a layer saw {num_tokens} tokens in a step of {len(slots)} packed tokens: csgmv cannot tell which "
+                "request each of them belongs to"
+            )
+        return slots + (-1,) * (num_tokens - len(slots)) if num_tokens > len(slots) else slots
+
     def names_for(self, rows: int) -> list[str]:
         """PEFT's ``adapter_names`` for a module input of ``rows`` rows (each name repeated for its rows); the call's
         names as they are when ``rows`` is no whole multiple of them, as PEFT's hooks pass them (PEFT's module then
         raises its own error)."""
         n = len(self.names)
+        if self.token_slots is not None:  # (a packed step is served only where no module runs PEFT's path for it)
+            return ["__base__"] * rows
         if rows % n:
             return list(self.names)
         k = rows // n
@@ -235,6 +253,20 @@ class PlanCache(collections.OrderedDict):
             slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
             with torch.inference_mode(False):  # kept for later calls, inside inference mode or not
                 run = self[key] = PlanRun(BatchPlan.build(slots, tokens_per_row, device, row_tokens=keep))
+            if len(self) > PLAN_CACHE_SIZE:
+                self.popitem(last=False)
+        else:
+            self.move_to_end(key)
+        return run
+
+    def run_for_tokens(self, token_slots: tuple[int, ...], device) -> "PlanRun":
+        """The plan of one row of packed tokens (:meth:`~peft_csgmv.plan.BatchPlan.from_token_slots`), kept as row
+        plans are (decode steps of the same requests repeat it)."""
+        key = ("tokens", token_slots, device)
+        run = self.get(key)
+        if run is None:
+            with torch.inference_mode(False):
+                run = self[key] = PlanRun(BatchPlan.from_token_slots(token_slots, device))
             if len(self) > PLAN_CACHE_SIZE:
                 self.popitem(last=False)
         else:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import continuous
 from .call import adapter_ids_scope, run
 from .executor import NO_COPIES
 from .layers import BACKENDS
@@ -67,6 +68,12 @@ def _forward(self, *args: Any, **kwargs: Any):
 @torch.compiler.disable(recursive=False)
 def _generate(self, *args: Any, **kwargs: Any):
     return run(self, _own_method(self, "generate"), args, kwargs, generate=True)
+
+
+def _generate_batch(self, *args: Any, **kwargs: Any):
+    """transformers' continuous batching on the base model; ``adapter_ids=``: an adapter per input (see
+    :mod:`peft_csgmv.continuous`)."""
+    return continuous.generate_batch(self, *args, **kwargs)
 
 
 def _call_lock(state: CsgmvState | None):
@@ -136,6 +143,7 @@ _MODEL_METHODS = {
     "generate": _generate,
     "load_adapter": _load_adapter,
     "add_adapter": _add_adapter,
+    "generate_batch": _generate_batch,
 }
 _MODEL_CLASS_METHODS = {**_MODEL_METHODS, "__reduce_ex__": _reduce_ex, "__copy__": _copy}  # (read from the class)
 
@@ -268,6 +276,7 @@ def enable_csgmv(
         raise
     model.__dict__["_csgmv"] = state
     _patch_model(model)
+    continuous.patch_base_model(model)
     tuner = model.base_model
     if max_resident_adapters is not None and hasattr(tuner, "add_weighted_adapter"):
         tuner.__dict__["add_weighted_adapter"] = _add_weighted_adapter_lending(tuner, state)
@@ -288,6 +297,7 @@ def disable_csgmv(model):
         restore_parameter_walks(module)
     if getattr(model.base_model.__dict__.get("add_weighted_adapter"), "_csgmv_lending", False):
         del model.base_model.__dict__["add_weighted_adapter"]
+    continuous.unpatch_base_model(model)
     _unpatch_model(model)
     return model
 

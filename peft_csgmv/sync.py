@@ -177,6 +177,8 @@ class CsgmvState:
         # (follow_weights), and the devices the kernel layers' stacks are on (those a call's plans are prepared for).
         self.place: tuple[torch.Tensor, torch.device] | None = None
         self.devices: tuple[torch.device, ...] = ()
+        # generate_batch's adapter ids by thread, for the manager's add_requests it makes (peft_csgmv.continuous)
+        self.batch_ids: dict[int, list] = {}
 
     # -- adapters -------------------------------------------------------------------------------------------------
 

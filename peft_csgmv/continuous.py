@@ -1,0 +1,387 @@
+"""Continuous batching with an adapter per request: transformers' continuous batching as a driver of the mapping.
+
+transformers (5 and later) packs every scheduled request's tokens (prefill chunks and decode tokens alike) back to
+back into one row per step and runs the model on it from a background thread. On an enabled model:
+
+* ``model.generate_batch(inputs, generation_config, adapter_ids=[...])`` gives input ``i`` adapter ``adapter_ids[i]``
+  (``None``: the base model) and returns what transformers returns;
+* the manager of ``model.init_continuous_batching(...)`` takes ``add_request(..., adapter_id="legal")`` and
+  ``add_requests(inputs, ..., adapter_ids=[...])`` (``None``: the base model); a request added without one runs
+  the model's active adapter, as stock PEFT's manager runs every request.
+
+Each request's adapter is checked when it is added, in the caller's thread (an unknown adapter raises there, before
+the request is queued). Each step, the driver (:class:`Router`, wrapping the batch processor's generation step) takes
+the model's call lock, brings the step's adapters into slots, fills one :class:`~peft_csgmv.mapping.Mapping` of
+packed tokens (each request's tokens map to its adapter's slot, padding to none), prepares its plan, and opens it on
+the executor for the step's thread; the layers read it as they read any call's.
+
+What runs: the eager step (continuous batching without CUDA graphs, synchronous batching: an enabled model's manager
+is made with both off, and a configuration that asks for them with adapters is refused). Adapters whose modules
+run PEFT's own path somewhere, aLoRA adapters and LoRA on the output embedding cannot be given per request (PEFT's
+mixed-batch path is per row, and a packed step has one): such a request is refused when it is added. A step with no
+request that was given an adapter is transformers' own step, as stock PEFT runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any, Sequence
+
+from .mapping import Mapping
+from .patching import WeakMethod
+from .sync import BASE, BASE_NAMES, PEFT_DORA_ERROR, outside_inference_mode
+
+CHILD = "__child#"  # transformers' id of a request's extra returned sequence: f"{parent}{CHILD}{i}"
+# A request added without ``adapter_id`` (or ``adapter_ids``): stock PEFT's, the model's active adapter.
+STOCK = object()
+
+
+def continuous_batching_available() -> bool:
+    """Whether this transformers has the continuous-batching API csgmv drives (transformers 5 or later)."""
+    try:
+        from transformers import ContinuousBatchingConfig  # noqa: F401
+        from transformers.generation.continuous_batching import ContinuousBatchingManager  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _require() -> None:
+    if not continuous_batching_available():
+        import transformers
+
+        raise NotImplementedError(
+            f"per-request adapters under continuous batching need transformers 5 or later (ContinuousBatchingConfig); "
+            f"this is {transformers.__version__}"
+        )
+
+
+def _eager_config(config):
+    """A copy of ``config`` (a ``ContinuousBatchingConfig``, or ``None``: transformers' defaults) with CUDA graphs and
+    asynchronous batching off: csgmv fills each step's mapping in Python, before the step's forward. A configuration
+    that asks for either is refused."""
+    import copy
+
+    from transformers import ContinuousBatchingConfig
+
+    config = ContinuousBatchingConfig() if config is None else copy.copy(config)
+    graphs = getattr(config, "use_cuda_graph", None)
+    if graphs is True or (isinstance(graphs, tuple) and any(graphs)):
+        raise ValueError(
+            "csgmv runs continuous batching with per-request adapters without CUDA graphs: leave "
+            "ContinuousBatchingConfig.use_cuda_graph unset (or False)"
+        )
+    if getattr(config, "use_async_batching", None):
+        raise ValueError(
+            "csgmv runs continuous batching with per-request adapters synchronously: leave "
+            "ContinuousBatchingConfig.use_async_batching unset (or False)"
+        )
+    for name in ("varlen_compile_config", "decode_compile_config"):
+        if getattr(config, name, None) is not None:
+            raise ValueError(f"csgmv runs continuous batching eagerly: leave ContinuousBatchingConfig.{name} unset")
+    if hasattr(config, "use_cuda_graph"):
+        config.use_cuda_graph = False
+    if hasattr(config, "use_async_batching"):
+        config.use_async_batching = False
+    return config
+
+
+class Router:
+    """One manager's requests → adapters, and the driver of its steps (see the module docstring)."""
+
+    def __init__(self, manager, model) -> None:
+        self.manager = manager
+        self.model_ref = weakref.ref(model)  # the PeftModel (its state, its adapters)
+        self.adapters: dict[str, str | None] = {}  # request id -> adapter name (None: the base model)
+        state = manager.__dict__
+        own = {name: getattr(manager, name) for name in ("add_request", "add_requests", "_create_batch_processor")}
+        state["_csgmv_router"] = self
+        state["add_request"] = functools.partial(_add_request, self, own["add_request"])
+        state["add_requests"] = functools.partial(_add_requests, self)
+        state["_create_batch_processor"] = functools.partial(_create_batch_processor, self, own)
+        processor = getattr(manager, "batch_processor", None)
+        if processor is not None:
+            self.wrap(processor)
+
+    # -- requests (the caller's thread) -----------------------------------------------------------------------------
+
+    def check(self, adapter_id) -> str | None:
+        """The adapter a request asks for, checked before it is queued: ``None`` for the base model."""
+        if adapter_id is None or adapter_id in BASE_NAMES:
+            return None
+        if not isinstance(adapter_id, str):
+            raise TypeError(f"`adapter_id` must be an adapter name (str) or None, got {adapter_id!r}")
+        model = self.model_ref()
+        state = model.__dict__.get("_csgmv")
+        if state is None:
+            raise RuntimeError("csgmv was disabled on this model: its continuous-batching manager takes no adapter_id")
+        with state.executor.lock:
+            state.sync(model)
+            why = refusal(model, state, adapter_id)
+        if why is not None:
+            raise ValueError(why)
+        return adapter_id
+
+    def name_of(self, request_id: str):
+        """The adapter of a scheduled request (a returned sequence's: its parent's); :data:`STOCK` for a request
+        added without one."""
+        try:
+            return self.adapters[request_id]
+        except KeyError:
+            parent = request_id.split(CHILD, 1)[0]
+            if parent in self.adapters:
+                name = self.adapters[request_id] = self.adapters[parent]
+                return name
+            return STOCK
+
+    # -- steps (the generation thread) ------------------------------------------------------------------------------
+
+    def wrap(self, processor) -> None:
+        if "_csgmv_step" in processor.__dict__:
+            return
+        own_step = processor._generation_step
+        processor.__dict__["_csgmv_step"] = own_step
+        processor.__dict__["_generation_step"] = functools.partial(_generation_step, self, processor, own_step)
+        finish = getattr(getattr(processor, "scheduler", None), "finish_request", None)
+        if finish is not None:
+            processor.scheduler.__dict__["finish_request"] = functools.partial(_finish_request, self, finish)
+
+    def step(self, processor, own_step, model) -> None:
+        """One step: its mapping filled and opened, the step run, the mapping closed (under the model's lock)."""
+        peft_model = self.model_ref()
+        state = None if peft_model is None else peft_model.__dict__.get("_csgmv")
+        if state is None:
+            return own_step(model)
+        io = processor.inputs_and_outputs
+        scheduled = list(io.requests_in_batch)
+        names = [self.name_of(fs.state.request_id) for fs in scheduled]
+        if all(name is STOCK for name in names):
+            return own_step(model)  # (no request with an adapter given: stock PEFT's step, its active adapter)
+        with state.executor.lock:
+            if STOCK in names:  # (beside requests with an adapter given: the model's active adapter, as PEFT's)
+                active = stock_adapter(peft_model, state)
+                names = [active if name is STOCK else name for name in names]
+            open_step(peft_model, state, scheduled, names)
+            executor = state.executor
+            try:
+                own_step(model)
+            except BaseException:
+                executor.end(failed=True)
+                raise
+            executor.end()
+
+
+def stock_adapter(model, state) -> str | None:
+    """The adapter a request added without one runs (stock PEFT's step: the active adapter; ``None`` under
+    ``disable_adapter()``)."""
+    if not model.has_active_enabled_adapter:
+        return None
+    active = [name for name in model.active_adapters if name in model.peft_config]
+    if len(active) != 1:
+        raise ValueError(
+            f"requests without adapter_id run the model's active adapter, and {len(active)} are active: give each "
+            "request its adapter_id"
+        )
+    return active[0]
+
+
+def refusal(model, state, name: str) -> str | None:
+    """Why adapter ``name`` cannot be given to a request of a packed step (``None``: it can)."""
+    if state.peft_only is not None:
+        return f"per-request adapters need LoRA adapters on the kernels ({state.peft_only})"
+    if name not in state.known:
+        known = ", ".join(sorted(state.known)) or "(none)"
+        return f"Trying to infer with non-existing adapter(s): {name}. Loaded adapters: {known}; use None for the base."
+    if name in state.dora_refused:
+        return PEFT_DORA_ERROR.format(arg="adapter_id")
+    if name in state.alora:
+        return f"adapter {name!r} is an aLoRA adapter: it cannot be given per request under continuous batching"
+    peft_path = [n for n, m in state.peft_path.items() if name in m._csgmv_record.adapters]
+    peft_path += [n for n, layer in state.layers.items() if name in (layer._csgmv_record.peft_rows or ())]
+    if peft_path:
+        return (
+            f"adapter {name!r} runs PEFT's own path in {', '.join(peft_path[:4])}: it cannot be given per request "
+            "under continuous batching (PEFT's mixed-batch path is per row)"
+        )
+    head = model.get_base_model().get_output_embeddings()
+    if head is not None and name in getattr(head, "lora_A", {}):
+        return f"adapter {name!r} has LoRA on the output embedding: it cannot be given per request yet"
+    return None
+
+
+@outside_inference_mode
+def open_step(model, state, scheduled: Sequence, names: list) -> None:
+    """Fill the step's mapping (its adapters made resident first) and open it on the executor, its plan prepared."""
+    state.sync(model)
+    for name in dict.fromkeys(n for n in names if n is not None):
+        why = refusal(model, state, name)  # (an adapter deleted or changed while its requests waited)
+        if why is not None:
+            raise ValueError(why)
+    out: list = []
+    slots = state.slots_for([BASE if n is None else n for n in names], out)
+    tokens: list[int] = []
+    for fs, slot in zip(scheduled, slots):
+        tokens += [slot] * fs.query_length
+    state.restack_rescaled()
+    state.follow_weights()
+    executor = state.executor
+    mapping = Mapping(
+        row_slots=(),
+        names=tuple(BASE if n is None else n for n in names),
+        arg_name="adapter_id",
+        copies_out=out,
+        token_slots=tuple(tokens),
+    )
+    executor.begin(mapping)
+    try:
+        for device in state.devices:
+            mapping.prepare(1, len(tokens), device)
+    except BaseException:
+        executor.end(failed=True)
+        raise
+
+
+def _add_request(router: Router, own, input_ids, request_id: str | None = None, *args, adapter_id=STOCK, **kwargs):
+    if adapter_id is STOCK:
+        return own(input_ids, request_id, *args, **kwargs)
+    name = router.check(adapter_id)
+    if request_id is None:
+        manager = router.manager
+        with manager._request_lock:
+            request_id = f"req_{manager._request_counter}"
+            manager._request_counter += 1
+    router.adapters[request_id] = name  # (before the request is queued: a step may schedule it at once)
+    try:
+        out = own(input_ids, request_id, *args, **kwargs)
+    except BaseException:
+        router.adapters.pop(request_id, None)
+        raise
+    if out is None:  # (not queued: the manager refused it)
+        router.adapters.pop(request_id, None)
+    return out
+
+
+def _add_requests(
+    router: Router,
+    inputs: list,
+    max_new_tokens: int | None = None,
+    streaming: bool = False,
+    record_timestamps: bool = False,
+    adapter_ids: Sequence[str | None] | None = None,
+    **kwargs: Any,
+) -> list[str]:
+    """transformers' ``add_requests`` (ids ``req_<n>`` in input order; inputs queued sorted by prompt where the cache
+    shares prefixes), each input with its adapter (``adapter_ids``, or those ``generate_batch`` was given)."""
+    manager = router.manager
+    if adapter_ids is None:  # (generate_batch's, for the add_requests it makes on this thread)
+        model = router.model_ref()
+        state = None if model is None else model.__dict__.get("_csgmv")
+        adapter_ids = None if state is None else state.batch_ids.pop(threading.get_ident(), None)
+    if adapter_ids is not None and len(adapter_ids) != len(inputs):
+        raise ValueError(f"`adapter_ids` has {len(adapter_ids)} entries for {len(inputs)} inputs")
+    names = [STOCK] * len(inputs) if adapter_ids is None else [router.check(a) for a in adapter_ids]
+    with manager._request_lock:
+        start = manager._request_counter
+        manager._request_counter += len(inputs)
+    request_ids = [f"req_{i}" for i in range(start, start + len(inputs))]
+    order = list(range(len(inputs)))
+    if getattr(manager, "_use_prefix_sharing", False):
+        order.sort(key=lambda i: inputs[i], reverse=True)
+    eos = manager.generation_config.eos_token_id
+    eos = manager.model.config.eos_token_id if eos is None else eos
+    eos = -1 if eos is None else eos
+    for i in order:
+        manager.add_request(
+            input_ids=inputs[i],
+            request_id=request_ids[i],
+            max_new_tokens=max_new_tokens,
+            streaming=streaming,
+            record_timestamps=record_timestamps,
+            eos_token_id=eos,
+            adapter_id=names[i],
+            **kwargs,
+        )
+    return request_ids
+
+
+def _create_batch_processor(router: Router, own: dict):
+    processor = own["_create_batch_processor"]()
+    router.wrap(processor)
+    return processor
+
+
+def _generation_step(router: Router, processor, own_step, model) -> None:
+    router.step(processor, own_step, model)
+
+
+def _finish_request(router: Router, own, request_id, *args, **kwargs):
+    out = own(request_id, *args, **kwargs)
+    router.adapters.pop(request_id, None)
+    return out
+
+
+# -- the model's methods --------------------------------------------------------------------------------------------
+
+
+def init_continuous_batching(base_model, *args, **kwargs):
+    """The base model's ``init_continuous_batching`` on an enabled model: transformers' manager, made without CUDA
+    graphs and asynchronous batching, whose requests take an adapter (:class:`Router`)."""
+    own = type(base_model).init_continuous_batching.__get__(base_model)
+    ref = base_model.__dict__.get("_csgmv_peft_model")
+    model = None if ref is None else ref()
+    if model is None or "_csgmv" not in model.__dict__:
+        return own(*args, **kwargs)
+    _require()
+    names = ("generation_config", "continuous_batching_config", "workload_hints")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    bound["continuous_batching_config"] = _eager_config(bound.get("continuous_batching_config"))
+    manager = own(**bound)
+    if "_csgmv_router" not in manager.__dict__:
+        Router(manager, model)
+    return manager
+
+
+def generate_batch(model, inputs, generation_config=None, *args, adapter_ids: Sequence[str | None] | None = None, **kw):
+    """transformers' ``generate_batch`` on the base model, input ``i`` with adapter ``adapter_ids[i]``."""
+    base = model.get_base_model()
+    if adapter_ids is None:
+        return base.generate_batch(inputs, generation_config, *args, **kw)
+    _require()
+    if isinstance(adapter_ids, str) or not isinstance(adapter_ids, (list, tuple)):
+        raise TypeError(f"Got adapter_ids of type {type(adapter_ids)}, expected a list of str.")
+    if len(adapter_ids) != len(inputs):
+        raise ValueError(f"`adapter_ids` has {len(adapter_ids)} entries for {len(inputs)} inputs")
+    state = model._csgmv
+    with state.executor.lock:
+        state.sync(model)
+        for name in dict.fromkeys(a for a in adapter_ids if a is not None and a not in BASE_NAMES):
+            why = refusal(model, state, name)
+            if why is not None:
+                raise ValueError(why)
+    thread = threading.get_ident()
+    state.batch_ids[thread] = list(adapter_ids)
+    try:
+        return base.generate_batch(inputs, generation_config, *args, **kw)
+    finally:
+        state.batch_ids.pop(thread, None)
+
+
+def patch_base_model(model) -> None:
+    """Give ``model``'s base model csgmv's ``init_continuous_batching`` (on the instance, through a weak reference:
+    no cycle; :func:`unpatch_base_model` undoes it), where this transformers has continuous batching."""
+    base = model.get_base_model()
+    if not hasattr(type(base), "init_continuous_batching") or "init_continuous_batching" in base.__dict__:
+        return
+    base.__dict__["_csgmv_peft_model"] = weakref.ref(model)
+    base.__dict__["init_continuous_batching"] = WeakMethod(init_continuous_batching, base)
+
+
+def unpatch_base_model(model) -> None:
+    base = model.get_base_model()
+    patched = base.__dict__.get("init_continuous_batching")
+    if getattr(patched, "__func__", None) is init_continuous_batching:
+        del base.__dict__["init_continuous_batching"]
+    base.__dict__.pop("_csgmv_peft_model", None)

@@ -1,0 +1,172 @@
+"""Continuous batching with an adapter per request (transformers' ``generate_batch`` and its manager): each request's
+tokens equal stock PEFT running that request alone with its adapter (fp32, greedy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import BACKENDS, BASE, make
+
+from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv
+from peft_csgmv.continuous import continuous_batching_available
+
+pytestmark = pytest.mark.skipif(
+    not continuous_batching_available(), reason="this transformers has no continuous batching (transformers >= 5)"
+)
+
+PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 10, 11], [1, 20, 21, 22, 23, 24, 25, 26, 27], [1, 3, 4], [2, 9, 9, 8, 7]]
+IDS = ["a0", None, "a1", "a0", "a1"]
+
+
+def _configs(new_tokens: int = 5, max_batch_tokens: int = 64, **extra):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    extra.setdefault("do_sample", False)
+    gen = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=-1, pad_token_id=0, **extra)
+    # (sized: unsized, the cache takes a share of the machine's memory)
+    return gen, ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=max_batch_tokens)
+
+
+@torch.no_grad()
+def _alone(model, prompt, adapter, new_tokens: int) -> list[int]:
+    """The request run alone through stock PEFT (csgmv's wrappers see no ids: PEFT's own generate)."""
+    x = torch.tensor([prompt])
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    kw["eos_token_id"] = None  # (no stop: every request runs its whole length)
+    if adapter is None:
+        with model.disable_adapter():
+            out = model.generate(input_ids=x, **kw)
+    else:
+        previous = model.active_adapter
+        model.set_adapter(adapter)
+        try:
+            out = model.generate(input_ids=x, **kw)
+        finally:
+            model.set_adapter(previous)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(params=BACKENDS)
+def enabled(request):
+    model = make("llama")
+    model.get_base_model().generation_config.eos_token_id = None
+    enable_csgmv(model, backend=request.param)
+    yield model
+    disable_csgmv(model)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [64, 8], ids=["whole-prefills", "split-prefills"])
+def test_generate_batch_gives_each_request_its_adapter(enabled, max_batch_tokens):
+    """``generate_batch(..., adapter_ids=...)``: every request's tokens are its own stock PEFT run's, prefills split
+    over steps included (a step of 8 tokens mixes prefill chunks and decode tokens of several adapters)."""
+    model = enabled
+    gen, cbc = _configs(max_batch_tokens=max_batch_tokens)
+    out = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=cbc, adapter_ids=IDS)
+    got = [out[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))]
+    want = [_alone(model, p, a, 5) for p, a in zip(PROMPTS, IDS)]
+    assert len({tuple(w) for w in want}) > 2, "the adapters change nothing: the test would prove nothing"
+    assert got == want
+    assert csgmv_stats(model)["unforeseen_plans"] == 0
+
+
+def test_manager_requests_take_an_adapter(enabled):
+    """The manager's ``add_request(..., adapter_id=)`` (per-request ``max_new_tokens``, streamed) and
+    ``add_requests(..., adapter_ids=)``: each request's tokens are its alone-run's; an unknown adapter is refused in
+    the caller's thread before anything is queued, and the running requests are not disturbed."""
+    model = enabled
+    gen, cbc = _configs()
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+    manager.start()
+    try:
+        lengths = [3, 6, 4]
+        asked = {}
+        for i, (prompt, adapter, n) in enumerate(zip(PROMPTS, IDS, lengths)):
+            rid = manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, adapter_id=adapter, streaming=True)
+            asked[rid] = (prompt, adapter, n)
+        with pytest.raises(ValueError, match="non-existing adapter"):
+            manager.add_request(PROMPTS[0], request_id="bad", adapter_id="nope")
+        more = manager.add_requests(PROMPTS[3:], max_new_tokens=5, adapter_ids=IDS[3:])
+        asked.update({rid: (p, a, 5) for rid, p, a in zip(more, PROMPTS[3:], IDS[3:])})
+        got = {}
+        while len(got) < len(asked):
+            result = manager.get_result(timeout=10)
+            assert result is not None, f"no result after 10 s; got {sorted(got)}"
+            assert result.request_id != "bad"
+            if result.is_finished():
+                got[result.request_id] = result.generated_tokens
+    finally:
+        manager.stop(block=True)
+    for rid, (prompt, adapter, n) in asked.items():
+        assert got[rid] == _alone(model, prompt, adapter, n), rid
+
+
+def test_returned_sequences_take_their_request_adapter(enabled):
+    """``num_return_sequences``: each returned sequence (transformers forks the request) runs its request's adapter
+    (top-k 1 sampling: the greedy tokens)."""
+    model = enabled
+    gen, cbc = _configs(num_return_sequences=2, do_sample=True, top_k=1)
+    out = model.generate_batch(PROMPTS[:3], generation_config=gen, continuous_batching_config=cbc, adapter_ids=IDS[:3])
+    for i, (prompt, adapter) in enumerate(zip(PROMPTS[:3], IDS[:3])):
+        want = _alone(model, prompt, adapter, 5)
+        sequences = [v.generated_tokens for k, v in out.items() if k.split("__child#")[0] == f"req_{i}"]
+        assert sequences and all(s == want for s in sequences), (i, sequences, want)
+
+
+def test_refusals_change_nothing():
+    """A bad ``adapter_ids`` (unknown name, wrong length) and a configuration with CUDA graphs are refused before any
+    request runs; without ids, ``generate_batch`` is transformers' own on the active adapter, as stock PEFT runs it;
+    ``disable_csgmv`` gives the base model its own ``init_continuous_batching`` back."""
+    from transformers import ContinuousBatchingConfig
+
+    model = make("llama")
+    model.get_base_model().generation_config.eos_token_id = None
+    enable_csgmv(model, backend="torch")
+    gen, cbc = _configs()
+    with pytest.raises(ValueError, match="non-existing adapter"):
+        model.generate_batch(
+            PROMPTS[:2], generation_config=gen, continuous_batching_config=cbc, adapter_ids=["a0", "x"]
+        )
+    with pytest.raises(ValueError, match="2 inputs"):
+        model.generate_batch(PROMPTS[:2], generation_config=gen, continuous_batching_config=cbc, adapter_ids=["a0"])
+    graphs = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        model.generate_batch(PROMPTS[:2], generation_config=gen, continuous_batching_config=graphs, adapter_ids=IDS[:2])
+    stock = model.generate_batch(PROMPTS[:2], generation_config=gen, continuous_batching_config=cbc)
+    active = model.active_adapter
+    assert [stock[f"req_{i}"].generated_tokens for i in range(2)] == [_alone(model, p, active, 5) for p in PROMPTS[:2]]
+    base = model.get_base_model()
+    assert "init_continuous_batching" in base.__dict__
+    disable_csgmv(model)
+    assert "init_continuous_batching" not in base.__dict__ and "_csgmv_peft_model" not in base.__dict__
+
+
+def test_calls_beside_a_running_manager_keep_their_ids():
+    """A forward with ``adapter_ids`` from the caller's thread while the manager's thread runs steps with other
+    adapters: each gets its own adapters (the model's call lock orders them)."""
+    from helpers import make_batch, per_adapter, stitch
+
+    model = make("llama")
+    model.get_base_model().generation_config.eos_token_id = None
+    enable_csgmv(model, backend="torch")
+    gen, cbc = _configs(new_tokens=40)
+    input_ids, mask = make_batch(3, 5)
+    names = ["a1", BASE, "a0"]
+    want = stitch(per_adapter(model, names, lambda: model(input_ids, attention_mask=mask).logits), names)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+    manager.start()
+    try:
+        rids = manager.add_requests(PROMPTS, max_new_tokens=40, adapter_ids=IDS)
+        with torch.no_grad():
+            for _ in range(5):
+                got = model(input_ids, attention_mask=mask, adapter_ids=["a1", None, "a0"]).logits
+                assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+        done = {}
+        while len(done) < len(rids):
+            result = manager.get_result(timeout=10)
+            assert result is not None
+            if result.is_finished():
+                done[result.request_id] = result.generated_tokens
+    finally:
+        manager.stop(block=True)
+        disable_csgmv(model)
+    assert done[rids[2]] == _alone(model, PROMPTS[2], IDS[2], 40)
