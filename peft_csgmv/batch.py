@@ -4,9 +4,13 @@ Input: one JSON object per line, ``{"prompt": "...", "adapter": "legal", "id": 1
 ``"__base__"`` means the base model; ``id`` is optional and echoed; blank lines are skipped.
 
 Output: one JSON object per non-blank input line, ``{"line": 3, "id": 17, "adapter": "legal", "completion": "...",
-"new_tokens": 42, "input_sha1": "..."}``, or ``{"line": 5, "error": "...", "input_sha1": "..."}`` for a bad line
-under ``--on-error skip``. ``input_sha1`` is the SHA-1 of the input line's text (UTF-8, surrounding whitespace
-stripped): it ties each record to the content it was made from.
+"new_tokens": 42, "input_sha1": "...", "settings_sha1": "..."}``, or ``{"line": 5, "error": "...", "input_sha1":
+"..."}`` for a bad line under ``--on-error skip``. ``input_sha1`` is the SHA-1 of the line's request, its prompt and
+its adapter (:func:`identity.request_sha1`; for a bad line, of the line's text); ``settings_sha1`` that of the run
+settings it was made with (:class:`identity.RunSettings`: base model, dtypes, decoding options, its adapter's files).
+``line`` (and ``id``) say where the request sits in the input as it is now: they are rewritten when lines move, and
+play no part in resuming. Beside the output, ``OUTPUT.settings.json`` holds the run's settings (identity.py says
+why a file of its own).
 
 Order: during a run, each batch's records are appended and flushed as soon as the batch finishes (batches are grouped
 by prompt length, so this is not input order; each line of the file is always a complete record). When the run
@@ -18,12 +22,18 @@ line still to do and appends its records to its own part file beside the output 
 are done the first one merges the parts into the output, in input order, and removes them. An interrupted run leaves
 its parts; the next run, with any number of processes, counts their records as done.
 
-Resuming goes by content. A line is done when the output holds a completion record with its line number and its
-``input_sha1``; every other line is generated: new lines, lines edited since their record was written (the stale
-record is dropped) and lines that have an error record (error records are retried on every run). An output that
-holds completion records but none for this input belongs to another input: it is refused (``OutputMismatch``)
-unless ``overwrite`` is given, which starts it afresh. A torn last line (an interrupted write) is cut off; an output
-whose lines are not result records is refused.
+Resuming goes by content (:func:`match_records`). A line is done when the output (or a part file) holds a completion
+record with its request's ``input_sha1``, wherever the line sat when the record was written: inserted, deleted, moved
+and blank lines shift nothing. Every other line is generated: new lines, edited lines (a record whose request is in
+no line any more is dropped) and lines that have an error record (error records are retried on every run). The same
+request on k lines needs k records: a record stays with the line it was written for while that line holds the same
+request, the others go, in file order, to the remaining lines of that request in input order; records beyond k are
+dropped. An output that holds completion records but none for this input belongs to another input: it is refused
+(``OutputMismatch``) unless ``overwrite`` is given, which starts it afresh. So is an output with completion records
+made with other settings than this run's (the message names what differs, from the settings file), and one whose
+completion records carry no ``settings_sha1`` (an earlier format: which settings made them is unknown). Records of an
+adapter this run does not load are not checked: no good line of this run can ask for them, so they are dropped. A
+torn last line (an interrupted write) is cut off; an output whose lines are not result records is refused.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-BASE = "__base__"
+from .identity import BASE, RunSettings, read_settings, request_sha1, settings_path, write_settings
 
 
 @dataclasses.dataclass
@@ -50,7 +60,7 @@ class Row:
     adapter: str | None
     id: Any = None
     has_id: bool = False
-    sha1: str = ""  # fingerprint of the input line (see ``fingerprint``)
+    sha1: str = ""  # fingerprint of the request: identity.request_sha1(prompt, adapter)
 
 
 class InputError(ValueError):
@@ -68,7 +78,8 @@ class OutputMismatch(ValueError):
 
 
 def fingerprint(text: str | bytes) -> str:
-    """SHA-1 (hex) of an input line's text, surrounding whitespace stripped."""
+    """SHA-1 (hex) of an input line's text, surrounding whitespace stripped (a bad line's ``input_sha1``; a good
+    line's is its request's, :func:`identity.request_sha1`)."""
     if isinstance(text, str):
         text = text.encode("utf-8")
     return hashlib.sha1(text.strip()).hexdigest()
@@ -76,7 +87,8 @@ def fingerprint(text: str | bytes) -> str:
 
 @dataclasses.dataclass
 class InputFile:
-    """A parsed input: good rows, bad lines as ``(line, message)``, and every non-blank line's fingerprint."""
+    """A parsed input: good rows, bad lines as ``(line, message)``, and every non-blank line's fingerprint (its
+    request's for a good line, its text's for a bad one)."""
 
     rows: list[Row]
     errors: list[tuple[int, str]]
@@ -125,6 +137,7 @@ def read_input(
                     (n, f"unknown adapter {adapter!r}; loaded: {', '.join(sorted(known))} (or null for base)")
                 )
                 continue
+            sha1[n] = request_sha1(prompt, adapter)
             rows.append(Row(line=n, prompt=prompt, adapter=adapter, id=obj.get("id"), has_id="id" in obj, sha1=sha1[n]))
     return InputFile(rows, errors, sha1)
 
@@ -197,9 +210,10 @@ def part_paths(out_path: str) -> list[str]:
 
 @dataclasses.dataclass
 class Resume:
-    """What an existing output holds for an input: ``done`` maps line to its completion record (kept as is);
-    ``stale`` counts completion records for lines since edited or gone, ``retry`` error records (their lines are
-    tried again); ``rewrite`` says the file must be rewritten before appending (records to drop, a torn tail)."""
+    """What an existing output holds for an input: ``done`` maps line to its completion record, in input order (kept
+    as made, its ``line`` and ``id`` those of the line now); ``stale`` counts completion records that no line asks for
+    any more (dropped), ``retry`` error records (their lines are tried again); ``rewrite`` says the file must be
+    rewritten before appending (records to drop, move or relabel, a torn tail, part files to merge)."""
 
     done: dict[int, dict]
     stale: int = 0
@@ -228,10 +242,90 @@ def _read_records(path: str) -> tuple[list[dict], bool]:
     return records, torn
 
 
-def resume_state(out_path: str, parsed: InputFile, overwrite: bool = False) -> Resume:
+def _relabel(record: dict, row: Row) -> dict:
+    """``record`` with the line number and ``id`` of ``row`` (the keys in the order a new record has them)."""
+    out: dict[str, Any] = {"line": row.line}
+    if row.has_id:
+        out["id"] = row.id
+    out.update((k, v) for k, v in record.items() if k not in ("line", "id"))
+    return out
+
+
+def match_records(rows: list[Row], records: list[dict]) -> tuple[dict[int, dict], int]:
+    """Pair the completion records with the rows whose request they answer (equal ``input_sha1``), each record with
+    at most one row: first every record with the row of the line it was written for, where that line holds the same
+    request still; then the rest, in file order, with the rows of that request still without one, in input order.
+    Returns ``{line: record}`` in input order (records relabeled with their row's line and ``id``) and the number of
+    completion records left without a row."""
+    completions = [r for r in records if "error" not in r]
+    placed: dict[tuple, int] = {}
+    by_request: dict[Any, list[int]] = {}
+    for i, record in enumerate(completions):
+        key = record.get("input_sha1")
+        key = key if isinstance(key, str) else None
+        placed.setdefault((key, record["line"]), i)
+        by_request.setdefault(key, []).append(i)
+    taken = [False] * len(completions)
+    paired: dict[int, int] = {}
+    for row in rows:
+        i = placed.get((row.sha1, row.line))
+        if i is not None:
+            taken[i] = True
+            paired[row.line] = i
+    left = {key: iter(indices) for key, indices in by_request.items() if key is not None}
+    for row in rows:
+        if row.line in paired:
+            continue
+        for i in left.get(row.sha1, ()):
+            if not taken[i]:
+                taken[i] = True
+                paired[row.line] = i
+                break
+    done = {row.line: _relabel(completions[paired[row.line]], row) for row in rows if row.line in paired}
+    return done, len(completions) - len(paired)
+
+
+def check_settings(out_path: str, records: list[dict], settings: RunSettings) -> None:
+    """Raise OutputMismatch, in one line naming what differs, when a completion record of the output was made with
+    other settings than ``settings`` (its ``settings_sha1`` is not this run's for its adapter), or carries none.
+    Records of an adapter ``settings`` do not hold are not checked (no line of this run asks for them)."""
+    completions = [r for r in records if "error" not in r]
+    bare = sum(not isinstance(r.get("settings_sha1"), str) for r in completions)
+    if bare:
+        some = "its" if bare == len(completions) else f"{bare} of its {len(completions)}"
+        raise OutputMismatch(
+            f"{some} results carry no settings_sha1 (an output of an earlier peft-csgmv): the settings they were made "
+            "with are unknown"
+        )
+    wrong = [
+        r
+        for r in completions
+        if settings.concerns(r.get("adapter")) and r["settings_sha1"] != settings.fingerprint(r.get("adapter"))
+    ]
+    if not wrong:
+        return
+    stored = read_settings(out_path)
+    if stored is not None and all(
+        stored.concerns(r.get("adapter")) and stored.fingerprint(r.get("adapter")) == r["settings_sha1"] for r in wrong
+    ):
+        ours, theirs = stored.differences(settings, {r["adapter"] for r in wrong if r.get("adapter") is not None})
+        if ours or theirs:
+            raise OutputMismatch(f"written with {', '.join(ours)}; this run has {', '.join(theirs)}")
+    state = "is missing or unreadable" if stored is None else "describes yet other settings"
+    some = "its" if len(wrong) == len(completions) else f"{len(wrong)} of its {len(completions)}"
+    raise OutputMismatch(
+        f"{some} results were made with other settings than this run's (which ones is unknown: its settings file "
+        f"{settings_path(out_path)} {state})"
+    )
+
+
+def resume_state(
+    out_path: str, parsed: InputFile, overwrite: bool = False, settings: RunSettings | None = None
+) -> Resume:
     """Match an existing output, and the part files earlier runs left beside it, against the input (see the module
-    docstring). Raises OutputMismatch when they hold only other content's results, or are not peft-csgmv outputs;
-    ``overwrite`` starts the output afresh instead."""
+    docstring). Raises OutputMismatch when they hold only other content's results, results made with other
+    ``settings`` (:func:`check_settings`; not checked without ``settings``), or are not peft-csgmv outputs;
+    ``overwrite`` starts the output afresh instead. Reads only: nothing is written."""
     parts = part_paths(out_path)
     exists = os.path.exists(out_path)
     if not exists and not parts:
@@ -243,22 +337,14 @@ def resume_state(out_path: str, parsed: InputFile, overwrite: bool = False) -> R
         held, cut = _read_records(path)
         records += held
         torn = torn or cut
-    done: dict[int, dict] = {}
-    completions = stale = retry = 0
-    for record in records:
-        if "error" in record:
-            retry += 1
-            continue
-        completions += 1
-        line = record["line"]
-        if record.get("input_sha1") is not None and parsed.sha1.get(line) == record["input_sha1"]:
-            done[line] = record  # a later record for the same line wins
-        else:
-            stale += 1
+    if settings is not None:
+        check_settings(out_path, records, settings)
+    done, stale = match_records(parsed.rows, records)
+    completions = sum("error" not in r for r in records)
     if completions and not done:
         raise OutputMismatch(f"it holds {completions} results, none for a line of this input (another input's output?)")
-    kept = len(done)
-    return Resume(done=done, stale=stale, retry=retry, rewrite=torn or kept != len(records) or bool(parts))
+    rewrite = torn or bool(parts) or list(done.values()) != records
+    return Resume(done=done, stale=stale, retry=len(records) - completions, rewrite=rewrite)
 
 
 def _rewrite(path: str, records: Iterable[dict]) -> None:
@@ -277,11 +363,16 @@ def _rewrite(path: str, records: Iterable[dict]) -> None:
         raise
 
 
-def start_output(out_path: str, resume: Resume, parsed: InputFile, error_records: bool) -> None:
-    """Make the output hold only the records ``resume`` keeps (earlier runs' part files merged in and removed), then
-    append an error record for every bad line when ``error_records``."""
+def start_output(
+    out_path: str, resume: Resume, parsed: InputFile, error_records: bool, settings: RunSettings | None = None
+) -> None:
+    """Store ``settings`` beside the output (``OUTPUT.settings.json``), make the output hold only the records
+    ``resume`` keeps, in input order (earlier runs' part files merged in and removed), then append an error record for
+    every bad line when ``error_records``."""
+    if settings is not None:
+        write_settings(out_path, settings)
     if resume.rewrite:
-        _rewrite(out_path, sorted(resume.done.values(), key=lambda r: r["line"]))
+        _rewrite(out_path, resume.done.values())
         _remove(part_paths(out_path))
     errors = parsed.errors if error_records else []
     with open(out_path, "a", encoding="utf-8") as out:
@@ -297,8 +388,8 @@ def _remove(paths: Iterable[str]) -> None:
 
 
 def finish_output(out_path: str, parsed: InputFile) -> None:
-    """Rewrite a completed output in input order, one record per input line (the last one written for a line), with
-    the part files of this run's processes merged in and removed."""
+    """Rewrite a completed output in input order, one record per input line (:func:`match_records`; a bad line's
+    error record), with the part files of this run's processes merged in and removed."""
     parts = part_paths(out_path)
     if not os.path.exists(out_path) and not parts:
         return
@@ -306,8 +397,9 @@ def finish_output(out_path: str, parsed: InputFile) -> None:
     main = list(records)
     for path in parts:
         records += _read_records(path)[0]
-    by_line = {r["line"]: r for r in records if r["line"] in parsed.sha1}
-    ordered = [by_line[n] for n in sorted(by_line)]
+    done, _ = match_records(parsed.rows, records)
+    errors = {r["line"]: r for r in records if "error" in r and parsed.sha1.get(r["line"]) == r.get("input_sha1")}
+    ordered = [done[n] if n in done else errors[n] for n in sorted(parsed.sha1) if n in done or n in errors]
     if ordered != main or not os.path.exists(out_path):
         _rewrite(out_path, ordered)
     _remove(parts)
@@ -363,12 +455,14 @@ def generate_rows(
     out_path: str,
     batch_size: int = 16,
     progress: bool = True,
+    settings: RunSettings | None = None,
     **generate_kwargs,
 ) -> dict:
     """Generate a completion for every row (mixed adapters per batch) and append each batch's records to
     ``out_path`` as soon as it finishes (one write of complete lines, flushed). ``model`` must be csgmv-enabled;
     where it keeps at most N adapters on the device (``max_resident_adapters``), no batch holds more than N
-    (:func:`batches_by_length`). Returns counts and timing.
+    (:func:`batches_by_length`). ``settings``: the run's settings, whose fingerprint for each row's adapter its record
+    carries as ``settings_sha1`` (what lets ``peft-csgmv generate`` resume the output). Returns counts and timing.
 
     With ``cache_implementation="static"`` (transformers' static cache, whose decode step it compiles for each batch
     shape) every call has the same shape where it can: prompts are left-padded to :func:`prompt_bucket` of the batch's
@@ -416,6 +510,8 @@ def generate_rows(
                         record["id"] = r.id
                     record.update(adapter=r.adapter, completion=tokenizer.decode(ids, skip_special_tokens=True),
                                   new_tokens=int(ids.numel()), input_sha1=r.sha1)  # fmt: skip
+                    if settings is not None:
+                        record["settings_sha1"] = settings.fingerprint(r.adapter)
                     new_tokens_total += int(ids.numel())
                     lines.append(json.dumps(record, ensure_ascii=False) + "\n")
                 out.write("".join(lines))

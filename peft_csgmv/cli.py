@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from .identity import settings_path
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -103,13 +105,20 @@ Generate a completion for every line of a JSONL file, each line with its own ada
 input:  one JSON object per line: {"prompt": "...", "adapter": "legal", "id": 17}; "adapter" absent, null or
         "__base__" means the base model; "id" is optional and echoed; blank lines are skipped.
 output: one JSON object per input line: {"line": 3, "id": 17, "adapter": "legal", "completion": "...",
-        "new_tokens": 42, "input_sha1": "..."}, or {"line": 5, "error": "...", ...} for a bad line under
-        --on-error skip. input_sha1 is the SHA-1 of the input line's text (surrounding whitespace stripped).
+        "new_tokens": 42, "input_sha1": "...", "settings_sha1": "..."}, or {"line": 5, "error": "...", ...} for
+        a bad line under --on-error skip. input_sha1 is the SHA-1 of the line's request (its prompt and adapter),
+        settings_sha1 that of the run settings that made it; OUTPUT.settings.json beside the output holds those
+        settings: --base, --dtype, --adapter-dtype, --max-new-tokens, --do-sample (with it --temperature, --top-p,
+        --top-k, --seed) and each adapter's files (by their SHA-1). "line" and "id" are those of the input now.
 order:  records are appended batch by batch as each batch finishes (batches are grouped by prompt length); when the
         run completes the file is rewritten in input order.
-resume: run the same command again. A line is done when the output holds a completion for it with the same
-        input_sha1; new lines, edited lines and lines with an error record are generated (stale records are
-        dropped). An output holding another input's results is refused, unless --overwrite.
+resume: run the same command again. A line is done when the output holds a completion with its input_sha1,
+        wherever the line was: inserted, deleted, moved or blank lines shift nothing; new lines, edited lines and
+        lines with an error record are generated (records no line asks for are dropped). The same request on k
+        lines needs k completions. An output holding another input's results, results made with other settings
+        (the message names them) or results without settings_sha1 is refused before anything runs, unless
+        --overwrite (start afresh). The other options (batch size, cache, device, backend, ...) change how the
+        work runs, not what it computes: they may differ between runs.
 checks: paths, adapters and options are checked before the model loads: each problem is one line, exit 2. Bad
         input lines are all listed before anything runs. An input with no lines exits 0 without an output.
         Ctrl-C stops after writing the finished batches (exit 130): rerun the same command to resume.
@@ -233,6 +242,8 @@ def check_generate_args(args) -> list[str]:
         problems.append(f"--output {out}: cannot be written")
     elif os.path.isfile(inp) and os.path.exists(out) and os.path.samefile(inp, out):
         problems.append(f"--output {out}: is the --input file")
+    elif os.path.isdir(settings_path(out)):
+        problems.append(f"--output {out}: {settings_path(out)}, where the run's settings are kept, is a folder")
 
     base_label, adapter_labels = _labels(args)
     problem = _folder_problem(base_label, args.base, "config.json", "model")
@@ -266,7 +277,7 @@ def check_hub_args(args) -> list[str]:
 
 def generate_command(args, prog: str = "peft-csgmv generate") -> int:
     """``peft-csgmv generate``: see peft_csgmv/batch.py."""
-    from . import batch
+    from . import batch, identity
 
     def fail(problems: list[str]) -> int:
         for problem in problems:
@@ -295,8 +306,27 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
         if args.on_error == "stop":
             print("stopped before generating anything (use --on-error skip to skip bad lines)", file=sys.stderr)
             return 2
+    # Hub values are looked up first: the run's settings fingerprint a hub adapter's files.
+    problems = check_hub_args(args)
+    if problems:
+        return fail(problems)
     try:
-        resume = batch.resume_state(args.output, parsed, overwrite=args.overwrite)
+        settings = identity.run_settings(
+            args.base,
+            adapters,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            dtype=args.dtype,
+            adapter_dtype=args.adapter_dtype,
+        )
+    except identity.SettingsError as e:
+        return fail([str(e)])
+    try:
+        resume = batch.resume_state(args.output, parsed, overwrite=args.overwrite, settings=settings)
     except batch.OutputMismatch as e:
         return fail([f"--output {args.output}: {e}; give another --output, or --overwrite to start it afresh"])
     todo = [r for r in parsed.rows if r.line not in resume.done]
@@ -314,14 +344,10 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
             f"{len(parsed.errors)} bad; {len(adapters)} adapters" + "".join(f"; {n}" for n in notes),
             file=sys.stderr,
         )
-    if todo:
-        problems = check_hub_args(args)
-        if problems:
-            return fail(problems)
     # Every process has read the output and the parts before the first one rewrites them: all agree on what is done.
     shard.barrier()
     if first:
-        batch.start_output(args.output, resume, parsed, error_records=bool(parsed.errors))
+        batch.start_output(args.output, resume, parsed, error_records=bool(parsed.errors), settings=settings)
     shard.barrier()
     mine = shard.take(todo)
     if mine:
@@ -344,7 +370,14 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
             gen.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         out = batch.part_path(args.output, shard.rank, shard.world) if shard.world > 1 else args.output
         stats = batch.generate_rows(
-            model, tokenizer, mine, out, batch_size=args.batch_size, progress=not args.no_progress and first, **gen
+            model,
+            tokenizer,
+            mine,
+            out,
+            batch_size=args.batch_size,
+            progress=not args.no_progress and first,
+            settings=settings,
+            **gen,
         )
         who = f"process {shard.rank} of {shard.world}: " if shard.world > 1 else ""
         print(
@@ -391,7 +424,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--output", required=True, help="JSONL file for the results; an existing one is resumed (required)"
     )
     p_gen.add_argument(
-        "--overwrite", action="store_true", help="start the output afresh, dropping what it holds, instead of resuming"
+        "--overwrite",
+        action="store_true",
+        help="start the output afresh, dropping what it holds, instead of resuming (also where its results were made "
+        "with other settings)",
     )
     positive = _number(int, 1, what="1 or more")
     p_gen.add_argument("--batch-size", type=positive, default=16, help="rows per generate call")

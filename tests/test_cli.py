@@ -387,7 +387,9 @@ def test_bad_paths_each_one_line_before_the_model_loads(checkout, tmp_path, caps
         "--adapter legal= ": (_replace(good, "--adapter", f"legal={base}"), "no adapter_config.json"),
         "--device": (good + ["--device", "nonsense"], "not a device"),
         "--device ": (good + ["--device-map", "cpu"], "give one of them"),
+        "--output   ": (_replace(good, "--output", str(tmp_path / "o.jsonl")), "where the run's settings are kept"),
     }
+    (tmp_path / "o.jsonl.settings.json").mkdir()
     for start, (args, words) in cases.items():
         assert main(args) == 2, start
         (problem,) = _errors(capsys.readouterr().err)
@@ -600,6 +602,234 @@ def test_ctrl_c_stops_in_one_line_and_a_rerun_finishes(checkout, tmp_path, capsy
     assert _in_input_order(out, len(PROMPTS)) == _records(full)
 
 
+def _summary(err):
+    """The command's count line: ``N lines: T to generate, D already done, ...``."""
+    (line,) = [line for line in err.splitlines() if " lines: " in line and "to generate" in line]
+    return line
+
+
+def _by_request(path):
+    return {r["input_sha1"]: r["completion"] for r in _records(path)}
+
+
+def test_inserted_deleted_and_blank_lines_shift_nothing(checkout, tmp_path, capsys, generated):
+    """Resuming goes by each line's request, not its line number: blank lines added, a line inserted above the others
+    and one deleted, the rest moved down. Only the inserted line is generated; every other line keeps its earlier
+    completion, and the output's ``line`` and ``id`` are those of the input now."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, PROMPTS)
+    assert main(_args(checkout, inp, out)) == 0
+    first = _by_request(out)
+    assert len(first) == len(PROMPTS)
+    # Blank lines only: nothing to generate; the records say the lines where they are now.
+    _write(inp, ["", PROMPTS[0], "   ", "", *PROMPTS[1:], ""])
+    capsys.readouterr()
+    assert main(_args(checkout, inp, out)) == 0
+    assert _summary(capsys.readouterr().err).startswith("7 lines: 0 to generate, 7 already done")
+    assert len(generated) == 1
+    assert [r["line"] for r in _records(out)] == [2, 5, 6, 7, 8, 9, 10] and _by_request(out) == first
+    # A new line inserted first, PROMPTS[4] deleted, blank lines in between; PROMPTS[2] gets another id.
+    new = {"prompt": "an inserted prompt", "adapter": "chat", "id": "new"}
+    renumbered = dict(PROMPTS[2], id=8)
+    lines = [new, "", PROMPTS[0], PROMPTS[1], "", renumbered, PROMPTS[3], PROMPTS[5], "", PROMPTS[6]]
+    _write(inp, lines)
+    assert main(_args(checkout, inp, out)) == 0
+    err = capsys.readouterr().err
+    assert _summary(err).startswith("7 lines: 1 to generate, 6 already done") and "1 results dropped" in err
+    assert generated[-1] == [1], "only the inserted line is generated"
+    records = _records(out)
+    rows = [(n, x) for n, x in enumerate(lines, start=1) if x != ""]
+    assert [r["line"] for r in records] == [n for n, _ in rows], "one record per input line, in input order"
+    for record, (_, row) in zip(records, rows):
+        assert ("id" in record) == ("id" in row) and record.get("id") == row.get("id")
+        if row is not new:
+            assert record["completion"] == first[record["input_sha1"]], row
+    assert records[0]["adapter"] == "chat" and records[0]["input_sha1"] not in first
+    assert main(_args(checkout, inp, out)) == 0 and len(generated) == 2, "nothing left to do"
+
+
+def test_duplicate_lines_each_get_a_completion(checkout, tmp_path, capsys, generated):
+    """The same request on k lines needs k completions (here sampled, so each its own): a record stays with the line
+    it was written for while that line holds the same request; the others go, in order, to the other lines of that
+    request; records beyond k are dropped."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    same, other = {"prompt": "say it again", "adapter": "legal"}, {"prompt": "something else", "adapter": None}
+    sample = ["--do-sample", "--seed", "3"]
+    _write(inp, [same, same])
+    assert main(_args(checkout, inp, out, *sample)) == 0
+    c1, c2 = [r["completion"] for r in _records(out)]
+    assert c1 != c2, "two samples of one prompt"
+    # An interrupted run leaves its records in finishing order: each still goes to the line it was written for.
+    out.write_text("".join(reversed(out.read_text().splitlines(keepends=True))))
+    assert main(_args(checkout, inp, out, *sample)) == 0 and len(generated) == 1
+    assert [(r["line"], r["completion"]) for r in _records(out)] == [(1, c1), (2, c2)]
+    _write(inp, [same, other, same, same])
+    capsys.readouterr()
+    assert main(_args(checkout, inp, out, *sample)) == 0
+    assert _summary(capsys.readouterr().err).startswith("4 lines: 2 to generate, 2 already done")
+    assert generated[-1] == [2, 4]
+    records = _records(out)
+    assert [r["line"] for r in records] == [1, 2, 3, 4]
+    assert records[0]["completion"] == c1 and records[2]["completion"] == c2
+    assert records[0]["input_sha1"] == records[2]["input_sha1"] == records[3]["input_sha1"]
+    # Fewer copies: the first two of the three kept, the third dropped with the other line's.
+    _write(inp, [same, same])
+    assert main(_args(checkout, inp, out, *sample)) == 0
+    assert "2 results dropped" in capsys.readouterr().err and len(generated) == 2
+    assert [(r["line"], r["completion"]) for r in _records(out)] == [(1, c1), (2, c2)]
+
+
+def test_changed_settings_refused_naming_them_and_overwrite_reruns(checkout, tmp_path, capsys, generated):
+    """A rerun with another ``--max-new-tokens`` (or sampling) is refused before anything runs, in one line naming the
+    setting, the output and its settings file untouched; ``--overwrite`` starts over with the new settings. Options
+    that change how the work runs, not what it computes, are no difference, nor is the base model named by another
+    path to the same folder."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    saved = tmp_path / "out.jsonl.settings.json"
+    _write(inp, PROMPTS)
+    assert main(_args(checkout, inp, out)) == 0
+    stored = json.loads(saved.read_text())
+    assert stored["settings"]["max_new_tokens"] == 6 and set(stored["adapters"]) == set(RANKS)
+    before, settings_before = out.read_bytes(), saved.read_bytes()
+    capsys.readouterr()
+
+    assert main(_args(checkout, inp, out, "--max-new-tokens", "4")) == 2
+    (problem,) = _errors(capsys.readouterr().err)
+    assert problem == (
+        f"--output {out}: written with max_new_tokens=6; this run has max_new_tokens=4; give another --output, "
+        "or --overwrite to start it afresh"
+    )
+    assert main(_args(checkout, inp, out, "--do-sample")) == 2
+    (problem,) = _errors(capsys.readouterr().err)
+    assert "written with do_sample=false; this run has do_sample=true" in problem
+    assert out.read_bytes() == before and saved.read_bytes() == settings_before and len(generated) == 1
+
+    # How the work runs is no difference (greedy decoding reads no seed nor temperature either).
+    base = checkout[0]
+    same = ["--batch-size", "2", "--backend", "torch", "--cache-implementation", "static", "--seed", "5",
+            "--temperature", "0.5", "--max-resident-adapters", "1", "--on-error", "skip"]  # fmt: skip
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        args = _replace(_args(checkout, inp, out, *same), "--base", os.path.relpath(base))
+        assert main(args) == 0
+    finally:
+        os.chdir(cwd)
+    assert _summary(capsys.readouterr().err).startswith("7 lines: 0 to generate, 7 already done")
+    assert out.read_bytes() == before and len(generated) == 1
+
+    # Without its settings file the records still decide: the same settings resume (and the file is written again),
+    # others are refused, without naming them.
+    saved.unlink()
+    assert main(_args(checkout, inp, out, "--max-new-tokens", "4")) == 2
+    (problem,) = _errors(capsys.readouterr().err)
+    assert "its results were made with other settings than this run's" in problem and "is missing" in problem
+    assert main(_args(checkout, inp, out)) == 0
+    assert saved.read_bytes() == settings_before and len(generated) == 1
+
+    assert main(_args(checkout, inp, out, "--max-new-tokens", "4", "--overwrite")) == 0
+    assert generated[-1] == list(range(1, len(PROMPTS) + 1))
+    records = _in_input_order(out, len(PROMPTS))
+    assert all(r["new_tokens"] <= 4 for r in records) and any(r["new_tokens"] == 4 for r in records)
+    assert json.loads(saved.read_text())["settings"]["max_new_tokens"] == 4
+    assert main(_args(checkout, inp, out, "--max-new-tokens", "4")) == 0 and len(generated) == 2
+
+
+def test_changed_adapter_weights_refused_naming_the_adapter(checkout, tmp_path, capsys, generated):
+    """An adapter is its files' bytes: the same bytes in another folder are the same adapter, an adapter added to the
+    run concerns no earlier result, but other weights under the same name are refused, naming that adapter only."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    legal, moved = tmp_path / "legal", tmp_path / "elsewhere" / "legal"
+    shutil.copytree(checkout[1]["legal"], legal)
+    shutil.copytree(legal, moved)
+    _write(inp, PROMPTS)
+    assert main(_replace(_args(checkout, inp, out), "--adapter", f"legal={legal}")) == 0
+    before = out.read_bytes()
+    assert main(_replace(_args(checkout, inp, out), "--adapter", f"legal={moved}")) == 0
+    args = _replace(_args(checkout, inp, out), "--adapter", f"legal={legal}") + ["--adapter", f"code={moved}"]
+    assert main(args) == 0
+    assert out.read_bytes() == before and len(generated) == 1
+
+    weights = legal / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({k: v * 2 if "lora_B" in k else v for k, v in tensors.items()}, str(weights), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(_replace(_args(checkout, inp, out), "--adapter", f"legal={legal}")) == 2
+    (problem,) = _errors(capsys.readouterr().err)
+    assert (
+        problem.startswith(f"--output {out}: written with adapter legal=") and "this run has adapter legal=" in problem
+    )
+    assert "chat" not in problem and "--overwrite" in problem
+    assert out.read_bytes() == before and len(generated) == 1
+    assert main(_replace(_args(checkout, inp, out, "--overwrite"), "--adapter", f"legal={legal}")) == 0
+    assert generated[-1] == list(range(1, len(PROMPTS) + 1))
+    first = {r["line"]: r for r in map(json.loads, before.decode().splitlines())}
+    changed = [
+        r["line"] for r in _in_input_order(out, len(PROMPTS)) if r["completion"] != first[r["line"]]["completion"]
+    ]
+    assert changed and all(PROMPTS[n - 1].get("adapter") == "legal" for n in changed), changed
+
+
+def test_output_without_settings_refused_unless_it_holds_only_error_records(checkout, tmp_path, capsys, generated):
+    """An output whose completion records carry no ``settings_sha1`` (an earlier format) is refused in one line (which
+    settings made them is unknown), untouched; ``--overwrite`` starts over. One holding only error records is no
+    loss to start over: it is resumed."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, PROMPTS[:3])
+    old = [{"line": n, "adapter": None, "completion": "old", "new_tokens": 1, "input_sha1": "0" * 40} for n in (1, 2)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in old))
+    before = out.read_text()
+    assert main(_args(checkout, inp, out)) == 2
+    (problem,) = _errors(capsys.readouterr().err)
+    assert problem.startswith(f"--output {out}: its results carry no settings_sha1") and "--overwrite" in problem
+    assert out.read_text() == before and not generated
+    assert not (tmp_path / "out.jsonl.settings.json").exists()
+    assert main(_args(checkout, inp, out, "--overwrite")) == 0 and generated == [[1, 2, 3]]
+    assert all("completion" in r and r["settings_sha1"] for r in _in_input_order(out, 3))
+
+    errors_only = tmp_path / "errors.jsonl"
+    errors_only.write_text(json.dumps({"line": 2, "error": "not valid JSON", "input_sha1": "0" * 40}) + "\n")
+    assert main(_args(checkout, inp, errors_only)) == 0 and generated[-1] == [1, 2, 3]
+    assert all("completion" in r for r in _in_input_order(errors_only, 3))
+
+
+def test_adapter_fingerprint_reads_the_files_peft_loads(checkout, monkeypatch):
+    """An adapter's fingerprint is over its config and weights file, wherever they lie: a hub id's come from the hub
+    cache (here a stand-in for ``hf_hub_download``), and one that cannot be fetched is one line naming the adapter."""
+    import huggingface_hub
+
+    from peft_csgmv import identity
+
+    legal = checkout[1]["legal"]
+    fetched = []
+
+    def download(repo, filename, **kw):
+        fetched.append((repo, filename))
+        return os.path.join(legal, filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert identity.adapter_sha1("org/legal") == identity.adapter_sha1(legal)
+    assert fetched == [("org/legal", "adapter_config.json"), ("org/legal", "adapter_model.safetensors")]
+    assert identity.adapter_sha1(legal) != identity.adapter_sha1(checkout[1]["chat"])
+
+    def offline(repo, filename, **kw):
+        raise OSError("no connection")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(identity.SettingsError, match=r"^--adapter legal=org/legal: its files could not be read "):
+        identity.run_settings(checkout[0], {"legal": "org/legal"}, max_new_tokens=4)
+    greedy = identity.run_settings(checkout[0], {"legal": legal}, max_new_tokens=4, seed=1, temperature=0.5)
+    assert greedy.fields == identity.run_settings(checkout[0], {"legal": legal}, max_new_tokens=4).fields
+    assert "seed" not in greedy.fields, "greedy decoding reads no seed"
+    sampled = identity.run_settings(checkout[0], {"legal": legal}, max_new_tokens=4, do_sample=True, seed=1)
+    assert sampled.fields["seed"] == 1 and sampled.fingerprint("legal") != greedy.fingerprint("legal")
+    assert greedy.fingerprint(None) != greedy.fingerprint("legal")
+
+
 # --- help ---------------------------------------------------------------------------------------------------------
 
 
@@ -616,7 +846,7 @@ def test_every_generate_option_has_help_and_its_default(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = capsys.readouterr().out
-    assert "(default: 16)" in text and "(default: 128)" in text and "input_sha1" in text
+    assert "(default: 16)" in text and "(default: 128)" in text and "input_sha1" in text and "settings_sha1" in text
     with pytest.raises(SystemExit):
         main(["--help"])
     top = capsys.readouterr().out
