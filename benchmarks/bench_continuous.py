@@ -1,0 +1,139 @@
+"""Continuous batching with an adapter per request: throughput of transformers' ``generate_batch`` on a workload of
+uneven prompts and answers, the base model against csgmv with many adapters, in one run.
+
+    python benchmarks/bench_continuous.py --model 1b --requests 256 --out results/continuous_1b.json
+
+Random weights from a transformers LlamaConfig (no hub), bf16 on CUDA. The workload (seeded): ``--requests`` prompts
+of ``--prompt-min``..``--prompt-max`` random tokens, each with its own ``max_new_tokens`` in
+``--new-min``..``--new-max`` (no stop token: every request runs its whole length; the manager's per-request
+``max_new_tokens``). Rows, each over the same requests, in this order:
+
+* base model (no LoRA), transformers' continuous batching as csgmv runs it (no CUDA graphs, synchronous batching);
+* base model, transformers' defaults (CUDA graphs and asynchronous batching where transformers turns them on);
+* stock PEFT, one adapter for every request (the same configuration as the first row);
+* csgmv, each request's adapter one of ``--adapters`` (round robin), the same configuration as the first row.
+
+tok/s counts generated tokens over the wall time from the first request added to the last result (manager start,
+warmup and stop excluded; one untimed pass over a few requests first). The table is printed last; the JSON holds GPU
+name, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from peft_csgmv import disable_csgmv, enable_csgmv
+from peft_csgmv.bench import TARGETS, add_adapters, build_model, device_and_dtype, run_meta, write_results
+
+
+def workload(args, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    return [
+        (
+            [rng.randrange(3, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))],
+            rng.randint(args.new_min, args.new_max),
+        )
+        for _ in range(args.requests)
+    ]
+
+
+def run(model, requests, adapters, gen, cbc) -> tuple[float, int]:
+    """Seconds from the first request added to the last result, and the tokens generated."""
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        ids = []
+        for i, (prompt, new) in enumerate(requests):
+            extra = {} if adapters is None else {"adapter_id": adapters[i % len(adapters)]}
+            ids.append(manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=new, **extra))
+        tokens, done = 0, 0
+        while done < len(ids):
+            result = manager.get_result(timeout=60)
+            if result is None:
+                raise RuntimeError("no result for 60 s")
+            if result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"{result.request_id}: {result.error}")
+                done += 1
+                tokens += len(result.generated_tokens)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, tokens
+    finally:
+        manager.stop(block=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1b", help="a built-in Llama size of peft_csgmv.bench (tiny, 1b, 8b)")
+    p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--prompt-min", type=int, default=32)
+    p.add_argument("--prompt-max", type=int, default=1024)
+    p.add_argument("--new-min", type=int, default=16)
+    p.add_argument("--new-max", type=int, default=512)
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="the manager's token budget per step")
+    p.add_argument("--num-blocks", type=int, default=None, help="the paged cache's blocks (default: transformers')")
+    p.add_argument("--rows", default="base,base-default,peft,csgmv")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    device, dtype = device_and_dtype(args.device)
+    model = build_model(args.model, device, dtype)
+    requests = workload(args, model.config.vocab_size)
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.new_max)
+    sizes = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens), ("num_blocks", args.num_blocks)) if v}
+    eager = dict(use_cuda_graph=False, use_async_batching=False, **sizes)
+    rows = args.rows.split(",")
+    results = []
+
+    def record(name, seconds, tokens):
+        results.append(dict(row=name, seconds=seconds, tokens=tokens, tok_s=tokens / seconds))
+        print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s", flush=True)
+
+    warm = requests[: min(8, len(requests))]
+    for name, config in (("base", eager), ("base-default", sizes)):
+        if name in rows:
+            run(model, warm, None, gen, ContinuousBatchingConfig(**config))
+            record(
+                f"base model ({'no CUDA graphs, sync' if name == 'base' else 'transformers defaults'})",
+                *run(model, requests, None, gen, ContinuousBatchingConfig(**config)),
+            )
+    peft_model = add_adapters(model, args.adapters, [args.rank], device, targets=TARGETS)
+    if "peft" in rows:
+        run(peft_model, warm, None, gen, ContinuousBatchingConfig(**eager))
+        record("stock PEFT, one adapter", *run(peft_model, requests, None, gen, ContinuousBatchingConfig(**eager)))
+    if "csgmv" in rows:
+        enable_csgmv(peft_model)
+        names = [f"a{i}" for i in range(args.adapters)]
+        run(peft_model, warm, names, gen, ContinuousBatchingConfig(**eager))
+        record(
+            f"csgmv, {args.adapters} distinct",
+            *run(peft_model, requests, names, gen, ContinuousBatchingConfig(**eager)),
+        )
+        disable_csgmv(peft_model)
+
+    base = next((r["tok_s"] for r in results if r["row"].startswith("base model (no")), None)
+    print(f"\n| {args.model}, {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max}, "
+          f"new {args.new_min}-{args.new_max} | tok/s | × base (same loop) |")  # fmt: skip
+    print("|---|---|---|")
+    for r in results:
+        ratio = f"{r['tok_s'] / base:.2f}" if base else "-"
+        print(f"| {r['row']} | {r['tok_s']:.0f} | {ratio} |")
+    if args.out:
+        write_results(args.out, run_meta(device, args=vars(args)), rows=results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
