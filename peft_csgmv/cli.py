@@ -1,6 +1,7 @@
-"""The ``peft-csgmv`` command: the demo (the default), ``generate`` (batch generation from JSONL, see batch.py) and
-``bench`` (see bench.py). Every problem with ``generate``'s arguments is found before the model loads and reported
-as one line naming the argument (exit 2); Ctrl-C stops with one line (exit 130)."""
+"""The ``peft-csgmv`` command: the demo (the default), ``generate`` (batch generation from JSONL, see batch.py),
+``serve`` (an OpenAI-compatible HTTP server, see serve.py) and ``bench`` (see bench.py). Every problem with
+``generate``'s arguments is found before the model loads and reported as one line naming the argument (exit 2); Ctrl-C
+stops with one line (exit 130)."""
 
 from __future__ import annotations
 
@@ -394,7 +395,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The command's parser and its sub-parsers by name."""
     parser = argparse.ArgumentParser(prog="peft-csgmv", description=DESCRIPTION, formatter_class=_HelpFormatter)
-    sub = parser.add_subparsers(dest="command", title="commands", metavar="{demo,generate,bench}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="{demo,generate,serve,bench}")
     p_demo = sub.add_parser(
         "demo", help="run the demo (the default)", description=DESCRIPTION, formatter_class=_HelpFormatter
     )
@@ -505,6 +506,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p_gen.add_argument("--adapter-key", default="adapter", help="input field that holds the adapter name")
     p_gen.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server, an adapter per request (options: peft-csgmv serve --help)",
+        add_help=False,
+    )  # fmt: skip
     sub.add_parser("bench", help="end-to-end benchmark against PEFT (options: peft-csgmv bench --help)", add_help=False)
     return parser, {"demo": p_demo, "generate": p_gen}
 
@@ -520,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import main as bench_main
 
             return bench_main(argv[1:])
+        if command == "serve":
+            from .serve import main as serve_main
+
+            return serve_main(argv[1:])
         parser, subparsers = build_parser()
         args = parser.parse_args(argv)
         command = args.command or "demo"
