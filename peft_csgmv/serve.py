@@ -159,8 +159,8 @@ def _check_fields(body: dict, allowed: set[str], default_only: set[str]) -> None
     for name, value in body.items():
         if name in default_only:
             if not _is_default(value, _DEFAULT_ONLY[name]):
-                why = _WHY.get(name, "this server does not support it")
-                raise _bad(f"{name}={json.dumps(value)} is not supported ({why}); leave it out", name, "unsupported")
+                why = f" ({_WHY[name]})" if name in _WHY else ""
+                raise _bad(f"{name}={json.dumps(value)} is not supported here{why}; leave it out", name, "unsupported")
         elif name not in allowed:
             raise _bad(f"Unrecognized request argument supplied: {name}", name, "unsupported")
 
