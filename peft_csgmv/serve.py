@@ -607,7 +607,7 @@ class Engine:
     def _sampling(self, job: Job) -> dict:
         if job.temperature == 0:  # greedy: only the likeliest token is left to draw
             return {"temperature": 1.0, "top_p": 1.0, "top_k": 1}
-        return {"temperature": job.temperature, "top_p": job.top_p, "top_k": self.vocab_size}
+        return {"temperature": job.temperature, "top_p": job.top_p, "top_k": 1 << 30}  # (top-k off: all tokens)
 
     async def admit(self, adapter: str | None, count: int) -> None:
         """Count ``count`` manager requests of ``adapter`` in flight (:meth:`release` uncounts them). With
@@ -1054,7 +1054,8 @@ def build_app(engine: Engine):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         engine.check_serving()
         if job.stream:
-            return StreamingResponse(_stream(job, rid, created, chat), media_type="text/event-stream")
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # (no proxy buffering)
+            return StreamingResponse(_stream(job, rid, created, chat), media_type="text/event-stream", headers=headers)
         async with _Run(engine, job) as run:
             if not await _collect(run, request):
                 return Response(status_code=499)  # the client left: nobody reads this

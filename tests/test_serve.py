@@ -377,7 +377,7 @@ def test_bad_requests_get_openai_errors_and_disturb_nothing(server, stock):
 def test_load_use_and_unload_an_adapter(server, stock, checkout):
     """/v1/load_lora_adapter serves a new adapter at once (its answers are stock PEFT's); unloading it while a
     request runs is refused (409); after, its name is unknown again. Loading a taken name or a missing folder, and
-    unloading an unknown adapter, are refused."""
+    unloading an unknown adapter or the last one, are refused. The model's active adapter can go and come back."""
     _, adapters = checkout
     r = server.post("/v1/load_lora_adapter", {"lora_name": "code", "lora_path": adapters["code"]})
     assert r.status_code == 200 and "code" in r.text
@@ -408,6 +408,17 @@ def test_load_use_and_unload_an_adapter(server, stock, checkout):
     r = server.post("/v1/unload_lora_adapter", {"lora_name": "code"})
     assert r.status_code == 404
     assert [m["id"] for m in server.client.get("/v1/models").json()["data"]] == [server.base, "legal", "chat"]
+
+    # The model's active adapter (PEFT's first), unloaded and loaded again; the last one cannot go (409).
+    assert server.post("/v1/unload_lora_adapter", {"lora_name": "legal"}).status_code == 200
+    r = server.post("/v1/unload_lora_adapter", {"lora_name": "chat"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "last_adapter"
+    for model in ("chat", None):
+        body = dict(model=model or server.base, prompt="hello there", max_tokens=15, temperature=0)
+        text = server.post("/v1/completions", body).json()["choices"][0]["text"]
+        assert text == stock(stock.ids("hello there"), model, 15)
+    r = server.post("/v1/load_lora_adapter", {"lora_name": "legal", "lora_path": adapters["legal"]})
+    assert r.status_code == 200
     out = server.post("/v1/completions", dict(model="legal", prompt="hello there", max_tokens=15, temperature=0))
     assert out.json()["choices"][0]["text"] == stock(stock.ids("hello there"), "legal", 15)
 
