@@ -747,7 +747,9 @@ class Engine:
         return state.executor.lock if state is not None else contextlib.nullcontext()
 
     def _paused(self):
-        """The manager's pause (its loop parked between steps) where this transformers has one."""
+        """The manager's pause: its loop parked between steps, after it took the cancellations queued so far, which
+        it applies before it schedules again (``None`` where this transformers has no pause: for a failed load,
+        whose adapter no request has)."""
         manager = self.manager
         if manager is not None and hasattr(manager, "pause") and manager.is_running():
             return manager.pause()
@@ -803,6 +805,14 @@ class Engine:
             if name in self.base_names:
                 raise _bad(f"{name!r} is the base model, not an adapter", "lora_name")
             raise ApiError(404, f"The lora adapter '{name}' is not loaded.", "lora_name", "model_not_found")
+        if not hasattr(self.manager, "pause"):
+            import transformers
+
+            raise ApiError(
+                501, f"unloading needs a continuous batching manager that can pause between steps (pause()); "
+                f"transformers {transformers.__version__}'s cannot: pip install -U transformers", "lora_name",
+                "unsupported",
+            )  # fmt: skip
         busy = self.in_flight.get(name, 0)
         if busy:
             raise ApiError(
