@@ -188,7 +188,16 @@ def stock_adapter(model, state) -> str | None:
 
 
 def refusal(model, state, name: str) -> str | None:
-    """Why adapter ``name`` cannot be given to a request of a packed step (``None``: it can)."""
+    """Why adapter ``name`` cannot be given to a request of a packed step (``None``: it can); decided once per name
+    after each sync that changed something (``state.refusals``)."""
+    try:
+        return state.refusals[name]
+    except KeyError:
+        why = state.refusals[name] = _refusal(model, state, name)
+        return why
+
+
+def _refusal(model, state, name: str) -> str | None:
     if state.peft_only is not None:
         return f"per-request adapters need LoRA adapters on the kernels ({state.peft_only})"
     if name not in state.known:
@@ -331,9 +340,8 @@ def init_continuous_batching(base_model, *args, **kwargs):
     own = type(base_model).init_continuous_batching.__get__(base_model)
     ref = base_model.__dict__.get("_csgmv_peft_model")
     model = None if ref is None else ref()
-    if model is None or "_csgmv" not in model.__dict__:
-        return own(*args, **kwargs)
-    _require()
+    if model is None or "_csgmv" not in model.__dict__ or not continuous_batching_available():
+        return own(*args, **kwargs)  # (an older transformers' continuous batching: stock, without adapters)
     names = ("generation_config", "continuous_batching_config", "workload_hints")
     bound = dict(zip(names, args))
     bound.update(kwargs)
