@@ -157,6 +157,12 @@ def test_calls_beside_a_running_manager_keep_their_ids():
     try:
         rids = manager.add_requests(PROMPTS, max_new_tokens=40, adapter_ids=IDS)
         with torch.no_grad():
+            try:  # (stock: no ids)
+                model(input_ids, attention_mask=mask)
+            except ValueError as exc:
+                if "paged" not in str(exc):
+                    raise
+                pytest.skip(f"this transformers runs no plain forward beside its manager, stock or not: {exc}")
             for _ in range(5):
                 got = model(input_ids, attention_mask=mask, adapter_ids=["a1", None, "a0"]).logits
                 assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
