@@ -176,3 +176,29 @@ def test_calls_beside_a_running_manager_keep_their_ids():
         manager.stop(block=True)
         disable_csgmv(model)
     assert done[rids[2]] == _alone(model, PROMPTS[2], IDS[2], 40)
+
+
+def test_host_tier_starts_only_requests_whose_adapters_fit():
+    """``max_resident_adapters=2`` with requests over three adapters and the base: a step never needs more than two
+    adapters in slots (requests wait for running ones to finish), and every request's tokens are its alone-run's."""
+    from helpers import tiny_model
+
+    model, targets = tiny_model("llama")
+    specs = {f"a{i}": dict(r=4 + 2 * i, lora_alpha=8, target_modules=targets) for i in range(3)}
+    from helpers import add_adapters
+
+    model = add_adapters(model, specs)
+    model.get_base_model().generation_config.eos_token_id = None
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    prompts = PROMPTS + [[1, 7, 7, 7], [3, 4, 5, 6, 7, 8]]
+    ids = ["a0", "a1", "a2", None, "a2", "a0", "a1"]
+    gen, cbc = _configs()
+    try:
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
+        got = [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+        assert len(csgmv_stats(model)["resident"]) <= 2
+    finally:
+        disable_csgmv(model)
+    want = [_alone(model, p, a, 5) for p, a in zip(prompts, ids)]
+    assert len({tuple(w) for w in want}) > 3, "the adapters change nothing: the test would prove nothing"
+    assert got == want
