@@ -63,8 +63,8 @@ def _require() -> None:
 
 def _eager_config(config):
     """A copy of ``config`` (a ``ContinuousBatchingConfig``, or ``None``: transformers' defaults) with CUDA graphs and
-    asynchronous batching off: csgmv fills each step's mapping in Python, before the step's forward. A configuration
-    that asks for either is refused."""
+    asynchronous batching off (csgmv fills each step's mapping in Python, before the step's forward; a configuration
+    that asks for either is refused) and prompt blocks not shared between requests (their adapters may differ)."""
     import copy
 
     from transformers import ContinuousBatchingConfig
@@ -84,6 +84,10 @@ def _eager_config(config):
     for name in ("varlen_compile_config", "decode_compile_config"):
         if getattr(config, name, None) is not None:
             raise ValueError(f"csgmv runs continuous batching eagerly: leave ContinuousBatchingConfig.{name} unset")
+    if hasattr(config, "allow_block_sharing"):
+        # transformers shares a cached prompt block between requests by its tokens alone: a request with another
+        # adapter would read keys and values computed under the first one's.
+        config.allow_block_sharing = False
     if hasattr(config, "use_cuda_graph"):
         config.use_cuda_graph = False
     if hasattr(config, "use_async_batching"):

@@ -202,3 +202,33 @@ def test_host_tier_starts_only_requests_whose_adapters_fit():
     want = [_alone(model, p, a, 5) for p, a in zip(prompts, ids)]
     assert len({tuple(w) for w in want}) > 3, "the adapters change nothing: the test would prove nothing"
     assert got == want
+
+
+def test_a_prompt_cached_under_one_adapter_is_not_reused_under_another(enabled):
+    """Two requests with the same 600-token prompt (more than one cache block) and different adapters, one after the
+    other: the second's tokens are its own alone-run's (transformers shares cached prompt blocks by their tokens
+    alone; an enabled model's manager shares none)."""
+    model = enabled
+    gen, _ = _configs()
+    from transformers import ContinuousBatchingConfig
+
+    cbc = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=1024)
+    prompt = torch.randint(
+        3, model.get_base_model().config.vocab_size, (600,), generator=torch.Generator().manual_seed(0)
+    )
+    prompt = prompt.tolist()
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+    manager.start()
+    got = {}
+    try:
+        for rid, adapter in (("first", "a0"), ("second", "a1")):
+            manager.add_request(prompt, request_id=rid, max_new_tokens=5, adapter_id=adapter)
+            while rid not in got:
+                result = manager.get_result(timeout=30)
+                assert result is not None
+                if result.is_finished():
+                    got[result.request_id] = result.generated_tokens
+    finally:
+        manager.stop(block=True)
+    assert got["first"] == _alone(model, prompt, "a0", 5)
+    assert got["second"] == _alone(model, prompt, "a1", 5)
