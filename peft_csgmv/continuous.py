@@ -15,6 +15,9 @@ the model's call lock, brings the step's adapters into slots, fills one :class:`
 packed tokens (each request's tokens map to its adapter's slot, padding to none), prepares its plan, and opens it on
 the executor for the step's thread; the layers read it as they read any call's.
 
+With the host tier (``max_resident_adapters=N``), a step starts waiting requests only while the running requests'
+adapters and theirs number at most N (:meth:`Router.admit`); the step brings its adapters into slots as a call does.
+
 What runs: the eager step (continuous batching without CUDA graphs, synchronous batching: an enabled model's manager
 is made with both off, and a configuration that asks for them with adapters is refused). Adapters whose modules
 run PEFT's own path somewhere, aLoRA adapters and LoRA on the output embedding cannot be given per request (PEFT's
@@ -60,8 +63,8 @@ def _require() -> None:
 
 def _eager_config(config):
     """A copy of ``config`` (a ``ContinuousBatchingConfig``, or ``None``: transformers' defaults) with CUDA graphs and
-    asynchronous batching off: csgmv fills each step's mapping in Python, before the step's forward. A configuration
-    that asks for either is refused."""
+    asynchronous batching off (csgmv fills each step's mapping in Python, before the step's forward; a configuration
+    that asks for either is refused) and prompt blocks not shared between requests (their adapters may differ)."""
     import copy
 
     from transformers import ContinuousBatchingConfig
@@ -81,6 +84,10 @@ def _eager_config(config):
     for name in ("varlen_compile_config", "decode_compile_config"):
         if getattr(config, name, None) is not None:
             raise ValueError(f"csgmv runs continuous batching eagerly: leave ContinuousBatchingConfig.{name} unset")
+    if hasattr(config, "allow_block_sharing"):
+        # transformers shares a cached prompt block between requests by its tokens alone: a request with another
+        # adapter would read keys and values computed under the first one's.
+        config.allow_block_sharing = False
     if hasattr(config, "use_cuda_graph"):
         config.use_cuda_graph = False
     if hasattr(config, "use_async_batching"):
@@ -144,9 +151,44 @@ class Router:
         own_step = processor._generation_step
         processor.__dict__["_csgmv_step"] = own_step
         processor.__dict__["_generation_step"] = functools.partial(_generation_step, self, processor, own_step)
-        finish = getattr(getattr(processor, "scheduler", None), "finish_request", None)
+        scheduler = getattr(processor, "scheduler", None)
+        finish = getattr(scheduler, "finish_request", None)
         if finish is not None:
-            processor.scheduler.__dict__["finish_request"] = functools.partial(_finish_request, self, finish)
+            scheduler.__dict__["finish_request"] = functools.partial(_finish_request, self, finish)
+        waiting = getattr(scheduler, "_get_waiting_candidates", None)
+        if waiting is not None:
+            scheduler.__dict__["_get_waiting_candidates"] = functools.partial(_waiting, self, scheduler, waiting)
+
+    def admit(self, scheduler, candidates: list) -> list:
+        """With the host tier (``max_resident_adapters=N``): the waiting requests a step may start, in their order,
+        so that the adapters of the running requests and of those it starts are at most N (a step needs all of its
+        adapters in slots at once); the others wait for running requests to finish. First come, first served: a
+        request whose adapter does not fit holds no place in the order, and its adapter is the next admitted as
+        soon as one fits."""
+        model = self.model_ref()
+        state = None if model is None else model.__dict__.get("_csgmv")
+        if state is None or state.max_resident is None:
+            return candidates
+        stock = None
+
+        def name(request_id):
+            nonlocal stock
+            found = self.name_of(request_id)
+            if found is STOCK:
+                stock = stock_adapter(model, state) if stock is None else stock
+                return stock
+            return found
+
+        allowed = {name(rid) for rid in list(scheduler.active_requests)} - {None}
+        admitted = []
+        for candidate in candidates:
+            adapter = name(candidate.request_id)
+            if adapter is not None and adapter not in allowed:
+                if len(allowed) >= state.max_resident:
+                    continue
+                allowed.add(adapter)
+            admitted.append(candidate)
+        return admitted
 
     def step(self, processor, own_step, model) -> None:
         """One step: its mapping filled and opened, the step run, the mapping closed (under the model's lock)."""
@@ -188,7 +230,16 @@ def stock_adapter(model, state) -> str | None:
 
 
 def refusal(model, state, name: str) -> str | None:
-    """Why adapter ``name`` cannot be given to a request of a packed step (``None``: it can)."""
+    """Why adapter ``name`` cannot be given to a request of a packed step (``None``: it can); decided once per name
+    after each sync that changed something (``state.refusals``)."""
+    try:
+        return state.refusals[name]
+    except KeyError:
+        why = state.refusals[name] = _refusal(model, state, name)
+        return why
+
+
+def _refusal(model, state, name: str) -> str | None:
     if state.peft_only is not None:
         return f"per-request adapters need LoRA adapters on the kernels ({state.peft_only})"
     if name not in state.known:
@@ -316,6 +367,10 @@ def _generation_step(router: Router, processor, own_step, model) -> None:
     router.step(processor, own_step, model)
 
 
+def _waiting(router: Router, scheduler, own):
+    return router.admit(scheduler, own())
+
+
 def _finish_request(router: Router, own, request_id, *args, **kwargs):
     out = own(request_id, *args, **kwargs)
     router.adapters.pop(request_id, None)
@@ -331,9 +386,8 @@ def init_continuous_batching(base_model, *args, **kwargs):
     own = type(base_model).init_continuous_batching.__get__(base_model)
     ref = base_model.__dict__.get("_csgmv_peft_model")
     model = None if ref is None else ref()
-    if model is None or "_csgmv" not in model.__dict__:
-        return own(*args, **kwargs)
-    _require()
+    if model is None or "_csgmv" not in model.__dict__ or not continuous_batching_available():
+        return own(*args, **kwargs)  # (an older transformers' continuous batching: stock, without adapters)
     names = ("generation_config", "continuous_batching_config", "workload_hints")
     bound = dict(zip(names, args))
     bound.update(kwargs)

@@ -179,6 +179,9 @@ class CsgmvState:
         self.devices: tuple[torch.device, ...] = ()
         # generate_batch's adapter ids by thread, for the manager's add_requests it makes (peft_csgmv.continuous)
         self.batch_ids: dict[int, list] = {}
+        # Why an adapter cannot be given per request under continuous batching (None: it can), by name, since the
+        # last sync that changed something (peft_csgmv.continuous.refusal: read at every step)
+        self.refusals: dict[str, str | None] = {}
 
     # -- adapters -------------------------------------------------------------------------------------------------
 
@@ -204,6 +207,7 @@ class CsgmvState:
             force = True  # the model was cast: every stack follows its adapters' new dtype, and is shared again
         if unchanged and not force:
             return
+        self.refusals = {}  # (what a request may be given is decided again: peft_csgmv.continuous.refusal)
         self.peft_only = _not_lora(model)
         found: dict[str, nn.Module] = {}
         peft_path: dict[str, nn.Module] = {}

@@ -157,6 +157,12 @@ def test_calls_beside_a_running_manager_keep_their_ids():
     try:
         rids = manager.add_requests(PROMPTS, max_new_tokens=40, adapter_ids=IDS)
         with torch.no_grad():
+            try:  # (stock: no ids)
+                model(input_ids, attention_mask=mask)
+            except ValueError as exc:
+                if "paged" not in str(exc):
+                    raise
+                pytest.skip(f"this transformers runs no plain forward beside its manager, stock or not: {exc}")
             for _ in range(5):
                 got = model(input_ids, attention_mask=mask, adapter_ids=["a1", None, "a0"]).logits
                 assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
@@ -170,3 +176,59 @@ def test_calls_beside_a_running_manager_keep_their_ids():
         manager.stop(block=True)
         disable_csgmv(model)
     assert done[rids[2]] == _alone(model, PROMPTS[2], IDS[2], 40)
+
+
+def test_host_tier_starts_only_requests_whose_adapters_fit():
+    """``max_resident_adapters=2`` with requests over three adapters and the base: a step never needs more than two
+    adapters in slots (requests wait for running ones to finish), and every request's tokens are its alone-run's."""
+    from helpers import tiny_model
+
+    model, targets = tiny_model("llama")
+    specs = {f"a{i}": dict(r=4 + 2 * i, lora_alpha=8, target_modules=targets) for i in range(3)}
+    from helpers import add_adapters
+
+    model = add_adapters(model, specs)
+    model.get_base_model().generation_config.eos_token_id = None
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    prompts = PROMPTS + [[1, 7, 7, 7], [3, 4, 5, 6, 7, 8]]
+    ids = ["a0", "a1", "a2", None, "a2", "a0", "a1"]
+    gen, cbc = _configs()
+    try:
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
+        got = [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+        assert len(csgmv_stats(model)["resident"]) <= 2
+    finally:
+        disable_csgmv(model)
+    want = [_alone(model, p, a, 5) for p, a in zip(prompts, ids)]
+    assert len({tuple(w) for w in want}) > 3, "the adapters change nothing: the test would prove nothing"
+    assert got == want
+
+
+def test_a_prompt_cached_under_one_adapter_is_not_reused_under_another(enabled):
+    """Two requests with the same 600-token prompt (more than one cache block) and different adapters, one after the
+    other: the second's tokens are its own alone-run's (transformers shares cached prompt blocks by their tokens
+    alone; an enabled model's manager shares none)."""
+    model = enabled
+    gen, _ = _configs()
+    from transformers import ContinuousBatchingConfig
+
+    cbc = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=1024)
+    prompt = torch.randint(
+        3, model.get_base_model().config.vocab_size, (600,), generator=torch.Generator().manual_seed(0)
+    )
+    prompt = prompt.tolist()
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+    manager.start()
+    got = {}
+    try:
+        for rid, adapter in (("first", "a0"), ("second", "a1")):
+            manager.add_request(prompt, request_id=rid, max_new_tokens=5, adapter_id=adapter)
+            while rid not in got:
+                result = manager.get_result(timeout=30)
+                assert result is not None
+                if result.is_finished():
+                    got[result.request_id] = result.generated_tokens
+    finally:
+        manager.stop(block=True)
+    assert got["first"] == _alone(model, prompt, "a0", 5)
+    assert got["second"] == _alone(model, prompt, "a1", 5)
