@@ -11,7 +11,6 @@ run in a worker thread (``asyncio.to_thread``). The event loop never waits for a
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import functools
 import importlib.util
@@ -365,7 +364,6 @@ class Engine:
         base_path: str | None = None,
         num_blocks: int | None = None,
         max_batch_tokens: int | None = None,
-        max_resident_adapters: int | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.base_name = base_name
@@ -373,7 +371,6 @@ class Engine:
         self.base_names = {base_name, self.base_path}
         self.adapters = dict(adapters)  # served adapter name -> path it was loaded from
         self.num_blocks, self.max_batch_tokens = num_blocks, max_batch_tokens
-        self.max_resident = max_resident_adapters
         self.created = int(time.time())
         config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
         self.vocab_size = int(config.get_text_config().vocab_size)
@@ -389,7 +386,6 @@ class Engine:
         self._routes: dict[str, _Route] = {}
         self._lock = threading.Lock()  # guards _routes (the dispatcher thread reads it)
         self.in_flight: dict[str | None, int] = {}  # manager requests per adapter (None: base), event-loop side
-        self._waiters: collections.deque = collections.deque()  # (adapter, count, future), under max_resident
         self._changing: set[str] = set()  # adapter names being loaded or unloaded
         self._dispatcher: threading.Thread | None = None
         self.dead: str | None = None  # why the manager stopped for good
@@ -417,10 +413,8 @@ class Engine:
         )  # fmt: skip
         cb = dict(num_blocks=self.num_blocks, max_batch_tokens=self.max_batch_tokens, per_request_processors=True)
         cb_config = ContinuousBatchingConfig(**cb)
-        if hasattr(cb_config, "allow_block_sharing"):
-            # Prefix sharing reuses a cached prompt's KV blocks; with LoRA on the attention projections another
-            # adapter's blocks hold other values.
-            cb_config.allow_block_sharing = False
+        # (csgmv's manager runs its steps eagerly, shares no prompt blocks between requests and, with the host tier,
+        # starts a waiting request only while the running requests' adapters and its own fit in the slots.)
         manager = self.model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=cb_config
         )
@@ -609,47 +603,15 @@ class Engine:
             return {"temperature": 1.0, "top_p": 1.0, "top_k": 1}
         return {"temperature": job.temperature, "top_p": job.top_p, "top_k": 1 << 30}  # (top-k off: all tokens)
 
-    async def admit(self, adapter: str | None, count: int) -> None:
-        """Count ``count`` manager requests of ``adapter`` in flight (:meth:`release` uncounts them). With
-        ``max_resident_adapters`` N, requests of an adapter beyond N distinct ones in flight wait, in arrival order,
-        until one of those has none left: no model step then needs more adapters than the device holds."""
-        gated = self.max_resident is not None and adapter is not None
-        if not gated or (not self._waiters and self._may_enter(adapter)):
-            self._enter(adapter, count)
-            return
-        future = asyncio.get_running_loop().create_future()
-        self._waiters.append((adapter, count, future))
-        try:
-            await future
-        except BaseException:
-            if future.done() and not future.cancelled():  # admitted as it was cancelled
-                self.release(adapter, count)
-            else:
-                future.cancel()
-                self._wake()
-            raise
+    def hold(self, adapter: str | None, count: int) -> None:
+        """Count ``count`` manager requests of ``adapter`` in flight (an adapter with requests in flight is not
+        unloaded); :meth:`release` uncounts them."""
+        self.in_flight[adapter] = self.in_flight.get(adapter, 0) + count
 
     def release(self, adapter: str | None, count: int) -> None:
         self.in_flight[adapter] -= count
         if not self.in_flight[adapter]:
             del self.in_flight[adapter]
-        self._wake()
-
-    def _enter(self, adapter: str | None, count: int) -> None:
-        self.in_flight[adapter] = self.in_flight.get(adapter, 0) + count
-
-    def _may_enter(self, adapter: str) -> bool:
-        busy = {a for a in self.in_flight if a is not None}
-        return adapter in busy or len(busy) < self.max_resident
-
-    def _wake(self) -> None:
-        """Admit the waiting requests at the head of the line that may enter now (all synchronous: it also runs
-        where the caller is being cancelled)."""
-        while self._waiters and (self._waiters[0][2].done() or self._may_enter(self._waiters[0][0])):
-            adapter, count, future = self._waiters.popleft()
-            if not future.done():
-                self._enter(adapter, count)
-                future.set_result(None)
 
     def check_serving(self) -> None:
         if self.manager is None or self.dead:
@@ -876,7 +838,7 @@ class _Run:
 
     async def __aenter__(self):
         count = len(self.job.prompts) * self.job.n
-        await self.engine.admit(self.job.adapter, count)
+        self.engine.hold(self.job.adapter, count)
         try:
             submitted, added = self.engine.submit(self.job, self.queue)
         except BaseException:
@@ -1156,8 +1118,8 @@ def build_parser() -> argparse.ArgumentParser:
     positive = _number(int, 1, what="1 or more")
     p.add_argument(
         "--max-resident-adapters", type=positive, default=None, metavar="N",
-        help="keep at most N adapters on the device, the others in host memory; requests of adapters beyond N "
-        "distinct ones in flight wait their turn (default: every adapter on the device)",
+        help="keep at most N adapters on the device, the others in host memory; a request waits while the running "
+        "requests' adapters and its own would be more than N (default: every adapter on the device)",
     )  # fmt: skip
     p.add_argument(
         "--num-blocks", type=positive, default=None,
@@ -1218,7 +1180,7 @@ def load_engine(args) -> Engine:
     base_name = args.served_model_name or args.base
     return Engine(
         model, tokenizer, base_name, dict(args.adapter), base_path=args.base, num_blocks=num_blocks,
-        max_batch_tokens=batch_tokens, max_resident_adapters=args.max_resident_adapters,
+        max_batch_tokens=batch_tokens,
     )  # fmt: skip
 
 
