@@ -325,7 +325,6 @@ class _Route:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     index: int
-    adapter: str | None
 
 
 class EngineGone(Exception):
@@ -623,7 +622,7 @@ class Engine:
         the manager took them all (its exception: why it did not). The manager's ``add_request`` runs on the
         submitter thread: it takes the model's call lock, which a running step holds."""
         self.check_serving()
-        if job.adapter is not None and job.adapter not in self.adapters:  # unloaded while the request waited
+        if job.adapter is not None and job.adapter not in self.adapters:  # (unloaded since the request was read)
             raise ApiError(404, f"The model `{job.model}` does not exist", "model", "model_not_found")
         loop = asyncio.get_running_loop()
         tag = uuid.uuid4().hex[:16]
@@ -639,7 +638,7 @@ class Engine:
                 submitted.append((f"{tag}-{index}", index, prompt))
         with self._lock:
             for request_id, index, _ in submitted:
-                self._routes[request_id] = _Route(loop, results, index, job.adapter)
+                self._routes[request_id] = _Route(loop, results, index)
         done = loop.create_future()
         manager = self.manager
 
@@ -710,8 +709,8 @@ class Engine:
 
     def _paused(self):
         """The manager's pause: its loop parked between steps, after it took the cancellations queued so far, which
-        it applies before it schedules again (``None`` where this transformers has no pause: for a failed load,
-        whose adapter no request has)."""
+        it applies before it schedules again. Where this transformers has no pause, none (only a failed load, whose
+        adapter no request has, gets here then)."""
         manager = self.manager
         if manager is not None and hasattr(manager, "pause") and manager.is_running():
             return manager.pause()
