@@ -1,5 +1,6 @@
-"""The batch command on one GPU: ``peft-csgmv generate`` with the dynamic cache (eager decode) against the static cache
-(transformers' compiled decode, ``--cache-implementation static``), on the same JSONL, in one run.
+"""The batch command on one GPU: ``peft-csgmv generate`` by continuous batching (its default) against static batches
+with the dynamic cache (eager decode, ``--static-batches``) and with the static cache (transformers' compiled decode,
+``--static-batches --cache-implementation static``), on the same JSONL, in one run.
 
     python benchmarks/bench_cli.py --out results/cli_1b.json
 
@@ -8,8 +9,9 @@ LoRA adapters r=16 on all 7 projections) and a JSONL of ``--rows`` prompts over 
 words each (with the character tokenizer the default range gives prompts of 140–236 tokens: one power-of-two prompt
 bucket, so the static run compiles one decode step). Per row: new tokens over the command's own generation time
 (model loading excluded; the static run's compile included, as a user pays it), the wall time, and how many
-completions agree with the dynamic run's (bf16: greedy decoding parts after near ties). The table is printed last;
-the JSON holds GPU name, versions and date.
+completions agree with the first run's (bf16: greedy decoding parts after near ties). ``--batch-size`` is the static
+batches' rows per call (continuous batching runs with its own defaults). The table is printed last; the JSON holds
+GPU name, versions and date.
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ def main(argv=None) -> int:
         default=None,
         help="the command's --max-resident-adapters (the host tier) for every run; default: not given",
     )
-    p.add_argument("--caches", default="dynamic,static", help="the runs, by --cache-implementation, in order")
+    p.add_argument(
+        "--runs",
+        "--caches",
+        default="continuous,dynamic,static",
+        help="the runs, in order: continuous (the default command), dynamic (--static-batches), static "
+        "(--static-batches --cache-implementation static)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -57,37 +65,39 @@ def main(argv=None) -> int:
         base, adapters = save_checkout(folder, args.model)
         inp = os.path.join(folder, "in.jsonl")
         write_prompts(inp, args.rows, (low, high))
-        common = ["generate", "--base", base, "--input", inp, "--batch-size", str(args.batch_size),
-                  "--max-new-tokens", str(args.new_tokens), "--no-progress",
-                  "--adapter-dtype", args.adapter_dtype]  # fmt: skip
+        common = ["generate", "--base", base, "--input", inp, "--max-new-tokens", str(args.new_tokens),
+                  "--no-progress", "--adapter-dtype", args.adapter_dtype]  # fmt: skip
         for name, path in adapters.items():
             common += ["--adapter", f"{name}={path}"]
         if args.max_resident_adapters is not None:
             common += ["--max-resident-adapters", str(args.max_resident_adapters)]
+        static = ["--static-batches", "--batch-size", str(args.batch_size)]
+        flags = {
+            "continuous": [],
+            "dynamic": static + ["--cache-implementation", "dynamic"],
+            "static": static + ["--cache-implementation", "static"],
+        }
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
         outputs = {}
-        for cache in args.caches.split(","):
-            out = os.path.join(folder, f"{cache}.jsonl")
-            cmd = [sys.executable, "-m", "peft_csgmv", *common, "--cache-implementation", cache, "--output", out]
-            row = dict(row=f"--cache-implementation {cache}", **run_generate(cmd, env))
+        for run in args.runs.split(","):
+            out = os.path.join(folder, f"{run}.jsonl")
+            cmd = [sys.executable, "-m", "peft_csgmv", *common, *flags[run], "--output", out]
+            row = dict(row=" ".join(flags[run]) or "continuous batching (default)", **run_generate(cmd, env))
             with open(out) as f:
-                outputs[cache] = [json.loads(line)["completion"] for line in f]
+                outputs[run] = [json.loads(line)["completion"] for line in f]
+            if len(outputs) > 1:
+                first = next(iter(outputs.values()))
+                row["same_as_first"] = sum(a == b for a, b in zip(first, outputs[run])) / max(len(first), 1)
             rows.append(row)
             print(row, flush=True)
-        same = None
-        if {"dynamic", "static"} <= set(outputs):
-            same = sum(a == b for a, b in zip(outputs["dynamic"], outputs["static"])) / max(len(outputs["dynamic"]), 1)
-            rows[-1]["same_as_dynamic"] = same
 
     print()
-    print(f"| {args.model}, {args.rows} rows, batch {args.batch_size} | new tokens | generate s | tok/s | "
-          "vs dynamic | wall s |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print(f"| {args.model}, {args.rows} rows | new tokens | generate s | tok/s | vs first | same | wall s |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
+        same = f"{r['same_as_first'] * 100:.1f}%" if "same_as_first" in r else "-"
         print(f"| {r['row']} | {r['new_tokens']} | {r['generate_s']:.1f} | {r['tok_s']:.0f} | "
-              f"{r['tok_s'] / rows[0]['tok_s']:.2f} | {r['wall_s']:.0f} |")  # fmt: skip
-    if same is not None:
-        print(f"static completions identical to dynamic: {same * 100:.1f}%")
+              f"{r['tok_s'] / rows[0]['tok_s']:.2f} | {same} | {r['wall_s']:.0f} |")  # fmt: skip
     if args.out:
         write_results(args.out, run_meta(torch.device("cuda:0"), args=vars(args)), results=rows)
     return 0

@@ -12,9 +12,15 @@ settings it was made with (:class:`identity.RunSettings`: base model, dtypes, de
 play no part in resuming. Beside the output, ``OUTPUT.settings.json`` holds the run's settings (identity.py says
 why a file of its own).
 
-Order: during a run, each batch's records are appended and flushed as soon as the batch finishes (batches are grouped
-by prompt length, so this is not input order; each line of the file is always a complete record). When the run
-completes, the file is rewritten in input order. An interrupted run leaves its finished batches' records.
+Batching: by default every row is a request of one continuous-batching manager (transformers' continuous batching,
+:func:`generate_rows` with ``continuous=``), each with its row's adapter: each step packs prefill chunks and decode
+tokens of many requests and adapters, and requests join as others finish. Static batches (``continuous=None``) are
+padded batches of rows of similar prompt length through ``generate()``. Both write the same records; greedy
+completions are the same either way (fp32; in half precision rounding can part near ties, as a batch size can).
+
+Order: during a run, each record is appended and flushed as soon as its request finishes (with static batches, batch
+by batch; not input order either way; each line of the file is always a complete record). When the run completes,
+the file is rewritten in input order. An interrupted run leaves the records of what finished.
 
 Several processes (``accelerate launch --num_processes N -m peft_csgmv generate ...``, or ``torchrun``): every
 process reads the input and the output, the first one consolidates what earlier runs left, then each takes every N-th
@@ -38,11 +44,13 @@ torn last line (an interrupted write) is cut off; an output whose lines are not 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import glob
 import hashlib
 import inspect
 import json
+import math
 import os
 import tempfile
 import time
@@ -448,6 +456,24 @@ def _input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def _pad_id(tokenizer):
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def _record(row: Row, ids: list[int], tokenizer, pad_id, settings: RunSettings | None) -> dict:
+    """A row's completion record from its new tokens (the pad token left out: it fills a static batch's finished
+    rows, and it is the end-of-sequence token where the tokenizer has no pad token of its own)."""
+    ids = [t for t in ids if t != pad_id] if pad_id is not None else list(ids)
+    record: dict[str, Any] = {"line": row.line}
+    if row.has_id:
+        record["id"] = row.id
+    record.update(adapter=row.adapter, completion=tokenizer.decode(ids, skip_special_tokens=True),
+                  new_tokens=len(ids), input_sha1=row.sha1)  # fmt: skip
+    if settings is not None:
+        record["settings_sha1"] = settings.fingerprint(row.adapter)
+    return record
+
+
 def generate_rows(
     model,
     tokenizer,
@@ -456,27 +482,35 @@ def generate_rows(
     batch_size: int = 16,
     progress: bool = True,
     settings: RunSettings | None = None,
+    continuous: Continuous | None = None,
     **generate_kwargs,
 ) -> dict:
-    """Generate a completion for every row (mixed adapters per batch) and append each batch's records to
-    ``out_path`` as soon as it finishes (one write of complete lines, flushed). ``model`` must be csgmv-enabled;
-    where it keeps at most N adapters on the device (``max_resident_adapters``), no batch holds more than N
-    (:func:`batches_by_length`). ``settings``: the run's settings, whose fingerprint for each row's adapter its record
-    carries as ``settings_sha1`` (what lets ``peft-csgmv generate`` resume the output). Returns counts and timing.
+    """Generate a completion for every row (mixed adapters) and append each one's record to ``out_path`` as soon as it
+    is done (complete lines, flushed). ``model`` must be csgmv-enabled. ``settings``: the run's settings, whose
+    fingerprint for each row's adapter its record carries as ``settings_sha1`` (what lets ``peft-csgmv generate``
+    resume the output). ``generate_kwargs``: ``max_new_tokens``, ``do_sample`` and the sampling options (static
+    batches also take ``cache_implementation`` and whatever else ``generate`` takes). Returns counts and timing.
 
-    With ``cache_implementation="static"`` (transformers' static cache, whose decode step it compiles for each batch
+    ``continuous`` (:class:`Continuous`, its sizing): continuous batching (:func:`generate_continuous`).
+
+    Without it, static batches: rows grouped by prompt length into batches of ``batch_size``, each through
+    ``generate()``, its records appended when it finishes; where the model keeps at most N adapters on the device
+    (``max_resident_adapters``), no batch holds more than N (:func:`batches_by_length`). With
+    ``cache_implementation="static"`` (transformers' static cache, whose decode step it compiles for each batch
     shape) every call has the same shape where it can: prompts are left-padded to :func:`prompt_bucket` of the batch's
     longest, and a short last batch is filled up to ``batch_size`` with copies of its last row (their output is
     dropped), so a run compiles one decode step per prompt bucket it meets, and the batches of a bucket share the
     static cache csgmv keeps for calls of one size (``enable_csgmv``'s ``keep_static_cache``): the compiled step
     records its CUDA graph once per bucket, not once per batch."""
+    if continuous is not None:
+        return generate_continuous(model, tokenizer, rows, out_path, continuous, progress, settings, **generate_kwargs)
     from tqdm.auto import tqdm
 
     from .model import csgmv_stats, is_csgmv_enabled
 
     lengths = [len(ids) for ids in tokenizer([r.prompt for r in rows])["input_ids"]] if rows else []
     device = _input_device(model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = _pad_id(tokenizer)
     static = generate_kwargs.get("cache_implementation") == "static"
     new_tokens_total, written, started = 0, 0, time.perf_counter()
     bar = tqdm(total=len(rows), unit="row", disable=not progress, dynamic_ncols=True)
@@ -502,19 +536,9 @@ def generate_rows(
                     **generate_kwargs,
                 )
                 new = seqs[: len(brows), input_ids.shape[1] :].cpu()
-                lines = []
-                for r, ids in zip(brows, new):
-                    ids = ids[ids != pad_id] if pad_id is not None else ids
-                    record = {"line": r.line}
-                    if r.has_id:
-                        record["id"] = r.id
-                    record.update(adapter=r.adapter, completion=tokenizer.decode(ids, skip_special_tokens=True),
-                                  new_tokens=int(ids.numel()), input_sha1=r.sha1)  # fmt: skip
-                    if settings is not None:
-                        record["settings_sha1"] = settings.fingerprint(r.adapter)
-                    new_tokens_total += int(ids.numel())
-                    lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-                out.write("".join(lines))
+                records = [_record(r, ids.tolist(), tokenizer, pad_id, settings) for r, ids in zip(brows, new)]
+                new_tokens_total += sum(r["new_tokens"] for r in records)
+                out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
                 out.flush()
                 written += len(brows)
                 elapsed = time.perf_counter() - started
@@ -524,6 +548,200 @@ def generate_rows(
         bar.close()
     elapsed = time.perf_counter() - started
     return dict(rows=written, new_tokens=new_tokens_total, seconds=elapsed)
+
+
+# -- continuous batching ----------------------------------------------------------------------------------------------
+
+CPU_MAX_BATCH_TOKENS = 256  # a step's tokens on a CPU, where transformers' 8192 only makes the step's buffers large
+PAGE_SIZE = 256  # tokens per block of transformers' paged cache (its default ``page_size``)
+
+
+class SizingError(ValueError):
+    """The continuous-batching cache cannot hold a request (the message names the input line and the flag)."""
+
+
+class GenerationFailed(RuntimeError):
+    """Continuous batching failed a request, or its manager stopped (the message names the input line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Continuous:
+    """How continuous batching is sized (``None``: the default), the command's flags of the same names.
+
+    ``max_batch_tokens``: tokens per step at most (default: transformers' on a GPU, :data:`CPU_MAX_BATCH_TOKENS` on
+    a CPU). ``num_blocks``: blocks of :data:`PAGE_SIZE` tokens in the paged KV cache; ``cache_memory``: instead, the
+    share of the device's free memory for the cache and the step's buffers (default: on a GPU transformers' share; on
+    a CPU, where transformers would take most of the free RAM, the blocks of the longest requests one step can hold,
+    ``max_batch_tokens`` or ``max_requests`` of them, at their full length). ``max_requests``: requests per step at
+    most (default: transformers'). ``seed``: the random seed of sampling. Prefix sharing is off (see :meth:`config`)."""
+
+    max_batch_tokens: int | None = None
+    num_blocks: int | None = None
+    cache_memory: float | None = None
+    max_requests: int | None = None
+    seed: int | None = None
+
+    def config(self, device: torch.device, needs: list[int]):
+        """transformers' ``ContinuousBatchingConfig`` for requests of ``needs`` tokens each (prompt and new tokens),
+        on ``device``."""
+        from transformers import ContinuousBatchingConfig
+
+        known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+        max_batch_tokens = self.max_batch_tokens
+        if max_batch_tokens is None and device.type == "cpu":
+            max_batch_tokens = CPU_MAX_BATCH_TOKENS
+        num_blocks = self.num_blocks
+        if num_blocks is None and self.cache_memory is None and device.type == "cpu" and needs:
+            held = min(len(needs), max_batch_tokens, self.max_requests or len(needs))
+            num_blocks = sum(sorted((math.ceil(n / PAGE_SIZE) for n in needs), reverse=True)[:held])
+        wanted = dict(
+            num_blocks=num_blocks,
+            max_batch_tokens=max_batch_tokens,
+            max_memory_percent=self.cache_memory,
+            max_requests_per_batch=self.max_requests,
+            seed=self.seed,
+            page_size=PAGE_SIZE,
+            # No prefix sharing: transformers keys a cached block by its tokens alone, and would hand a request the
+            # blocks of an earlier one with the same prompt computed under another adapter (LoRA on k / v).
+            allow_block_sharing=False,
+            # (no tensor parallelism here: each process of a data-parallel run has a manager of its own)
+            disable_nccl_graph_mixing=False,
+        )
+        return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if v is not None and k in known})
+
+
+def _generation_config(model, tokenizer, **generate_kwargs):
+    """The generation config ``model.generate(pad_token_id=..., **generate_kwargs)`` would run: the model's own,
+    transformers' defaults for what it leaves unset, then the arguments."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = dict(generate_kwargs, pad_token_id=_pad_id(tokenizer))
+    try:
+        gen, _ = base._prepare_generation_config(None, **kwargs)
+    except Exception:  # noqa: BLE001 - a transformers whose private helper differs: the model's config and the arguments
+        gen = copy.deepcopy(base.generation_config)
+        gen.update(**kwargs)
+    return gen
+
+
+def continuous_obstacle(model, tokenizer, adapters: Iterable[str | None] = (), **generate_kwargs) -> str | None:
+    """Why continuous batching cannot run ``model.generate(**generate_kwargs)``'s decoding for this model's requests
+    of ``adapters`` (``None``: it can): an adapter csgmv cannot give per request under continuous batching (aLoRA,
+    LoRA on the output embedding, adapters on PEFT's own path: :func:`peft_csgmv.continuous.refusal`), the model
+    spread over several devices (its paged cache lives on one), or a generation config (the model's, with the
+    arguments) asking for what continuous batching lacks: beam search, several sequences per prompt, a repetition
+    penalty, minimum lengths, stop strings, a time limit, or any logits processor transformers does not mark as
+    supported by continuous batching."""
+    from .continuous import refusal
+
+    state = model.__dict__.get("_csgmv")
+    names = sorted({a for a in adapters if a is not None and a != BASE})
+    if state is not None and names:
+        with state.executor.lock:
+            state.sync(model)
+            for name in names:
+                why = refusal(model, state, name)
+                if why is not None:
+                    return why
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    devices = {str(d) for d in (getattr(base, "hf_device_map", None) or {}).values()}
+    if len(devices) > 1:
+        spread = f"the model is spread over {len(devices)} devices (--device-map)"
+        return f"{spread}; continuous batching keeps its cache on one"
+    gen = _generation_config(model, tokenizer, **generate_kwargs)
+    asked = []
+    plain = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "min_length": 0,
+             "min_new_tokens": 0, "stop_strings": None, "max_time": None}  # fmt: skip
+    for name, default in plain.items():
+        value = getattr(gen, name, None)
+        if value is not None and value != default:
+            asked.append(f"{name}={value}")
+    try:
+        processors = base._get_logits_processor(gen, input_ids_seq_length=1, device=_input_device(model))
+    except Exception:  # noqa: BLE001 - processors that need what this check lacks: the fields above decide
+        processors = []
+    covered = {"RepetitionPenaltyLogitsProcessor", "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor"}
+    for processor in processors:
+        name = type(processor).__name__
+        if getattr(processor, "supports_continuous_batching", None) is not True and name not in covered:
+            asked.append(name)
+    if asked:
+        return f"the model's generation config asks for {', '.join(asked)}, which continuous batching does not do"
+    return None
+
+
+def generate_continuous(
+    model,
+    tokenizer,
+    rows: list[Row],
+    out_path: str,
+    continuous: Continuous,
+    progress: bool = True,
+    settings: RunSettings | None = None,
+    **generate_kwargs,
+) -> dict:
+    """:func:`generate_rows` by continuous batching: every row a request of one manager
+    (``model.init_continuous_batching``), with its row's adapter and ``max_new_tokens``, all queued before the manager
+    starts (so that a run's schedule, and with a seed its samples, do not depend on thread timing); each record is
+    appended and flushed as its request finishes. A request the cache cannot hold (given ``num_blocks``) raises
+    :class:`SizingError` before anything runs; a failed request stops the run with :class:`GenerationFailed`, the
+    finished ones written. Ctrl-C (or any exception) stops the manager at once."""
+    from tqdm.auto import tqdm
+
+    prompts = tokenizer([r.prompt for r in rows])["input_ids"] if rows else []
+    max_new_tokens = int(generate_kwargs.get("max_new_tokens") or 0)
+    needs = [len(p) + max_new_tokens for p in prompts]
+    if continuous.num_blocks is not None and needs:
+        longest = max(range(len(rows)), key=lambda i: needs[i])
+        if needs[longest] > continuous.num_blocks * PAGE_SIZE:
+            raise SizingError(
+                f"--num-blocks {continuous.num_blocks}: the cache holds {continuous.num_blocks * PAGE_SIZE} tokens, "
+                f"input line {rows[longest].line} needs {needs[longest]} (its prompt and --max-new-tokens)"
+            )
+    pad_id = _pad_id(tokenizer)
+    gen = _generation_config(model, tokenizer, **generate_kwargs)
+    if gen.eos_token_id is None:
+        gen.eos_token_id = -1  # (no end-of-sequence token: every request runs max_new_tokens, as generate() does)
+    config = continuous.config(_input_device(model), needs)
+    new_tokens_total, written, started = 0, 0, time.perf_counter()
+    bar = tqdm(total=len(rows), unit="row", disable=not progress, dynamic_ncols=True)
+    manager, running = None, False
+    waiting: dict[str, Row] = {}
+    try:
+        if not rows:
+            return dict(rows=0, new_tokens=0, seconds=0.0)
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
+        for i, (row, prompt) in enumerate(zip(rows, prompts)):
+            request_id = f"row{i}"
+            waiting[request_id] = row
+            manager.add_request(prompt, request_id=request_id, max_new_tokens=max_new_tokens, adapter_id=row.adapter)
+        manager.start()
+        running = True
+        with open(out_path, "a", encoding="utf-8") as out:
+            while waiting:
+                result = manager.get_result(timeout=1.0)
+                if result is None:
+                    if not manager.is_running():
+                        line = next(iter(waiting.values())).line
+                        raise GenerationFailed(f"continuous batching stopped before input line {line} was generated")
+                    continue
+                if not result.is_finished() or result.request_id not in waiting:
+                    continue
+                row = waiting.pop(result.request_id)
+                if result.error is not None:
+                    raise GenerationFailed(f"continuous batching failed on input line {row.line}: {result.error}")
+                record = _record(row, result.generated_tokens, tokenizer, pad_id, settings)
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                out.flush()
+                written += 1
+                new_tokens_total += record["new_tokens"]
+                bar.update(1)
+                elapsed = time.perf_counter() - started
+                bar.set_postfix(tok_s=f"{new_tokens_total / max(elapsed, 1e-9):.1f}", refresh=False)
+    finally:
+        if running:
+            manager.stop(block=True, hard_stop=bool(waiting))
+        bar.close()
+    return dict(rows=written, new_tokens=new_tokens_total, seconds=time.perf_counter() - started)
 
 
 def _drop_unused_inputs(model, tokenizer) -> None:

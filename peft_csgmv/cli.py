@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .batch import CPU_MAX_BATCH_TOKENS
 from .identity import settings_path
 
 
@@ -101,7 +102,9 @@ With no command, runs the demo: a small random-weight model with four adapters, 
 and through csgmv, whether they agree and the time of each."""
 
 GENERATE_DESCRIPTION = """\
-Generate a completion for every line of a JSONL file, each line with its own adapter; batches mix adapters freely.
+Generate a completion for every line of a JSONL file, each line with its own adapter, by continuous batching: every
+request with its line's adapter goes to one manager (transformers' continuous batching), which packs prefill chunks
+and decode tokens of many requests and adapters into each step and takes new requests as others finish.
 
 input:  one JSON object per line: {"prompt": "...", "adapter": "legal", "id": 17}; "adapter" absent, null or
         "__base__" means the base model; "id" is optional and echoed; blank lines are skipped.
@@ -111,26 +114,35 @@ output: one JSON object per input line: {"line": 3, "id": 17, "adapter": "legal"
         settings_sha1 that of the run settings that made it; OUTPUT.settings.json beside the output holds those
         settings: --base, --dtype, --adapter-dtype, --max-new-tokens, --do-sample (with it --temperature, --top-p,
         --top-k, --seed) and each adapter's files (by their SHA-1). "line" and "id" are those of the input now.
-order:  records are appended batch by batch as each batch finishes (batches are grouped by prompt length); when the
+order:  each record is appended as soon as its request finishes (with --static-batches, batch by batch); when the
         run completes the file is rewritten in input order.
 resume: run the same command again. A line is done when the output holds a completion with its input_sha1,
         wherever the line was: inserted, deleted, moved or blank lines shift nothing; new lines, edited lines and
         lines with an error record are generated (records no line asks for are dropped). The same request on k
         lines needs k completions. An output holding another input's results, results made with other settings
         (the message names them) or results without settings_sha1 is refused before anything runs, unless
-        --overwrite (start afresh). The other options (batch size, cache, device, backend, ...) change how the
-        work runs, not what it computes: they may differ between runs.
+        --overwrite (start afresh). The other options (batching, batch size, cache, device, backend, ...) change how
+        the work runs, not what it computes: they may differ between runs.
 checks: paths, adapters and options are checked before the model loads: each problem is one line, exit 2. Bad
         input lines are all listed before anything runs. An input with no lines exits 0 without an output.
-        Ctrl-C stops after writing the finished batches (exit 130): rerun the same command to resume.
-speed:  --cache-implementation static runs transformers' compiled decode (CUDA), one compile per batch shape:
-        prompts are padded to a power of two and the last batch filled, so a run compiles a few shapes.
-        --adapter-dtype model: bf16 adapters on a bf16 model (the default, fp32, is PEFT's).
-memory: --max-resident-adapters N keeps N adapters on the GPU, the rest in host memory; batches then hold at most
-        N distinct adapters.
+        Ctrl-C stops after writing the finished requests (exit 130): rerun the same command to resume.
+static: --static-batches runs padded batches of --batch-size rows through generate() instead, grouped by prompt
+        length. The command runs them by itself, with a one-line note, where continuous batching cannot do what
+        the run asks: transformers before 5 (no continuous batching), --cache-implementation static,
+        a --device-map over several devices, or a model generation config that asks for
+        what continuous batching lacks (beam search, repetition penalty, minimum lengths, stop strings, ...).
+sizing: continuous batching's paged KV cache and its steps: --max-batch-tokens (tokens per step), --num-blocks
+        (cache blocks of 256 tokens) or --cache-memory (a share of the free GPU memory), --batch-size (requests
+        per step at most, where given).
+speed:  --static-batches --cache-implementation static runs transformers' compiled decode (CUDA), one compile per
+        batch shape: prompts are padded to a power of two and the last batch filled, so a run compiles a few
+        shapes. --adapter-dtype model: bf16 adapters on a bf16 model (the default, fp32, is PEFT's).
+memory: --max-resident-adapters N keeps N adapters on the GPU, the rest in host memory; a step (or a static
+        batch) then holds at most N distinct adapters, requests of others waiting for a slot.
 gpus:   accelerate launch --num_processes N -m peft_csgmv generate ... (or torchrun) runs N processes, one per GPU,
-        each on every N-th line still to do, writing OUTPUT.part-R-of-N; the first merges the parts when all are
-        done. A later run, with any number of processes, resumes from the output and any parts left."""
+        each with its own continuous-batching manager over every N-th line still to do, writing
+        OUTPUT.part-R-of-N; the first merges the parts when all are done. A later run, with any number of
+        processes, resumes from the output and any parts left."""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -255,6 +267,13 @@ def check_generate_args(args) -> list[str]:
         if problem:
             problems.append(problem)
 
+    sizing = {"--max-batch-tokens": args.max_batch_tokens, "--num-blocks": args.num_blocks,
+              "--cache-memory": args.cache_memory}  # fmt: skip
+    if args.static_batches:
+        for flag, value in ((f, v) for f, v in sizing.items() if v is not None):
+            problems.append(f"{flag} {value}: sizes continuous batching, which --static-batches turns off; give one")
+    elif args.num_blocks is not None and args.cache_memory is not None:
+        problems.append(f"--num-blocks {args.num_blocks} and --cache-memory {args.cache_memory}: give one of them")
     if args.device and args.device_map:
         problems.append(f"--device {args.device} and --device-map {args.device_map}: give one of them")
     elif args.device:
@@ -274,6 +293,24 @@ def check_hub_args(args) -> list[str]:
     wanted = [(base_label, args.base, "config.json")] + [(lb, p, "adapter_config.json") for lb, p in adapter_labels]
     missing = [(label, value, needed) for label, value, needed in wanted if not os.path.exists(value)]
     return [problem for problem in (_hub_problem(*m) for m in missing) if problem]
+
+
+DEFAULT_BATCH_SIZE = 16  # rows per generate call of static batches
+
+
+def _static_reason(args) -> str | None:
+    """Why this run takes static batches though --static-batches is not given (``None``: it runs continuous batching,
+    unless the loaded model's generation config asks for what continuous batching lacks; see
+    :func:`batch.continuous_obstacle`)."""
+    from .continuous import continuous_batching_available
+
+    if not continuous_batching_available():
+        import transformers
+
+        return f"transformers {transformers.__version__} has none (it needs transformers 5 or later)"
+    if args.cache_implementation == "static":
+        return "--cache-implementation static is a static-batch option (transformers' compiled decode)"
+    return None
 
 
 def generate_command(args, prog: str = "peft-csgmv generate") -> int:
@@ -339,12 +376,15 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
         notes.append(f"{resume.retry} error records from an earlier run (those lines are read again)")
     if shard.world > 1:
         notes.append(f"{shard.world} processes, each on its own share of the lines")
+    static_reason = None if args.static_batches else _static_reason(args)
     if first:
         print(
             f"{parsed.lines} lines: {len(todo)} to generate, {len(resume.done)} already done, "
             f"{len(parsed.errors)} bad; {len(adapters)} adapters" + "".join(f"; {n}" for n in notes),
             file=sys.stderr,
         )
+        if static_reason and todo:
+            print(f"static batches, not continuous batching: {static_reason}", file=sys.stderr)
     # Every process has read the output and the parts before the first one rewrites them: all agree on what is done.
     shard.barrier()
     if first:
@@ -365,25 +405,47 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
         )
         torch.manual_seed(args.seed)
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
-        if args.cache_implementation == "static":
-            gen["cache_implementation"] = "static"
         if args.do_sample:
             gen.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        continuous = None
+        if not args.static_batches and static_reason is None:
+            static_reason = batch.continuous_obstacle(model, tokenizer, {r.adapter for r in mine}, **gen)
+            if static_reason is None:
+                continuous = batch.Continuous(
+                    max_batch_tokens=args.max_batch_tokens,
+                    num_blocks=args.num_blocks,
+                    cache_memory=args.cache_memory,
+                    max_requests=args.batch_size,
+                    seed=args.seed,
+                )
+            elif first:
+                print(f"static batches, not continuous batching: {static_reason}", file=sys.stderr)
+        if continuous is None and args.cache_implementation == "static":
+            gen["cache_implementation"] = "static"
         out = batch.part_path(args.output, shard.rank, shard.world) if shard.world > 1 else args.output
-        stats = batch.generate_rows(
-            model,
-            tokenizer,
-            mine,
-            out,
-            batch_size=args.batch_size,
-            progress=not args.no_progress and first,
-            settings=settings,
-            **gen,
-        )
+        try:
+            stats = batch.generate_rows(
+                model,
+                tokenizer,
+                mine,
+                out,
+                batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
+                progress=not args.no_progress and first,
+                settings=settings,
+                continuous=continuous,
+                **gen,
+            )
+        except batch.SizingError as e:
+            return fail([str(e)])
+        except batch.GenerationFailed as e:
+            rerun = "what finished is in the output: rerun the same command to resume"
+            print(f"{prog}: error: {e}; {rerun}", file=sys.stderr)
+            return 1
         who = f"process {shard.rank} of {shard.world}: " if shard.world > 1 else ""
         print(
             f"{who}wrote {stats['rows']} rows, {stats['new_tokens']} new tokens in {stats['seconds']:.1f} s "
-            f"({stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) to {out}",
+            f"({stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s, "
+            f"{'continuous batching' if continuous else 'static batches'}) to {out}",
             file=sys.stderr,
         )
     shard.barrier()
@@ -431,7 +493,45 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "with other settings)",
     )
     positive = _number(int, 1, what="1 or more")
-    p_gen.add_argument("--batch-size", type=positive, default=16, help="rows per generate call")
+    p_gen.add_argument(
+        "--static-batches",
+        action="store_true",
+        help="run padded batches of --batch-size rows through generate(), grouped by prompt length, instead of "
+        "continuous batching",
+    )
+    p_gen.add_argument(
+        "--batch-size",
+        type=positive,
+        default=None,
+        help=f"static batches: rows per generate call (default: {DEFAULT_BATCH_SIZE}); continuous batching: requests "
+        "per step at most (default: as many as --max-batch-tokens holds)",
+    )
+    p_gen.add_argument(
+        "--max-batch-tokens",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="continuous batching: tokens per step at most, prefill chunks and decode tokens together (default: "
+        f"{CPU_MAX_BATCH_TOKENS} on a CPU; on a GPU transformers' choice, 8192)",
+    )
+    p_gen.add_argument(
+        "--num-blocks",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="continuous batching: blocks of 256 tokens in the paged KV cache (default: on a GPU, what --cache-memory "
+        "holds; on a CPU, enough for the longest requests one step can hold, --max-batch-tokens of them, at full "
+        "length)",
+    )
+    p_gen.add_argument(
+        "--cache-memory",
+        type=_number(float, 0.0, 1.0, low_open=True, what="a number in (0, 1]"),
+        default=None,
+        metavar="FRACTION",
+        help="continuous batching: the share of the device's free memory, once the model is loaded, for the KV cache "
+        "and the step's buffers (default: on a GPU transformers' choice, 0.9, 0.8 with sampling; on a CPU "
+        "--num-blocks' default)",
+    )
     p_gen.add_argument("--max-new-tokens", type=positive, default=128, help="new tokens per row at most")
     p_gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p_gen.add_argument(
@@ -457,9 +557,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--cache-implementation",
         choices=["dynamic", "static"],
         default="dynamic",
-        help="KV cache: dynamic (eager decode), or static: transformers' static cache, whose decode step it compiles "
-        "(on CUDA; one compile per shape: prompts are left-padded to the next power of two and a short last batch "
-        "is filled, so a run compiles a few)",
+        help="static batches' KV cache: dynamic (eager decode), or static: transformers' static cache, whose decode "
+        "step it compiles (on CUDA; one compile per shape: prompts are left-padded to the next power of two and a "
+        "short last batch is filled, so a run compiles a few); static runs static batches",
     )
     p_gen.add_argument(
         "--dtype",
@@ -481,8 +581,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         default=None,
         metavar="N",
         help="keep at most N adapters on the GPU, the others in host memory, brought in as batches need them "
-        "(least recently used out); batches then hold at most N distinct adapters, rows ordered by prompt length "
-        "and adapter (default: every adapter on the GPU)",
+        "(least recently used out); runs static batches, each with at most N distinct adapters, rows ordered by "
+        "prompt length and adapter (default: every adapter on the GPU)",
     )
     p_gen.add_argument(
         "--device-map", default=None, help="accelerate device map, e.g. auto (default: none, the model on --device)"

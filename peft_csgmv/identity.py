@@ -19,11 +19,20 @@ changes the tokens by design:
   of its identity: the same bytes elsewhere give the same tokens, other bytes at the same path do not.
 
 Not identity, because they decide how and where the work runs, not what it computes (at most the rounding of a
-floating-point sum differs): ``--batch-size``, ``--cache-implementation``, ``--max-resident-adapters``, ``--device``,
-``--device-map``, ``--backend``, the number of processes, ``--no-progress``, ``--on-error``, and ``--prompt-key`` /
-``--adapter-key`` (they choose where the request is read from; the request itself is in ``input_sha1``). With
-sampling, the seed fixes the random stream of one run; the batch size, the process count and a resume change which
-draw a row gets, so sampled completions are reproducible per run, not per line.
+floating-point sum differs): the batching (continuous batching, or ``--static-batches``), ``--batch-size``,
+``--max-batch-tokens``, ``--num-blocks``, ``--cache-memory``, ``--cache-implementation``, ``--max-resident-adapters``,
+``--device``, ``--device-map``, ``--backend``, the number of processes, ``--no-progress``, ``--on-error``, and
+``--prompt-key`` / ``--adapter-key`` (they choose where the request is read from; the request itself is in
+``input_sha1``). With sampling, the seed fixes the random stream of one run; the batching, the batch size, the process
+count and a resume change which draw a row gets, so sampled completions are reproducible per run, not per line.
+
+The batching in particular: greedy completions are the same under continuous batching and static batches (in fp32;
+in half precision rounding can part near ties, as another batch size can), so it is left out of the settings. With
+sampling the two draw a row's tokens in another order from the seed's stream, but from the same distribution:
+the command runs continuous batching only where it honours every setting (temperature, top-p, top-k, the model's
+generation config; otherwise it takes static batches by itself), so a sampled output resumed in the other mode holds
+draws of the same settings, as one resumed with another batch size does. It is left out there too: an output begun
+one way can be finished the other.
 
 Each completion record carries ``settings_sha1``, :meth:`RunSettings.fingerprint` of the settings that concern it: the
 run's fields and its own adapter (none for a base row). An adapter added to a later run therefore concerns no earlier

@@ -120,7 +120,7 @@ def test_generate_with_host_tier_matches_stock_peft(checkout, tmp_path, monkeypa
     monkeypatch.setattr(batch, "load_model", spy_load)
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, PROMPTS)
-    assert main(_args(checkout, inp, out, "--max-resident-adapters", "1")) == 0
+    assert main(_args(checkout, inp, out, "--static-batches", "--max-resident-adapters", "1")) == 0
     (stats,) = loaded
     assert stats["max_resident_adapters"] == 1 and len(stats["resident"]) == 1 and stats["host_bytes"] > 0
     assert seen and all(len(adapters) <= 1 for adapters in seen), seen
@@ -195,7 +195,7 @@ def test_generate_static_cache_matches_stock_peft(checkout, tmp_path, static_cac
     made = static_caches
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, PROMPTS)
-    assert main(_args(checkout, inp, out, "--cache-implementation", "static")) == 0
+    assert main(_args(checkout, inp, out, "--static-batches", "--cache-implementation", "static")) == 0
     assert len(made) == 2, f"{len(made)} static caches for three batches in two prompt buckets"
     records = {r["line"]: r for r in _records(out)}
     assert sorted(records) == list(range(1, len(PROMPTS) + 1))
@@ -565,8 +565,8 @@ def test_error_records_are_retried_once_the_input_is_fixed(checkout, tmp_path, c
 
 
 def test_ctrl_c_stops_in_one_line_and_a_rerun_finishes(checkout, tmp_path, capsys, monkeypatch, generated):
-    """Ctrl-C during the second batch: exit 130, one line, the first batch's records kept (complete lines); the same
-    command again generates only the rest, and the result equals an uninterrupted run's."""
+    """Static batches, Ctrl-C during the second batch: exit 130, one line, the first batch's records kept (complete
+    lines); the same command again generates only the rest, and the result equals an uninterrupted run's."""
     import peft_csgmv.batch as batch
 
     inp, out, full = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "full.jsonl"
@@ -590,14 +590,14 @@ def test_ctrl_c_stops_in_one_line_and_a_rerun_finishes(checkout, tmp_path, capsy
 
     monkeypatch.setattr(batch, "load_model", load_then_break)
     capsys.readouterr()
-    assert main(_args(checkout, inp, out)) == 130
+    assert main(_args(checkout, inp, out, "--static-batches")) == 130
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == "interrupted: rerun the same command to resume" and "Traceback" not in err
     assert seen_inputs[0] == ["attention_mask", "input_ids"], "generate gets the ids and the mask only"
     kept = _records(out)
     assert len(kept) == 3 and out.read_text().endswith("\n"), "the first batch (3 rows), complete lines"
     monkeypatch.setattr(batch, "load_model", real_load)
-    assert main(_args(checkout, inp, out)) == 0
+    assert main(_args(checkout, inp, out, "--static-batches")) == 0
     assert generated[-1] == sorted(set(range(1, len(PROMPTS) + 1)) - {r["line"] for r in kept})
     assert _in_input_order(out, len(PROMPTS)) == _records(full)
 
