@@ -30,10 +30,9 @@ import torch
 
 logger = logging.getLogger("peft_csgmv.serve")
 
-# Defaults of the cache flags on a CPU, where transformers would otherwise reserve 60% of the RAM for the KV cache.
-# On CUDA the defaults are transformers' own (sized from the free device memory).
+# The KV cache's blocks on a CPU, where transformers would otherwise reserve 60% of the RAM for it (on CUDA:
+# transformers' own sizing, from the free device memory); a step's tokens on a CPU: batch.CPU_MAX_BATCH_TOKENS.
 CPU_NUM_BLOCKS = 16
-CPU_MAX_BATCH_TOKENS = 256
 # OpenAI's limits: at most 4 stop sequences, n up to 128, temperature in [0, 2].
 MAX_STOPS = 4
 MAX_N = 128
@@ -396,7 +395,9 @@ class Engine:
         exists (its size caps the longest request)."""
         if self.manager is not None:
             return
-        from transformers import ContinuousBatchingConfig, GenerationConfig
+        from transformers import GenerationConfig
+
+        from .batch import Continuous, _input_device
 
         for name in self.adapters:
             why = self.refusal(name)
@@ -410,10 +411,9 @@ class Engine:
             do_sample=True, temperature=0.5, top_k=2, top_p=0.5, eos_token_id=self.eos_ids or None,
             pad_token_id=self.tokenizer.pad_token_id, max_new_tokens=16,
         )  # fmt: skip
-        cb = dict(num_blocks=self.num_blocks, max_batch_tokens=self.max_batch_tokens, per_request_processors=True)
-        cb_config = ContinuousBatchingConfig(**cb)
-        # (csgmv's manager runs its steps eagerly, shares no prompt blocks between requests and, with the host tier,
-        # starts a waiting request only while the running requests' adapters and its own fit in the slots.)
+        sizing = Continuous(max_batch_tokens=self.max_batch_tokens, num_blocks=self.num_blocks)
+        cb_config = sizing.config(_input_device(self.model), [])  # (the batch command's: no prefix sharing)
+        cb_config.per_request_processors = True
         manager = self.model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=cb_config
         )
@@ -1098,6 +1098,7 @@ memory:    on a CPU the KV cache holds --num-blocks x 256 tokens (transformers w
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .batch import CPU_MAX_BATCH_TOKENS, PAGE_SIZE
     from .cli import _adapter_arg, _HelpFormatter, _number
 
     p = argparse.ArgumentParser(prog="peft-csgmv serve", description=DESCRIPTION, formatter_class=_HelpFormatter)
@@ -1122,7 +1123,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--num-blocks", type=positive, default=None,
-        help=f"KV cache blocks of 256 tokens (default: {CPU_NUM_BLOCKS} on a CPU; from the free memory on CUDA)",
+        help=f"KV cache blocks of {PAGE_SIZE} tokens (default: {CPU_NUM_BLOCKS} on a CPU; from free memory on CUDA)",
     )  # fmt: skip
     p.add_argument(
         "--max-batch-tokens", type=positive, default=None,
@@ -1173,13 +1174,10 @@ def load_engine(args) -> Engine:
     )
     on_cpu = torch.device(device).type == "cpu"
     num_blocks = args.num_blocks if args.num_blocks is not None else (CPU_NUM_BLOCKS if on_cpu else None)
-    batch_tokens = (
-        args.max_batch_tokens if args.max_batch_tokens is not None else (CPU_MAX_BATCH_TOKENS if on_cpu else None)
-    )
     base_name = args.served_model_name or args.base
     return Engine(
         model, tokenizer, base_name, dict(args.adapter), base_path=args.base, num_blocks=num_blocks,
-        max_batch_tokens=batch_tokens,
+        max_batch_tokens=args.max_batch_tokens,  # (None: batch.Continuous's default)
     )  # fmt: skip
 
 
