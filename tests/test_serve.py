@@ -300,11 +300,15 @@ def test_stop_sequences_and_n(server, stock):
 
 @needs_serving
 def test_sampling(server):
-    """temperature and top_p: sampled completions of the asked length."""
+    """temperature and top_p: sampled completions, each ending at max_tokens or at an end-of-sequence token (the
+    test model's has logit 0, and may be drawn)."""
     body = dict(model="legal", prompt="hello", max_tokens=20, temperature=1.2, top_p=0.9, n=2)
     out = server.post("/v1/completions", body).json()
-    assert [c["finish_reason"] for c in out["choices"]] == ["length", "length"]
-    assert out["usage"]["completion_tokens"] == 40
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert all(c["finish_reason"] in ("length", "stop") for c in out["choices"])
+    assert 2 <= out["usage"]["completion_tokens"] <= 40
+    if all(c["finish_reason"] == "length" for c in out["choices"]):
+        assert out["usage"]["completion_tokens"] == 40
 
 
 # ------------------------------------------------------------------------------------------ bad requests ---- #
