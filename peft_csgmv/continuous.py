@@ -155,6 +155,9 @@ class Router:
         finish = getattr(scheduler, "finish_request", None)
         if finish is not None:
             scheduler.__dict__["finish_request"] = functools.partial(_finish_request, self, finish)
+        cancelled = getattr(scheduler, "clear_cancelled_requests", None)
+        if cancelled is not None:
+            scheduler.__dict__["clear_cancelled_requests"] = functools.partial(_clear_cancelled, self, cancelled)
         waiting = getattr(scheduler, "_get_waiting_candidates", None)
         if waiting is not None:
             scheduler.__dict__["_get_waiting_candidates"] = functools.partial(_waiting, self, scheduler, waiting)
@@ -369,6 +372,13 @@ def _generation_step(router: Router, processor, own_step, model) -> None:
 
 def _waiting(router: Router, scheduler, own):
     return router.admit(scheduler, own())
+
+
+def _clear_cancelled(router: Router, own, *args, **kwargs):
+    states = own(*args, **kwargs)
+    for state in states or ():
+        router.adapters.pop(state.request_id, None)
+    return states
 
 
 def _finish_request(router: Router, own, request_id, *args, **kwargs):

@@ -3,6 +3,8 @@ tokens equal stock PEFT running that request alone with its adapter (fp32, greed
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import BACKENDS, BASE, make
@@ -94,6 +96,13 @@ def test_manager_requests_take_an_adapter(enabled):
             assert result.request_id != "bad"
             if result.is_finished():
                 got[result.request_id] = result.generated_tokens
+        cancelled = manager.add_request(PROMPTS[2], request_id="gone", max_new_tokens=400, adapter_id="a1")
+        manager.cancel_request(cancelled)
+        deadline = time.monotonic() + 10
+        router = manager._csgmv_router
+        while "gone" in router.adapters and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert router.adapters == {}, "finished and cancelled requests leave no entry behind"
     finally:
         manager.stop(block=True)
     for rid, (prompt, adapter, n) in asked.items():
