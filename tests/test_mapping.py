@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BASE, close, greedy_kwargs, make, make_batch, per_adapter, stitch
+from helpers import BASE, DEVICE, close, greedy_kwargs, make, make_batch, per_adapter, stitch
 
 from peft_csgmv import adapter_ids_scope, csgmv_stats, disable_csgmv, enable_csgmv
 
@@ -52,7 +52,7 @@ def test_a_shape_no_driver_foresaw_is_made_on_first_read(enabled):
     on the first layer's read, counted once, and the result is still PEFT's."""
     model = enabled
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
-    x = torch.randn(4, 3, layer.in_features)
+    x = torch.randn(4, 3, layer.in_features, device=DEVICE)
     with torch.no_grad():
         with adapter_ids_scope(model, NAMES):
             got = layer(x)
