@@ -241,6 +241,56 @@ class StaticPlan:
             self.buf.copy_(host)
 
 
+class PackedPlan:
+    """The plan of a packed step of ``num_tokens`` tokens (continuous batching) at fixed device addresses, rewritten
+    for each step of that many tokens (:meth:`fill`): its launches bind once and stay bound while the step's
+    composition changes as requests join and finish, where a plan made per step would launch through Triton's
+    checked path every step. One int32 buffer ``[permutation (T) | seg_indptr (S + 1) | seg_slot (S)]`` laid out as
+    :class:`~peft_csgmv.plan.BatchPlan`'s, ``S`` the most segments ``runs`` runs of slots can have (each cut into
+    segments of the row tile: at most ``runs + T // chunk``); the segments past a step's own are empty (their programs
+    exit at once), and base tokens are in none. Steps run one after another (synchronous batching): a step's rewrite
+    never meets the previous step's kernels."""
+
+    def __init__(self, num_tokens: int, runs: int, device: torch.device) -> None:
+        self.num_tokens, self.device = num_tokens, device
+        self.chunk = chunk_size_for(num_tokens)
+        self.max_segments = min(num_tokens, runs + num_tokens // self.chunk)
+        t, s = num_tokens, self.max_segments
+        indptr_at, slot_at, length = aligned_parts(t, s)
+        with torch.inference_mode(False):  # rewritten in place by every step, inside inference mode or not
+            self.buf = torch.zeros(length, dtype=torch.int32, device=device)
+        self.views = (self.buf[:t], self.buf[indptr_at : indptr_at + s + 1], self.buf[slot_at:])
+        self.run = PlanRun(None)  # (its plan: the step's, each step; its workspaces and bound launches: kept)
+
+    def fill(self, token_slots: tuple[int, ...]) -> "PlanRun":
+        """This step's plan (``token_slots``: each token's slot, -1 for base tokens), written into the buffer."""
+        plan = BatchPlan.from_token_slots(token_slots, "cpu", chunk_size=self.chunk)
+        bounds, seg_slot = plan.seg_indptr.tolist(), plan.seg_slot.tolist()
+        pad = self.max_segments - len(seg_slot)  # (empty segments: zero tokens each, after the step's own)
+        tail = aligned_tail(self.num_tokens, bounds + [bounds[-1]] * pad, seg_slot + [0] * pad)
+        host = torch.cat([plan.permutation, torch.tensor(tail, dtype=torch.int32)])
+        if self.device.type == "cuda":
+            self.buf.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            self.buf.copy_(host)
+        permutation, seg_indptr, seg_slot_view = self.views
+        self.run.plan = dataclasses.replace(
+            plan,
+            num_segments=self.max_segments,
+            permutation=permutation,
+            seg_indptr=seg_indptr,
+            seg_slot=seg_slot_view,
+        )
+        return self.run
+
+
+def packed_runs(token_slots: tuple[int, ...]) -> int:
+    """The runs a :class:`PackedPlan` for these slots is sized for: the step's distinct adapter slots, rounded up to a
+    power of two (a few sizes, each bound once)."""
+    distinct = len(set(token_slots) - {-1})
+    return 1 << max(distinct - 1, 0).bit_length()
+
+
 class PlanCache(collections.OrderedDict):
     """A model's plans kept for later calls, least recently used first, at most :data:`PLAN_CACHE_SIZE`: ``(row slots,
     repeat, tokens per row, device, row tokens)`` -> :class:`PlanRun`. A plan's bound launches live with it (a call
@@ -260,20 +310,29 @@ class PlanCache(collections.OrderedDict):
         return run
 
     def run_for_tokens(self, token_slots: tuple[int, ...], device) -> "PlanRun":
-        """The plan of one row of packed tokens (:meth:`~peft_csgmv.plan.BatchPlan.from_token_slots`), kept as row
-        plans are (decode steps of the same requests repeat it)."""
-        key = ("tokens", token_slots, device)
-        run = self.get(key)
-        if run is None:
-            with torch.inference_mode(False):
-                run = self[key] = PlanRun(BatchPlan.from_token_slots(token_slots, device))
-            if len(self) > PLAN_CACHE_SIZE:
-                self.popitem(last=False)
-        else:
-            self.move_to_end(key)
-        return run
+        """The plan of one row of packed tokens: a :class:`PackedPlan` of its size (kept in :attr:`packed`, by token
+        count, device and runs), rewritten for these slots; a step without adapter tokens gets an empty plan."""
+        if all(slot < 0 for slot in token_slots):
+            return PlanRun(BatchPlan.from_token_slots(token_slots, "cpu"))  # (empty: the layers skip the kernels)
+        key = (len(token_slots), device, packed_runs(token_slots))
+        packed = self.packed.get(key)
+        if packed is None:
+            packed = self.packed[key] = PackedPlan(len(token_slots), key[2], torch.device(device))
+        return packed.fill(token_slots)
+
+    @property
+    def packed(self) -> dict:
+        """The packed steps' plans at fixed addresses (:class:`PackedPlan`), by token count, device and runs."""
+        packed = self.__dict__.get("_packed")
+        if packed is None:
+            packed = self.__dict__["_packed"] = {}
+        return packed
+
+    def clear(self) -> None:
+        super().clear()
+        self.packed.clear()
 
     def drop_bindings(self, stack: "LoraStack") -> None:
         """Bindings to ``stack``'s old tensors would keep them alive and launch on them: drop them."""
-        for run in self.values():
+        for run in [*self.values(), *(packed.run for packed in self.packed.values())]:
             run.bound.pop(stack, None)

@@ -61,3 +61,30 @@ def test_a_shape_no_driver_foresaw_is_made_on_first_read(enabled):
     assert csgmv_stats(model)["unforeseen_plans"] == 1
     close(got, stitch(outs, NAMES), "direct layer call")
     assert torch.equal(got, again)
+
+
+def test_packed_steps_rewrite_one_plan_at_fixed_addresses():
+    """Packed steps (continuous batching) of the same size and as many distinct adapters share one plan at fixed
+    addresses, rewritten per step (so launches bound on it stay bound): each step's live segments are its own plan's,
+    the rest empty; a step with more distinct adapters gets a plan sized for them; an all-base step gets no kernels."""
+    from peft_csgmv.mapping import PlanCache
+    from peft_csgmv.plan import BatchPlan
+
+    cache = PlanCache()
+    steps = [(0, 0, -1, 1, 1, 1, 0, -1), (1, -1, -1, 0, 0, 1, 1, 1), (2, 2, 2, -1, 0, 1, 1, 0)]
+    runs = [cache.run_for_tokens(slots, "cpu") for slots in steps[:1]]
+    for slots in steps:
+        run = cache.run_for_tokens(slots, "cpu")
+        want = BatchPlan.from_token_slots(slots, "cpu", chunk_size=run.plan.chunk_size)
+        live = want.num_segments
+        assert run.plan.num_segments >= live
+        assert torch.equal(run.plan.permutation, want.permutation)
+        indptr = run.plan.seg_indptr.tolist()
+        assert indptr[: live + 1] == want.seg_indptr.tolist() and set(indptr[live:]) == {indptr[live]}
+        assert run.plan.seg_slot.tolist()[:live] == want.seg_slot.tolist()
+        assert run.plan.runs == want.runs
+        runs.append(run)
+    assert runs[0] is runs[1] is runs[2], "two steps of two adapters: one plan"
+    assert runs[0].plan.permutation.data_ptr() == runs[2].plan.permutation.data_ptr()
+    assert runs[3] is not runs[0], "three adapters: a plan sized for four runs"
+    assert cache.run_for_tokens((-1,) * 8, "cpu").plan.is_empty
