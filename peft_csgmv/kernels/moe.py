@@ -65,11 +65,12 @@ def _pair_rows(seg, seg_start_ptr, seg_end_ptr, perm_ptr, BLOCK_M: tl.constexpr)
 def _rows_of(q, p, top_k, MODE: tl.constexpr):
     """An operand's rows for positions ``q`` / pairs ``p``: ``ROWS`` mode 0 token, 1 pair, 2 sorted."""
     if MODE == 0:
-        return p // top_k
+        rows = p // top_k
     elif MODE == 1:
-        return p
+        rows = p
     else:
-        return q
+        rows = q
+    return rows
 
 
 @triton.jit
