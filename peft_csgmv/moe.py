@@ -1,0 +1,176 @@
+"""A prototype of mixed-adapter expert LoRA (not wired into the patched model yet; see docs/moe-design.md).
+
+PEFT adapts a MoE layer's 3-D expert parameters through ``LoraConfig(target_parameters=[...])``: a ``ParamWrapper``
+per parameter (nested when a module has two), which folds ``scaling · B_e A_e`` of one adapter into every expert's
+weight on each forward, and refuses mixed batches. :func:`moe_lora_forward` runs the experts of a transformers MoE
+layer (any ``@use_experts_implementation`` class: Qwen3-MoE, Mixtral, gpt-oss with its interleaved gate/up, biases
+and clamped activation) with each token's own adapter, inside the experts' computation and without a delta weight:
+
+1. the routed pairs are sorted by (expert, slot) (:class:`~peft_csgmv.moe_plan.MoePlan`);
+2. the gate/up product of every pair runs over the sorted order (one product per pair's expert), and
+   ``moe_shrink`` / ``moe_expand`` add each pair's gate/up LoRA to it (x by token, output rows in sorted order);
+3. the experts' own gate (``_apply_gate``: SiLU·up, or gpt-oss's clamp and ``(up + 1) · glu``) runs on the sum;
+4. the down product, and its LoRA (x and output in sorted order), then the routing weights and the sum over each
+   token's experts, as transformers' batched and grouped implementations do it.
+
+:func:`stack_from_peft` builds the slot stacks the kernels read from PEFT's own weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from .kernels.moe import moe_expand, moe_shrink
+from .kernels.moe_reference import moe_expand_reference, moe_shrink_reference
+from .moe_plan import MoePlan
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeStack:
+    """The adapters of one expert parameter, one slot each.
+
+    Attributes:
+        a: ``(S, E, R, K)`` A of every slot and expert, zero past each slot's rank (``R``: the largest rank).
+        b: ``(S, E, N, R)`` B likewise.
+        ranks: ``(S,)`` int32 (0: the slot's adapter does not adapt this parameter).
+        scalings: ``(S,)`` fp32.
+        ranks_host: the same ranks, on the host (the torch reference walks them).
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    ranks: torch.Tensor
+    scalings: torch.Tensor
+    ranks_host: tuple[int, ...]
+
+    @property
+    def num_slots(self) -> int:
+        return self.a.shape[0]
+
+
+def param_wrappers(module: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
+    """The experts module under PEFT's (nested) ``ParamWrapper`` s of ``module`` and ``{parameter name: wrapper}``."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrappers = {}
+    while isinstance(module, ParamWrapper):
+        wrappers[module.parameter_name] = module
+        module = module.base_layer
+    return module, wrappers
+
+
+def stack_from_peft(wrapper: torch.nn.Module, adapters: Sequence[str | None], dtype: torch.dtype | None = None):
+    """A :class:`MoeStack` of ``adapters`` (slot ``i`` holds ``adapters[i]``; ``None`` or an adapter this parameter
+    lacks: rank 0) from a PEFT ``ParamWrapper`` of a 3-D expert parameter.
+
+    PEFT stores an adapter of rank ``r`` over ``E`` experts as ``lora_A.weight`` ``(r·E, in)``, expert-major (expert
+    ``e``'s A is rows ``e·r .. e·r + r``), and ``lora_B.weight`` ``(out, r·E)``, rank-major (expert ``e``'s B is columns
+    ``e, e + E, …``), whichever way the parameter itself is laid out (``in``/``out`` are the features of the product,
+    the parameter's ``(E, out, in)`` or transposed ``(E, in, out)``). The delta of expert ``e`` on an input row ``x`` is
+    ``scaling · (x @ A_eᵀ) @ B_eᵀ``.
+    """
+    num_experts, k, n = wrapper.num_experts, wrapper.in_features, wrapper.out_features
+    present = [name for name in adapters if name is not None and name in wrapper.lora_A]
+    r_max = max((wrapper.r[name] for name in present), default=1)
+    like = wrapper.lora_A[present[0]].weight if present else wrapper.get_param()
+    dtype = dtype or like.dtype
+    a = torch.zeros(len(adapters), num_experts, r_max, k, dtype=dtype, device=like.device)
+    b = torch.zeros(len(adapters), num_experts, n, r_max, dtype=dtype, device=like.device)
+    ranks, scalings = [], []
+    for slot, name in enumerate(adapters):
+        if name is None or name not in wrapper.lora_A:
+            ranks.append(0)
+            scalings.append(0.0)
+            continue
+        r = wrapper.r[name]
+        a[slot, :, :r] = wrapper.lora_A[name].weight.detach().view(num_experts, r, k)
+        b[slot, :, :, :r] = wrapper.lora_B[name].weight.detach().view(n, r, num_experts).permute(2, 0, 1)
+        ranks.append(r)
+        scalings.append(float(wrapper.scaling[name]))
+    return MoeStack(
+        a=a,
+        b=b,
+        ranks=torch.tensor(ranks, dtype=torch.int32, device=like.device),
+        scalings=torch.tensor(scalings, dtype=torch.float32, device=like.device),
+        ranks_host=tuple(ranks),
+    )
+
+
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, bias, experts: torch.Tensor, is_transposed: bool):
+    """Each row's product with its expert's weight (``(E, out, in)``, or ``(E, in, out)`` transposed) plus bias: the
+    math of transformers' batched implementation (a grouped product over ``plan.expert_offsets`` is the same)."""
+    selected = weight[experts]
+    if is_transposed:
+        out = torch.bmm(x.unsqueeze(1), selected).squeeze(1)
+    else:
+        out = torch.bmm(selected, x.unsqueeze(-1)).squeeze(-1)
+    if bias is not None:
+        out = out + bias[experts]
+    return out
+
+
+def _lora(x, stack: MoeStack | None, plan: MoePlan, y: torch.Tensor, x_rows: str, backend: str) -> None:
+    """``y`` (rows in sorted order) += each pair's LoRA of ``stack`` on ``x`` (rows by ``x_rows``)."""
+    if stack is None:
+        return
+    if backend == "triton":
+        t = moe_shrink(x, stack.a, stack.ranks, plan, x_rows=x_rows)
+        moe_expand(t, stack.b, stack.ranks, stack.scalings, plan, y, y_rows="sorted")
+    else:
+        t = moe_shrink_reference(x, stack.a, stack.ranks_host, plan, x_rows=x_rows)
+        moe_expand_reference(t, stack.b, stack.ranks_host, stack.scalings.tolist(), plan, y, y_rows="sorted")
+
+
+def moe_lora_forward(
+    experts: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    token_slot: Sequence[int] | torch.Tensor,
+    stacks: dict[str, MoeStack],
+    backend: str = "triton",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The experts' output with each token's own adapter: for every token, what PEFT's forward with that token's
+    adapter alone returns (the base experts' output for a base token, slot ``-1``).
+
+    Args:
+        experts: a transformers experts module (``@use_experts_implementation``: ``gate_up_proj``, ``down_proj``,
+            their optional biases, ``is_transposed``, ``_apply_gate``), not PEFT's wrapper around it.
+        hidden_states: ``(T, hidden)``, the experts' input.
+        top_k_index, top_k_weights: ``(T, top_k)``, the router's experts and weights of each token.
+        token_slot: ``(T,)`` slot of each token, ``-1`` for a base token.
+        stacks: ``{"gate_up_proj": MoeStack, "down_proj": MoeStack}`` (either may be missing: that parameter is not
+            adapted), of the same slots.
+        backend: ``"triton"`` (the kernels) or ``"torch"`` (their reference).
+        chunk_size: override the plan's segment length.
+
+    Returns:
+        ``(T, hidden)`` in ``hidden_states``' dtype.
+    """
+    if not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
+        raise NotImplementedError("the prototype covers gated experts without a post-expert norm")
+    num_tokens, top_k = top_k_index.shape
+    num_slots = next(iter(stacks.values())).num_slots if stacks else 1
+    plan = MoePlan.build(token_slot, top_k_index, experts.num_experts, num_slots, chunk_size=chunk_size)
+    perm = plan.permutation.long()
+    expert_ids = top_k_index.reshape(-1)[perm]  # (P,) each sorted pair's expert
+    has_bias, transposed = getattr(experts, "has_bias", False), getattr(experts, "is_transposed", False)
+
+    def bias(name):
+        return getattr(experts, f"{name}_bias") if has_bias else None
+
+    gate_up = _expert_linear(
+        hidden_states[perm // top_k], experts.gate_up_proj, bias("gate_up_proj"), expert_ids, transposed
+    )  # (P, 2·I), sorted order
+    _lora(hidden_states, stacks.get("gate_up_proj"), plan, gate_up, "token", backend)
+    act = experts._apply_gate(gate_up)  # (P, I)
+    out = _expert_linear(act, experts.down_proj, bias("down_proj"), expert_ids, transposed)  # (P, hidden)
+    _lora(act, stacks.get("down_proj"), plan, out, "sorted", backend)
+    weighted = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
+    by_pair = torch.empty_like(weighted)
+    by_pair[perm] = weighted
+    return by_pair.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)

@@ -1,0 +1,205 @@
+"""MoePlan: how the routed (token, expert) pairs of one MoE layer are grouped by (expert, adapter slot).
+
+A MoE layer sees ``T`` tokens; its router picks ``top_k`` experts for each (``top_k_index``, ``(T, top_k)``). Pair
+``p = t * top_k + j`` is token ``t`` routed to expert ``top_k_index[t, j]``: the order of transformers'
+``top_k_index.reshape(-1)``, which its batched and grouped experts implementations use. Every token has one adapter
+slot (or none: a base token, slot ``-1``); its pairs take that slot. The plan
+
+1. sorts the pairs by expert, and within an expert by slot, base pairs after the adapter pairs of their expert, with a
+   stable sort (``permutation[q]`` is the pair at sorted position ``q``); pairs routed to no expert of this layer
+   (``expert < 0`` or ``>= num_experts``: expert-parallel sentinels) come last;
+2. cuts each run of one (expert, slot) into chunks of at most ``chunk_size`` pairs (a *segment*, one slot, one
+   expert), and leaves base pairs and unrouted pairs out of every segment, so no kernel touches them.
+
+The sorted order keeps every expert's pairs together (``expert_offsets[e]`` is where expert ``e``'s pairs end, as the
+``offs`` of ``torch.nn.functional.grouped_mm``), so one permutation serves the base experts' grouped product and the
+LoRA kernels.
+
+Worked example (``num_experts = 3``, ``num_slots = 2``, ``top_k = 2``, ``chunk_size = 16``)::
+
+    token slots      [1, -1, 0, 1]                       (token 1 is a base token)
+    top_k_index      [[0, 2], [2, 1], [2, 0], [0, 1]]
+    pairs p          0  1  2  3  4  5  6  7              (p = 2 * token + j)
+      expert         0  2  2  1  2  0  0  1
+      slot           1  1 -1 -1  0  0  1  1
+    permutation      [5, 0, 6, 7, 3, 4, 1, 2]            (expert 0: slot 0, slot 1 | expert 1: slot 1, base |
+                                                          expert 2: slot 0, slot 1, base)
+    expert_offsets   [3, 5, 8]
+    seg_start        [0, 1, 3, 5, 6, 0]
+    seg_end          [1, 3, 4, 6, 7, 0]
+    seg_slot         [0, 1, 1, 0, 1, -1]
+    seg_expert       [0, 0, 1, 2, 2, 0]
+
+Five live segments, e.g. segment 1 = sorted positions 1..2 = pairs 0 and 6 (tokens 0 and 3, slot 1, expert 0). The
+segment arrays have a length fixed by the shapes alone (:func:`max_segments`: here ``8 // 16 + min(8, 3 * 2) = 6``),
+so the last one is empty (``seg_start == seg_end``, slot ``-1``): its kernel programs exit at once. With
+``chunk_size = 1`` every live segment holds one pair: the run of (expert 0, slot 1) becomes ``[1, 2)`` and ``[2, 3)``
+(six live segments of ``8 // 1 + 6 = 14``).
+
+Everything is computed with tensor operations on ``top_k_index``'s device, without waiting for it and with shapes
+that depend on ``T``, ``top_k``, ``num_experts``, ``num_slots`` and the chunk size only: the router's choice is device
+data, and a plan built this way can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from .plan import MIN_CHUNK_SIZE
+
+MAX_CHUNK_SIZE = 64
+
+
+def moe_chunk_size(num_pairs: int, num_groups: int) -> int:
+    """Segment length (the kernels' row tile) for ``num_pairs`` routed pairs spread over about ``num_groups`` (expert,
+    slot) groups: the smallest power of two that holds a group of the mean size, from ``MIN_CHUNK_SIZE`` to
+    ``MAX_CHUNK_SIZE``. Not yet tuned on a GPU."""
+    mean = -(-num_pairs // max(1, min(num_pairs, num_groups)))
+    return min(MAX_CHUNK_SIZE, max(MIN_CHUNK_SIZE, 1 << (mean - 1).bit_length()))
+
+
+def max_segments(num_pairs: int, num_experts: int, num_slots: int, chunk_size: int) -> int:
+    """The most segments a plan of these shapes can have (the length of its segment arrays, the kernels' grid): a
+    group of ``c`` pairs makes ``ceil(c / chunk) <= floor(c / chunk) + 1`` segments, so all of them at most
+    ``floor(pairs / chunk)`` plus one per non-empty (expert, slot) group."""
+    return num_pairs // chunk_size + min(num_pairs, num_experts * num_slots)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MoePlan:
+    """The routed pairs of one MoE layer's step grouped by (expert, slot); see the module docstring.
+
+    Attributes:
+        num_tokens, top_k: the shape of the router's ``top_k_index``; ``num_pairs = num_tokens * top_k``.
+        num_experts, num_slots: the layer's experts and the slots of its adapter stacks.
+        chunk_size: the most pairs a segment holds; the kernels' row tile.
+        num_segments: the length of the segment arrays (host int: it sizes the kernel grid), :func:`max_segments`;
+            the segments past the live ones are empty.
+        permutation: ``(num_pairs,)`` int32; the pair at each sorted position (expert-major, then slot, base pairs
+            after their expert's adapter pairs, unrouted pairs last).
+        expert_offsets: ``(num_experts,)`` int32; expert ``e``'s pairs are sorted positions
+            ``expert_offsets[e - 1]:expert_offsets[e]`` (``0`` for ``e = 0``).
+        seg_start, seg_end: ``(num_segments,)`` int32; segment ``s`` is sorted positions ``seg_start[s]:seg_end[s]``
+            (empty for the segments past the live ones).
+        seg_slot: ``(num_segments,)`` int32; the slot of each segment (``-1`` for an empty one).
+        seg_expert: ``(num_segments,)`` int32; the expert of each segment (``0`` for an empty one).
+    """
+
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    num_slots: int
+    chunk_size: int
+    num_segments: int
+    permutation: torch.Tensor
+    expert_offsets: torch.Tensor
+    seg_start: torch.Tensor
+    seg_end: torch.Tensor
+    seg_slot: torch.Tensor
+    seg_expert: torch.Tensor
+
+    @property
+    def num_pairs(self) -> int:
+        return self.num_tokens * self.top_k
+
+    @property
+    def device(self) -> torch.device:
+        return self.permutation.device
+
+    @classmethod
+    def build(
+        cls,
+        token_slot: Sequence[int] | torch.Tensor,
+        top_k_index: torch.Tensor,
+        num_experts: int,
+        num_slots: int,
+        chunk_size: int | None = None,
+    ) -> "MoePlan":
+        """Build the plan of one step of one MoE layer.
+
+        Args:
+            token_slot: ``(T,)`` slot of each token (``-1``: a base token), host ints or an integer tensor (moved to
+                ``top_k_index``'s device); slots must be below ``num_slots`` (host ints are checked, a tensor is not:
+                checking it would wait for the device).
+            top_k_index: ``(T, top_k)`` integer tensor, the router's experts of each token; its device is the plan's.
+                Entries outside ``[0, num_experts)`` route the pair nowhere (no kernel work).
+            num_experts: the layer's experts.
+            num_slots: the slots of the layer's adapter stacks.
+            chunk_size: override the segment length (default: :func:`moe_chunk_size` of the pairs and the (expert,
+                slot) groups they can fall into).
+        """
+        if top_k_index.dim() != 2:
+            raise ValueError(f"top_k_index must be (tokens, top_k), got shape {tuple(top_k_index.shape)}")
+        num_tokens, top_k = top_k_index.shape
+        if num_experts < 1 or num_slots < 1:
+            raise ValueError(f"a MoE plan needs experts and slots, got {num_experts} experts, {num_slots} slots")
+        device = top_k_index.device
+        if isinstance(token_slot, torch.Tensor):
+            if token_slot.shape != (num_tokens,):
+                raise ValueError(f"token_slot {tuple(token_slot.shape)} does not fit top_k_index ({num_tokens} tokens)")
+            slots = token_slot.to(device=device, dtype=torch.int64, non_blocking=True)
+            used_slots = num_slots
+        else:
+            if len(token_slot) != num_tokens or any(not -1 <= s < num_slots for s in token_slot):
+                raise ValueError(f"token_slot must hold {num_tokens} slots in -1..{num_slots - 1}, got {token_slot}")
+            slots = torch.tensor(list(token_slot), dtype=torch.int64).to(device, non_blocking=True)
+            used_slots = len({s for s in token_slot if s >= 0})
+        num_pairs = num_tokens * top_k
+        if chunk_size is None:
+            chunk_size = moe_chunk_size(num_pairs, num_experts * used_slots)
+        elif chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        num_segments = max_segments(num_pairs, num_experts, num_slots, chunk_size)
+
+        # Group key of each pair: expert * (S + 1) + slot, base pairs in their expert's last group (slot S), unrouted
+        # pairs in one group after every expert's.
+        width = num_slots + 1
+        experts = top_k_index.reshape(-1).to(torch.int64)
+        pair_slot = slots[:, None].expand(num_tokens, top_k).reshape(-1)
+        routed = (experts >= 0) & (experts < num_experts)
+        group_slot = torch.where(pair_slot < 0, num_slots, pair_slot)
+        key = torch.where(routed, experts * width + group_slot, num_experts * width)
+        permutation = torch.argsort(key, stable=True)
+
+        groups = num_experts * width + 1
+        counts = torch.zeros(groups, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+        ends = torch.cumsum(counts, 0)
+        starts = ends - counts
+        adapter_group = torch.ones(groups, dtype=torch.bool, device=device)
+        adapter_group[num_slots::width] = False  # each expert's base group
+        adapter_group[-1] = False  # the unrouted pairs
+        group_segments = torch.where(adapter_group, (counts + chunk_size - 1) // chunk_size, 0)
+        segments_end = torch.cumsum(group_segments, 0)  # segments of groups 0..g
+
+        # Segment s belongs to the first group whose segments end past s; segments past the last live one get none.
+        s = torch.arange(num_segments, dtype=torch.int64, device=device)
+        group = torch.searchsorted(segments_end, s, right=True)
+        live = group < groups
+        group = group.clamp(max=groups - 1)
+        index_in_group = s - (segments_end[group] - group_segments[group])
+        seg_start = starts[group] + index_in_group * chunk_size
+        seg_end = torch.minimum(seg_start + chunk_size, ends[group])
+        int32 = dict(dtype=torch.int32)
+        return cls(
+            num_tokens=num_tokens,
+            top_k=top_k,
+            num_experts=num_experts,
+            num_slots=num_slots,
+            chunk_size=chunk_size,
+            num_segments=num_segments,
+            permutation=permutation.to(**int32),
+            expert_offsets=ends[num_slots:-1:width].to(**int32),
+            seg_start=torch.where(live, seg_start, 0).to(**int32),
+            seg_end=torch.where(live, seg_end, 0).to(**int32),
+            seg_slot=torch.where(live, group % width, -1).to(**int32),
+            seg_expert=torch.where(live, group // width, 0).to(**int32),
+        )
+
+    def segments(self) -> list[tuple[int, int, int, int]]:
+        """``(slot, expert, start, end)`` of each live segment, on the host (waits for the device: for references,
+        tests and debugging, not for the kernels' path)."""
+        rows = zip(self.seg_slot.tolist(), self.seg_expert.tolist(), self.seg_start.tolist(), self.seg_end.tolist())
+        return [(slot, expert, start, end) for slot, expert, start, end in rows if end > start]

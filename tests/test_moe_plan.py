@@ -1,0 +1,160 @@
+"""MoePlan unit tests: the worked example with exact tensors, then structural properties on assorted routings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from peft_csgmv.moe_plan import MAX_CHUNK_SIZE, MoePlan, max_segments, moe_chunk_size
+from peft_csgmv.plan import MIN_CHUNK_SIZE
+
+EXAMPLE = dict(token_slot=[1, -1, 0, 1], top_k_index=[[0, 2], [2, 1], [2, 0], [0, 1]], num_experts=3, num_slots=2)
+
+
+def example(**kwargs) -> MoePlan:
+    index = torch.tensor(EXAMPLE["top_k_index"])
+    return MoePlan.build(EXAMPLE["token_slot"], index, EXAMPLE["num_experts"], EXAMPLE["num_slots"], **kwargs)
+
+
+def assert_tensor(name, got, want):
+    assert got.dtype == torch.int32, f"{name} dtype {got.dtype}"
+    assert got.tolist() == list(want), f"{name}: got {got.tolist()}, want {list(want)}"
+
+
+@pytest.mark.parametrize("chunk_size", [None, 16], ids=["chunk-default", "chunk16"])
+def test_docstring_example(chunk_size):
+    plan = example(chunk_size=chunk_size)
+    assert (plan.num_tokens, plan.top_k, plan.num_pairs, plan.chunk_size, plan.num_segments) == (4, 2, 8, 16, 6)
+    assert_tensor("permutation", plan.permutation, [5, 0, 6, 7, 3, 4, 1, 2])
+    assert_tensor("expert_offsets", plan.expert_offsets, [3, 5, 8])
+    assert_tensor("seg_start", plan.seg_start, [0, 1, 3, 5, 6, 0])
+    assert_tensor("seg_end", plan.seg_end, [1, 3, 4, 6, 7, 0])
+    assert_tensor("seg_slot", plan.seg_slot, [0, 1, 1, 0, 1, -1])
+    assert_tensor("seg_expert", plan.seg_expert, [0, 0, 1, 2, 2, 0])
+    assert plan.segments() == [(0, 0, 0, 1), (1, 0, 1, 3), (1, 1, 3, 4), (0, 2, 5, 6), (1, 2, 6, 7)]
+
+
+def test_docstring_example_chunk1():
+    plan = example(chunk_size=1)
+    assert plan.num_segments == 14
+    assert plan.segments() == [(0, 0, 0, 1), (1, 0, 1, 2), (1, 0, 2, 3), (1, 1, 3, 4), (0, 2, 5, 6), (1, 2, 6, 7)]
+
+
+def test_token_slots_as_a_tensor_give_the_same_plan():
+    a = example()
+    b = MoePlan.build(
+        torch.tensor(EXAMPLE["token_slot"], dtype=torch.int32), torch.tensor(EXAMPLE["top_k_index"]), 3, 2
+    )
+    # A tensor's slots are device data: the chunk is chosen for every slot in use.
+    assert b.chunk_size == a.chunk_size == MIN_CHUNK_SIZE
+    for name in ("permutation", "expert_offsets", "seg_start", "seg_end", "seg_slot", "seg_expert"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_chunk_size_choice():
+    assert moe_chunk_size(8, 6) == MIN_CHUNK_SIZE
+    assert moe_chunk_size(4096 * 8, 128 * 4) == MAX_CHUNK_SIZE  # 64 pairs per group
+    assert moe_chunk_size(4096, 128) == 32
+    assert moe_chunk_size(1000, 1) == MAX_CHUNK_SIZE
+    assert max_segments(8, 3, 2, 16) == 6 and max_segments(8, 3, 2, 1) == 14
+
+
+def test_bad_arguments_raise():
+    index = torch.tensor(EXAMPLE["top_k_index"])
+    with pytest.raises(ValueError, match="token_slot must hold"):
+        MoePlan.build([1, -1, 0], index, 3, 2)
+    with pytest.raises(ValueError, match="token_slot must hold"):
+        MoePlan.build([1, -1, 0, 2], index, 3, 2)  # slot 2 of 2 slots
+    with pytest.raises(ValueError, match="does not fit"):
+        MoePlan.build(torch.zeros(3, dtype=torch.int64), index, 3, 2)
+    with pytest.raises(ValueError, match="tokens, top_k"):
+        MoePlan.build([0, 0, 0, 0, 0, 0, 0, 0], index.reshape(-1), 3, 2)
+    with pytest.raises(ValueError, match="chunk_size"):
+        MoePlan.build(EXAMPLE["token_slot"], index, 3, 2, chunk_size=0)
+
+
+def test_no_tokens():
+    plan = MoePlan.build([], torch.zeros(0, 4, dtype=torch.int64), 8, 2)
+    assert plan.num_pairs == 0 and plan.num_segments == 0 and plan.segments() == []
+    assert plan.expert_offsets.tolist() == [0] * 8
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Structural properties
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def random_routing(seed, tokens, top_k, experts, slots, base_fraction=0.25, unrouted_fraction=0.0):
+    rng = random.Random(seed)
+    token_slot = [-1 if rng.random() < base_fraction else rng.randrange(slots) for _ in range(tokens)]
+    weights = [1.0 / (e + 1) for e in range(experts)]  # skewed: expert 0 gets the most pairs
+    index = []
+    for _ in range(tokens):
+        chosen: list[int] = []
+        while len(chosen) < top_k:
+            e = rng.choices(range(experts), weights)[0]
+            if e not in chosen:
+                chosen.append(e)
+        index.append([rng.choice([-1, experts]) if rng.random() < unrouted_fraction else e for e in chosen])
+    return token_slot, torch.tensor(index, dtype=torch.int64).reshape(tokens, top_k)
+
+
+CASES = {
+    # name: (seed, tokens, top_k, experts, slots, base fraction, unrouted fraction, chunk)
+    "small": (0, 9, 2, 4, 3, 0.25, 0.0, None),
+    "chunk3": (1, 40, 3, 5, 2, 0.2, 0.0, 3),
+    "chunk1-all-adapters": (2, 17, 2, 3, 4, 0.0, 0.0, 1),
+    "unrouted": (3, 25, 4, 6, 3, 0.3, 0.2, 4),
+    "all-base": (4, 6, 2, 3, 2, 1.0, 0.0, None),
+    "top1-many-experts": (5, 30, 1, 64, 2, 0.1, 0.0, None),
+    "big": (6, 300, 8, 32, 5, 0.1, 0.0, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_plan_properties(case):
+    seed, tokens, top_k, experts, slots, base, unrouted, chunk = CASES[case]
+    token_slot, index = random_routing(seed, tokens, top_k, experts, slots, base, unrouted)
+    plan = MoePlan.build(token_slot, index, experts, slots, chunk_size=chunk)
+    chunk = plan.chunk_size
+    pairs = tokens * top_k
+    pair_slot = [token_slot[p // top_k] for p in range(pairs)]
+    pair_expert = index.reshape(-1).tolist()
+    routed = [0 <= e < experts for e in pair_expert]
+
+    # The permutation sorts pairs by (expert, slot with base last), stably; unrouted pairs last.
+    perm = plan.permutation.tolist()
+    assert sorted(perm) == list(range(pairs))
+
+    def key(p):
+        return (pair_expert[p], pair_slot[p] if pair_slot[p] >= 0 else slots) if routed[p] else (experts, 0)
+
+    assert perm == sorted(range(pairs), key=key)
+    # Each expert's pairs end at its offset: the offs of a grouped product over the sorted order.
+    per_expert = [sum(1 for e in pair_expert if e == x) for x in range(experts)]
+    assert plan.expert_offsets.tolist() == [sum(per_expert[: x + 1]) for x in range(experts)]
+
+    # The live segments partition exactly the routed adapter pairs, each one slot and one expert, at most a chunk.
+    assert plan.num_segments == max_segments(pairs, experts, slots, chunk)
+    assert plan.seg_start.shape == plan.seg_end.shape == plan.seg_slot.shape == (plan.num_segments,)
+    covered = []
+    for slot, expert, start, end in plan.segments():
+        assert 0 < end - start <= chunk
+        for q in range(start, end):
+            p = perm[q]
+            assert (pair_slot[p], pair_expert[p]) == (slot, expert)
+            covered.append(p)
+    want = [p for p in range(pairs) if routed[p] and pair_slot[p] >= 0]
+    assert sorted(covered) == want
+    # Each (slot, expert) run makes ceil(count / chunk) segments: no more than it needs.
+    runs: dict = {}
+    for p in want:
+        runs[(pair_slot[p], pair_expert[p])] = runs.get((pair_slot[p], pair_expert[p]), 0) + 1
+    assert len(plan.segments()) == sum(-(-c // chunk) for c in runs.values())
+    # Live segments first; the rest are empty with slot -1.
+    live = len(plan.segments())
+    assert (plan.seg_start[live:] == plan.seg_end[live:]).all() and (plan.seg_slot[live:] == -1).all()
+    if case == "all-base":
+        assert live == 0
