@@ -16,6 +16,26 @@ from helpers import BASE, DEVICE, assert_close
 
 from peft_csgmv.moe import moe_lora_forward, param_wrappers, stack_from_peft
 
+
+def _has_3d_experts() -> bool:
+    """transformers keeps MoE experts as 3D parameters (5 and later) and PEFT reaches them (``target_parameters``)."""
+    import inspect
+
+    import transformers
+    from peft import LoraConfig
+
+    experts = getattr(getattr(transformers.models, "qwen3_moe", None), "modeling_qwen3_moe", None)
+    return (
+        experts is not None
+        and hasattr(experts, "Qwen3MoeExperts")
+        and "target_parameters" in inspect.signature(LoraConfig).parameters
+    )
+
+
+pytestmark = pytest.mark.skipif(
+    not _has_3d_experts(), reason="needs transformers' 3D experts and PEFT's target_parameters"
+)
+
 TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ADAPTERS = {"a0": dict(r=4, lora_alpha=8), "a1": dict(r=8, lora_alpha=4, use_rslora=True)}
 NAMES = [BASE, "a0", "a1"]
