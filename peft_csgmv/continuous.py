@@ -197,13 +197,13 @@ class Router:
         """One step: its mapping filled and opened, the step run, the mapping closed (under the model's lock)."""
         peft_model = self.model_ref()
         state = None if peft_model is None else peft_model.__dict__.get("_csgmv")
-        if state is None:
-            return own_step(model)
         io = processor.inputs_and_outputs
         scheduled = list(io.requests_in_batch)
         names = [self.name_of(fs.state.request_id) for fs in scheduled]
         if all(name is STOCK for name in names):
             return own_step(model)  # (no request with an adapter given: stock PEFT's step, its active adapter)
+        if state is None:  # (never the active adapter in place of a request's own)
+            raise RuntimeError("csgmv was disabled on this model while requests given an adapter_id were running")
         with state.executor.lock:
             if STOCK in names:  # (beside requests with an adapter given: the model's active adapter, as PEFT's)
                 active = stock_adapter(peft_model, state)

@@ -285,10 +285,19 @@ def enable_csgmv(
 
 @outside_inference_mode
 def disable_csgmv(model):
-    """Undo :func:`enable_csgmv`: every layer and the model get PEFT's own forward back. Returns ``model``."""
-    state = model.__dict__.pop("_csgmv", None)
+    """Undo :func:`enable_csgmv`: every layer and the model get PEFT's own forward back. Returns ``model``. Waits for
+    the call in progress on another thread (or a continuous-batching step) to end first."""
+    state = model.__dict__.get("_csgmv")
     if state is None:
         return model
+    with state.executor.lock:
+        if model.__dict__.pop("_csgmv", None) is None:  # (disabled by another thread meanwhile)
+            return model
+        _disable(model, state)
+    return model
+
+
+def _disable(model, state: CsgmvState) -> None:
     state.release()
     # Layers that PEFT replaced or dropped since (merge_and_unload, delete_adapter) may still carry a patch.
     for module in model.modules():
@@ -299,7 +308,6 @@ def disable_csgmv(model):
         del model.base_model.__dict__["add_weighted_adapter"]
     continuous.unpatch_base_model(model)
     _unpatch_model(model)
-    return model
 
 
 def csgmv_stats(model) -> dict:

@@ -241,3 +241,33 @@ def test_a_prompt_cached_under_one_adapter_is_not_reused_under_another(enabled):
         manager.stop(block=True)
     assert got["first"] == _alone(model, prompt, "a0", 5)
     assert got["second"] == _alone(model, prompt, "a1", 5)
+
+
+def test_disabling_while_requests_run_never_gives_them_another_adapter():
+    """``disable_csgmv`` while a manager runs requests given adapters: it waits for the step in progress, and every
+    request either finished before with its own tokens or fails loudly; none goes on with the model's active adapter
+    in place of its own."""
+    model = make("llama")
+    model.get_base_model().generation_config.eos_token_id = None
+    enable_csgmv(model, backend="torch")
+    gen, cbc = _configs(new_tokens=200)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+    manager.start()
+    results = {}
+    try:
+        rids = manager.add_requests(PROMPTS, max_new_tokens=200, adapter_ids=["a1"] * len(PROMPTS), streaming=True)
+        first = manager.get_result(timeout=10)  # (a step ran: its first tokens streamed)
+        assert first is not None and not first.is_finished()
+        disable_csgmv(model)
+        while len(results) < len(rids):
+            result = manager.get_result(timeout=10)
+            assert result is not None, "a request neither finished nor failed"
+            if result.is_finished():
+                results[result.request_id] = result
+    finally:
+        manager.stop(block=True)
+    failed = [r for r in results.values() if r.error is not None]
+    assert failed, "every request finished before the model was disabled: the test proves nothing"
+    for rid, result in results.items():
+        if result.error is None:
+            assert result.generated_tokens == _alone(model, PROMPTS[rids.index(rid)], "a1", 200), rid
