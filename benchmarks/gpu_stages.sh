@@ -21,7 +21,11 @@
 #   multi    two GPUs (the nvidia-h200-x2 kind): 8B with device_map over both vs one; data-parallel generate -> multi_gpu.json
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
 #   beside   GPU time of compiled 1B/8B blocks, the LoRA after vs beside the base product (~2 min) -> beside.json
-#   cli      the batch command, 1B, 2048 rows: dynamic vs static cache (--cache-implementation static) -> cli_1b.json
+#   cli      the batch command, 1B, 2048 rows: continuous batching (its default) vs static batches on the dynamic and
+#            the static cache -> cli_1b.json
+#   continuous  continuous batching with an adapter per request, 1B, 256 requests (prompts 32-1024, answers 16-512):
+#            base model (csgmv's loop and transformers' defaults), stock PEFT one adapter, csgmv 32 distinct (~6 min)
+#            -> continuous_1b.json
 #   peer     PEFT's own mixed-batch tests through csgmv's Triton kernels, fp32 then bf16 models (needs
 #            `python benchmarks/peft_tests/run.py --fetch <the image's PEFT version>` here first; carry wheels)
 #            -> peer_fp32.log, peer_bf16.log
@@ -116,6 +120,10 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     cli)
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
       grep -E "^\||identical" "$OUT/cli_1b.log" || tail -25 "$OUT/cli_1b.log" ;;
+    continuous)
+      python3 benchmarks/bench_continuous.py --model 1b --requests 256 --out "$OUT/continuous_1b.json" 2>&1 \
+        | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b.log"
+      grep "^|" "$OUT/continuous_1b.log" || tail -25 "$OUT/continuous_1b.log" ;;
     peer)
       version=$(python3 -c "import peft; print(peft.__version__)")
       if [ ! -d "wheels/peft-$version/tests" ]; then
