@@ -1,4 +1,4 @@
-"""First timing of the MoE expert-LoRA kernels on one MoE layer of real shape (untuned groundwork, issue 45).
+"""The MoE expert-LoRA kernels timed on one MoE layer of real shape (untuned).
 
     python benchmarks/bench_moe_kernels.py --out results/moe_kernels.json
 
