@@ -62,7 +62,10 @@ def validate(
         raise ValueError(
             f"Length of `{arg}` should be the same as the number of inputs, but got {len(ids)} and {rows} respectively."
         )
-    if any(getattr(m, "merged", False) for m in (*state.layers.values(), *state.peft_path.values())):
+    if any(
+        getattr(m, "merged", False)
+        for m in (*state.layers.values(), *state.peft_path.values(), *state.experts.values())
+    ):
         raise ValueError(f"Cannot pass `{arg}` when there are merged adapters, please call `unmerge_adapter` first.")
     if not state.dora_refused.isdisjoint(ids):
         raise ValueError(PEFT_DORA_ERROR.format(arg=arg))

@@ -50,6 +50,15 @@ class MoeStack:
     def num_slots(self) -> int:
         return self.a.shape[0]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.a, self.b, self.ranks, self.scalings))
+
+    def serves(self, row_slots: Sequence[int], token_slots: Sequence[int] | None = None) -> bool:
+        """Whether some slot of a call's rows (or of a packed step's tokens) adapts this parameter."""
+        ranks = self.ranks_host
+        return any(0 <= s < len(ranks) and ranks[s] for s in set(token_slots if token_slots is not None else row_slots))
+
 
 def param_wrappers(module: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     """The experts module under PEFT's (nested) ``ParamWrapper`` s of ``module`` and ``{parameter name: wrapper}``."""
