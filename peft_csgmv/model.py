@@ -6,9 +6,12 @@ What patching does, all of it undone by :func:`disable_csgmv`:
 * every PEFT LoRA ``Linear`` layer (``nn.Linear`` or GPT-2 ``Conv1D`` base) and ``Embedding`` layer gets a
   :class:`~peft_csgmv.slots.LoraStack` and csgmv's ``forward``, through a subclass of its class of the same name
   (see :mod:`peft_csgmv.layers`);
+* the outer PEFT ``ParamWrapper`` of each MoE experts module (``target_parameters`` on transformers' 3D experts) gets
+  csgmv's experts forward and a :class:`~peft_csgmv.moe.MoeStack` per adapted parameter (eagerly only);
 * every other PEFT tuner layer and auxiliary wrapper (LoRA convolutions, embeddings with ``max_norm``,
-  MultiheadAttention, ``target_parameters``, other quantized layers, ``modules_to_save`` and trainable-token wrappers)
-  gets PEFT's own mixed-batch path during csgmv calls: PEFT's results there, and PEFT's errors where PEFT refuses;
+  MultiheadAttention, other ``target_parameters``, other quantized layers, ``modules_to_save`` and trainable-token
+  wrappers) gets PEFT's own mixed-batch path during csgmv calls: PEFT's results there, and PEFT's errors where PEFT
+  refuses;
 * adapters the kernels do not serve in a kernel layer (LoRA variants such as aLoRA) run through PEFT's mixed-batch
   forward of that layer, for their rows only;
 * a model whose adapters are not LoRA (RoAd, GLoRA, ...) has no kernels to run: its calls with ids go to PEFT's own

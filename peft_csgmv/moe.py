@@ -1,4 +1,5 @@
-"""A prototype of mixed-adapter expert LoRA (not wired into the patched model yet; see docs/moe-design.md).
+"""Mixed-adapter expert LoRA: the layer math that experts layers run (:func:`peft_csgmv.layers.experts_forward`; see
+docs/moe-design.md).
 
 PEFT adapts a MoE layer's 3-D expert parameters through ``LoraConfig(target_parameters=[...])``: a ``ParamWrapper``
 per parameter (nested when a module has two), which folds ``scaling · B_e A_e`` of one adapter into every expert's
