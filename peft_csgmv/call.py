@@ -62,7 +62,10 @@ def validate(
         raise ValueError(
             f"Length of `{arg}` should be the same as the number of inputs, but got {len(ids)} and {rows} respectively."
         )
-    if any(getattr(m, "merged", False) for m in (*state.layers.values(), *state.peft_path.values())):
+    if any(
+        getattr(m, "merged", False)
+        for m in (*state.layers.values(), *state.peft_path.values(), *state.experts.values())
+    ):
         raise ValueError(f"Cannot pass `{arg}` when there are merged adapters, please call `unmerge_adapter` first.")
     if not state.dora_refused.isdisjoint(ids):
         raise ValueError(PEFT_DORA_ERROR.format(arg=arg))
@@ -177,6 +180,12 @@ def open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | No
         )
         return None
     validate(state, model, ids, arg, args, kwargs, generate)
+    if generate and state.experts and _generation_setting(model, args, kwargs, "cache_implementation") == "static":
+        raise NotImplementedError(
+            "csgmv runs MoE expert LoRA (target_parameters) eagerly only: generate with adapter ids and "
+            "cache_implementation='static' (a compiled decode step) is not supported for this model yet; use the "
+            "default dynamic cache"
+        )
     names = tuple(BASE if i in BASE_NAMES else i for i in ids)
     offsets = _alora_offsets(model, names, args, kwargs, generate)  # may raise PEFT's own error: before any move
     keep = _row_keep(state, names, offsets, arg)

@@ -254,6 +254,7 @@ def _refusal(model, state, name: str) -> str | None:
         return f"adapter {name!r} is an aLoRA adapter: it cannot be given per request under continuous batching"
     peft_path = [n for n, m in state.peft_path.items() if name in m._csgmv_record.adapters]
     peft_path += [n for n, layer in state.layers.items() if name in (layer._csgmv_record.peft_rows or ())]
+    peft_path += [n for n, wrapper in state.experts.items() if name in wrapper._csgmv_record.peft_rows]
     if peft_path:
         return (
             f"adapter {name!r} runs PEFT's own path in {', '.join(peft_path[:4])}: it cannot be given per request "

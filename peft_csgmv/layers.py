@@ -449,3 +449,55 @@ def peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
         kwargs = {k: v for k, v in kwargs.items() if k not in VARIANT_KWARGS}
         kwargs.update(mapping.variant_kwargs())
     return self._csgmv_orig_forward(*args, adapter_names=names, **kwargs)
+
+
+def experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *args,
+    **kwargs,
+) -> torch.Tensor:
+    """The forward of a patched experts layer: the outer PEFT ``ParamWrapper`` of a MoE experts module (any
+    transformers ``@use_experts_implementation`` class), called by its MoE block with ``hidden_states`` ``(T, hidden)``
+    (the step's rows × tokens, flattened), ``top_k_index`` and ``top_k_weights`` ``(T, top_k)``. During a csgmv call
+    each token takes its row's adapter (:meth:`~peft_csgmv.mapping.Mapping.token_slots_for`) in both expert products
+    (:func:`~peft_csgmv.moe.moe_lora_forward` over the layer's stacks, on the experts module under the wrappers,
+    without PEFT's delta weight). With no call active, another thread's call, under ``disable_adapter()`` or with
+    PEFT's own ``adapter_names``, it is PEFT's forward; a call that asks for an adapter the layer cannot serve gets
+    PEFT's mixed-batch forward (PEFT's error)."""
+    state = self.__dict__
+    ex: Executor = _LIVE[state["_csgmv_exec"]]()
+    if not ex.active or state.get("_disable_adapters", False) or "adapter_names" in kwargs:
+        return self._csgmv_orig_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "csgmv runs MoE expert LoRA (target_parameters) eagerly only: a compiled call with adapter ids (torch."
+            "compile, cache_implementation='static') reached an experts layer; call without compiling"
+        )
+    if ex.owner != _get_ident():  # another thread's call is in progress: not this one's
+        return self._csgmv_orig_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+    mapping = ex.mapping
+    record = state["_csgmv_record"]
+    num_tokens = hidden_states.shape[0]
+    stacks = record.experts
+    device = hidden_states.device
+    if (
+        (record.peft_rows and not record.peft_rows.isdisjoint(mapping.name_set))
+        or args
+        or kwargs
+        or any(stack.a.device != device for stack in stacks.values())
+    ):
+        # Adapters the layer cannot serve, arguments csgmv does not know, or the input elsewhere than the stacks:
+        # PEFT's own path (its result or error).
+        names = mapping.names_for(num_tokens)
+        return self._csgmv_orig_forward(hidden_states, top_k_index, top_k_weights, *args, adapter_names=names, **kwargs)
+    from .moe import moe_lora_forward, param_wrappers
+
+    experts, _ = param_wrappers(self)
+    if not any(stacks[name].serves(mapping.row_slots, mapping.token_slots) for name in stacks):
+        return experts(hidden_states, top_k_index, top_k_weights)  # no adapter token here: the base experts
+    token_slot = mapping.token_slots_for(num_tokens, device)
+    backend = "triton" if ex.triton_on(device) else "torch"
+    return moe_lora_forward(experts, hidden_states, top_k_index, top_k_weights, token_slot, stacks, backend=backend)

@@ -74,6 +74,7 @@ class Mapping:
         self._seen_x = None
         self.runs: dict = {}  # (rows, tokens_per_row, device) -> PlanRun: this call's plans, by shape
         self.unforeseen = 0  # plans of shapes the driver did not prepare, made when a layer first read them
+        self._token_slots: dict = {}  # (num_tokens, device) -> token_slots_for's answer
 
     def prepare(self, rows: int, tokens_per_row: int, device: torch.device) -> "PlanRun":
         """Make the plan of a layer input of ``rows × tokens_per_row`` tokens on ``device`` (from the cache when an
@@ -144,6 +145,38 @@ class Mapping:
                 "request each of them belongs to"
             )
         return slots + (-1,) * (num_tokens - len(slots)) if num_tokens > len(slots) else slots
+
+    def token_slots_for(self, num_tokens: int, device: torch.device | None = None):
+        """The slot of each of a layer input's ``num_tokens`` tokens, flattened row by row (a MoE layer's experts see
+        the step's ``rows × tokens`` hidden states as one ``(T, hidden)`` matrix): each id's slot over its
+        ``num_tokens / len(ids)`` consecutive tokens (its rows, beams or returned sequences included, one after
+        another), ``-1`` for base tokens; an aLoRA row's tokens before its last ``row_keep`` ones are base tokens
+        (counted on rows of one id each: aLoRA refuses beams). A packed continuous-batching step: its
+        :attr:`token_slots`, padded with ``-1``. ``device``: as an int32 tensor there, made once per call and size
+        (every MoE layer of a step reads the same one); ``None``: a tuple."""
+        key = (num_tokens, device)
+        cached = self._token_slots.get(key)
+        if cached is not None:
+            return cached
+        if self.token_slots is not None:
+            slots = self._packed(num_tokens)
+        else:
+            n = len(self.row_slots)
+            if num_tokens % n:
+                raise ValueError(
+                    f"Length of `{self.arg_name}` should be the same as the number of inputs, but got {n} and a "
+                    f"layer input of {num_tokens} tokens (not a whole multiple of {n})"
+                )
+            per = num_tokens // n
+            keep = self.row_keep or (None,) * n
+            slots = tuple(
+                -1 if slot < 0 or (k is not None and j < per - k) else slot
+                for slot, k in zip(self.row_slots, keep)
+                for j in range(per)
+            )
+        out = slots if device is None else torch.tensor(slots, dtype=torch.int32, device=device)
+        self._token_slots[key] = out
+        return out
 
     def names_for(self, rows: int) -> list[str]:
         """PEFT's ``adapter_names`` for a module input of ``rows`` rows (each name repeated for its rows); the call's

@@ -6,9 +6,12 @@ What patching does, all of it undone by :func:`disable_csgmv`:
 * every PEFT LoRA ``Linear`` layer (``nn.Linear`` or GPT-2 ``Conv1D`` base) and ``Embedding`` layer gets a
   :class:`~peft_csgmv.slots.LoraStack` and csgmv's ``forward``, through a subclass of its class of the same name
   (see :mod:`peft_csgmv.layers`);
+* the outer PEFT ``ParamWrapper`` of each MoE experts module (``target_parameters`` on transformers' 3D experts) gets
+  csgmv's experts forward and a :class:`~peft_csgmv.moe.MoeStack` per adapted parameter (eagerly only);
 * every other PEFT tuner layer and auxiliary wrapper (LoRA convolutions, embeddings with ``max_norm``,
-  MultiheadAttention, ``target_parameters``, other quantized layers, ``modules_to_save`` and trainable-token wrappers)
-  gets PEFT's own mixed-batch path during csgmv calls: PEFT's results there, and PEFT's errors where PEFT refuses;
+  MultiheadAttention, other ``target_parameters``, other quantized layers, ``modules_to_save`` and trainable-token
+  wrappers) gets PEFT's own mixed-batch path during csgmv calls: PEFT's results there, and PEFT's errors where PEFT
+  refuses;
 * adapters the kernels do not serve in a kernel layer (LoRA variants such as aLoRA) run through PEFT's mixed-batch
   forward of that layer, for their rows only;
 * a model whose adapters are not LoRA (RoAd, GLoRA, ...) has no kernels to run: its calls with ids go to PEFT's own
@@ -314,6 +317,8 @@ def csgmv_stats(model) -> dict:
     """What ``enable_csgmv`` holds for ``model`` (read-outs for benchmarks and monitoring):
 
     * ``kernel_layers``, ``peft_path_modules``: counts of the layers on the kernels and the modules on PEFT's path;
+    * ``expert_layers``: MoE experts modules whose expert LoRA (``target_parameters``) runs csgmv's expert path;
+      ``expert_stack_bytes``: device memory of their stacks (copies of PEFT's weights; counted in ``stack_bytes`` too);
     * ``peft_row_layers``: kernel layers where some adapter's rows run PEFT's own forward (adapters the kernels do not
       serve there);
     * ``stack_bytes``: device memory of every stack; ``shared_bytes``: of that, PEFT's own adapter weights, which are
@@ -328,10 +333,13 @@ def csgmv_stats(model) -> dict:
     state: CsgmvState = model.__dict__["_csgmv"]
     return dict(
         kernel_layers=len(state.layers),
+        expert_layers=len(state.experts),
+        expert_stack_bytes=_expert_stack_bytes(state),
         peft_path_modules=len(state.peft_path),
         peft_row_layers=sum(1 for layer in state.layers.values() if layer._csgmv_record.peft_rows),
         stack_bytes=sum(layer._csgmv_record.stack.nbytes for layer in state.layers.values())
-        + (0 if state.tier is None else sum(pages.nbytes for pages in state.tier.pages.values())),
+        + (0 if state.tier is None else sum(pages.nbytes for pages in state.tier.pages.values()))
+        + _expert_stack_bytes(state),
         shared_bytes=sum(layer._csgmv_record.stack.shared_bytes for layer in state.layers.values()),
         plans_cached=state.executor.num_plans,
         static_plans=len(state.executor.statics),
@@ -341,6 +349,10 @@ def csgmv_stats(model) -> dict:
         host_bytes=0 if state.tier is None else state.tier.host.nbytes,
         static_cache_bytes=0 if state.static_cache is None else state.static_cache.nbytes,
     )
+
+
+def _expert_stack_bytes(state: CsgmvState) -> int:
+    return sum(stack.nbytes for wrapper in state.experts.values() for stack in wrapper._csgmv_record.experts.values())
 
 
 def is_csgmv_enabled(model) -> bool:

@@ -1,4 +1,5 @@
-"""A prototype of mixed-adapter expert LoRA (not wired into the patched model yet; see docs/moe-design.md).
+"""Mixed-adapter expert LoRA: the layer math that experts layers run (:func:`peft_csgmv.layers.experts_forward`; see
+docs/moe-design.md).
 
 PEFT adapts a MoE layer's 3-D expert parameters through ``LoraConfig(target_parameters=[...])``: a ``ParamWrapper``
 per parameter (nested when a module has two), which folds ``scaling · B_e A_e`` of one adapter into every expert's
@@ -49,6 +50,15 @@ class MoeStack:
     @property
     def num_slots(self) -> int:
         return self.a.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.a, self.b, self.ranks, self.scalings))
+
+    def serves(self, row_slots: Sequence[int], token_slots: Sequence[int] | None = None) -> bool:
+        """Whether some slot of a call's rows (or of a packed step's tokens) adapts this parameter."""
+        ranks = self.ranks_host
+        return any(0 <= s < len(ranks) and ranks[s] for s in set(token_slots if token_slots is not None else row_slots))
 
 
 def param_wrappers(module: torch.nn.Module) -> tuple[torch.nn.Module, dict]:

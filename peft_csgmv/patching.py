@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterator
 from torch import nn
 
 from .executor import Executor, executor_of
-from .layers import KERNEL_LAYERS, kernel_forward, layer_keys, peft_path_forward
+from .layers import KERNEL_LAYERS, experts_forward, kernel_forward, layer_keys, peft_path_forward
 from .tier import adapter_params
 
 if TYPE_CHECKING:
@@ -35,6 +35,9 @@ class ModuleRecord:
         adapters: the adapter names a PEFT-path module holds (rows of others run its base module).
         siblings: a sibling group's first member: ``(key, the others' stack handles, their base weights)``.
         member: a sibling group's later member: ``(the group's key, its place)``.
+        experts: an experts layer's stacks, ``{parameter name: MoeStack}`` (:mod:`peft_csgmv.moe`), of the slots'
+            adapters; ``None`` for other modules.
+        experts_scalings: the scalings an experts layer's stacks were built with, by parameter name.
     """
 
     def __init__(self) -> None:
@@ -43,6 +46,8 @@ class ModuleRecord:
         self.adapters: frozenset = frozenset()
         self.siblings: tuple | None = None
         self.member: tuple | None = None
+        self.experts: dict | None = None
+        self.experts_scalings: dict = {}
 
 
 def _patch(module: nn.Module, forward, executor: Executor) -> ModuleRecord:
@@ -201,6 +206,12 @@ def patch_layer(layer: nn.Module, stack: "LoraStack", executor: Executor) -> Non
 def patch_peft_path(module: nn.Module, executor: Executor) -> None:
     """Give a module csgmv has no kernel for the PEFT path (see the module docstring)."""
     _patch(module, peft_path_forward, executor)
+
+
+def patch_experts(wrapper: nn.Module, executor: Executor) -> None:
+    """Give an experts layer (the outer PEFT ``ParamWrapper`` of a MoE experts module) csgmv's forward (see
+    :func:`_patch`; :func:`unpatch_layer` undoes it). Its stacks go in its record's ``experts``."""
+    _patch(wrapper, experts_forward, executor)
 
 
 def unpatch_layer(layer: nn.Module) -> None:

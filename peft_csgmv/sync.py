@@ -22,6 +22,7 @@ from .options import Options
 from .patching import (
     WeakMethod,
     is_patched,
+    patch_experts,
     patch_layer,
     patch_peft_path,
     skip_parameter_walks,
@@ -79,6 +80,48 @@ def _kernel_reason(layer: nn.Module, name: str) -> str | None:
         return None
     if variant is not None:
         return f"the LoRA variant {type(variant).__name__}"
+    return None
+
+
+EXPERT_PARAMETERS = frozenset({"gate_up_proj", "down_proj"})
+
+
+def _experts_parts(wrapper: nn.Module) -> tuple[nn.Module, dict]:
+    from .moe import param_wrappers
+
+    return param_wrappers(wrapper)
+
+
+def _experts_wrappers(module: nn.Module) -> dict | None:
+    """``{parameter name: ParamWrapper}`` where ``module`` is the outer PEFT ``ParamWrapper`` of a MoE experts module
+    csgmv serves (a transformers ``@use_experts_implementation`` class with a gate and no post-expert norm, whose 3-D
+    ``gate_up_proj`` / ``down_proj`` carry the wrappers), else ``None`` (PEFT's path)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    if not isinstance(module, ParamWrapper):
+        return None
+    experts, wrappers = _experts_parts(module)
+    if (
+        not wrappers
+        or not set(wrappers) <= EXPERT_PARAMETERS
+        or not callable(getattr(experts, "_apply_gate", None))
+        or not getattr(experts, "has_gate", True)
+        or getattr(experts, "has_post_expert_norm", False)
+        or not isinstance(getattr(experts, "num_experts", None), int)
+        or any(getattr(experts, p, None) is None or getattr(experts, p).dim() != 3 for p in EXPERT_PARAMETERS)
+    ):
+        return None
+    return wrappers
+
+
+def _experts_reason(wrapper: nn.Module, name: str) -> str | None:
+    """Why an experts layer cannot serve adapter ``name`` of one of its wrappers (``None``: it can)."""
+    if wrapper.use_dora.get(name, False):
+        return "DoRA"
+    if getattr(wrapper.lora_B[name], "bias", None) is not None:
+        return "lora_bias"
+    if getattr(wrapper, "lora_variant", {}).get(name) is not None:
+        return "a LoRA variant"
     return None
 
 
@@ -163,6 +206,8 @@ class CsgmvState:
         self.executor = Executor(backend, WeakMethod(CsgmvState._restack, self), Options.from_env())
         self.layers: dict[str, nn.Module] = {}  # module name -> lora.Linear / lora.Embedding on the kernels
         self.peft_path: dict[str, nn.Module] = {}  # module name -> module on PEFT's mixed-batch path
+        # module name -> experts layer: the outer PEFT ParamWrapper of a MoE experts module, its stacks in its record
+        self.experts: dict[str, nn.Module] = {}
         self.peft_only: str | None = None  # why calls with ids go to PEFT whole (adapters that are not LoRA)
         self.known: frozenset[str] = frozenset()  # the adapter names PEFT accepts in `adapter_names`
         self.alora: frozenset[str] = frozenset()  # the aLoRA adapters (their configs' alora_invocation_tokens)
@@ -211,6 +256,8 @@ class CsgmvState:
         self.peft_only = _not_lora(model)
         found: dict[str, nn.Module] = {}
         peft_path: dict[str, nn.Module] = {}
+        experts: dict[str, nn.Module] = {}
+        inner: set[int] = set()  # the inner ParamWrappers of experts layers (part of their layer)
         known: set[str] = set()
         self.dora_refused = set()
         regroup = False  # a layer got a new stack
@@ -240,13 +287,29 @@ class CsgmvState:
                     if _kernel_layer(module):
                         found[mod_name] = module
                         continue
+                    if id(module) in inner:
+                        continue
+                    wrappers = _experts_wrappers(module)
+                    if wrappers is not None:
+                        experts[mod_name] = module
+                        inner.update(id(w) for w in wrappers.values() if w is not module)
+                        continue
                     self.dora_refused.update(n for n in _held_adapters(module) if module.use_dora.get(n, False))
                     peft_path[mod_name] = module
                 elif isinstance(module, Aux):
                     peft_path[mod_name] = module
+            if experts and tier is not None:
+                raise NotImplementedError(
+                    "csgmv's host tier (max_resident_adapters) does not hold MoE expert LoRA (target_parameters on "
+                    f"{next(iter(experts))}): enable csgmv without max_resident_adapters for this model"
+                )
             for module in peft_path.values():
                 if not is_patched(module):
                     patch_peft_path(module, self.executor)
+            for module in experts.values():
+                if not is_patched(module):
+                    patch_experts(module, self.executor)
+                self.stack_experts(module)
                 module._csgmv_record.adapters = frozenset(_held_adapters(module))
             restack = set()
             for layer in found.values():
@@ -275,13 +338,13 @@ class CsgmvState:
                     host_copies_done(found.values())
             for layer in found.values():
                 self.stack_layer(layer, force or layer in restack)
-        for old, new in ((self.layers, found), (self.peft_path, peft_path)):
+        for old, new in ((self.layers, found), (self.peft_path, peft_path), (self.experts, experts)):
             for mod_name, module in old.items():
-                if new.get(mod_name) is not module:
+                if new.get(mod_name) is not module and is_patched(module):
                     unpatch_layer(module)
-        self.layers, self.peft_path, self.known = found, peft_path, frozenset(known)
-        if found or peft_path:
-            skip_parameter_walks(model, [*found, *peft_path])
+        self.layers, self.peft_path, self.experts, self.known = found, peft_path, experts, frozenset(known)
+        if found or peft_path or experts:
+            skip_parameter_walks(model, [*found, *peft_path, *experts])
         self.fingerprint = (list(model.peft_config), tuple(model.peft_config.values()))
         self.alora = frozenset(
             name
@@ -377,6 +440,28 @@ class CsgmvState:
         stack.refresh()
         set_peft_rows(layer, peft_rows)
 
+    def stack_experts(self, wrapper: nn.Module) -> None:
+        """Build an experts layer's stacks (one per adapted parameter, a slot per slot of the registry) from PEFT's
+        weights (:func:`~peft_csgmv.moe.stack_from_peft`: copies, so weights edited in place need ``enable_csgmv``
+        again). Adapters the layer cannot serve (DoRA, ``lora_bias``, a LoRA variant: PEFT refuses them here too)
+        are named in its record's ``peft_rows``: a call that asks for one gets PEFT's path (PEFT's error)."""
+        from .moe import stack_from_peft
+
+        _, wrappers = _experts_parts(wrapper)
+        names = self.registry.names
+        record = wrapper._csgmv_record
+        refused = {n for w in wrappers.values() for n in w.lora_A if _experts_reason(w, n) is not None}
+        slotted = [None if n in refused else n for n in names]
+        stacks = {}
+        for param, w in wrappers.items():
+            dtypes = {w.lora_A[n].weight.dtype for n in slotted if n is not None and n in w.lora_A}
+            dtype = self.dtype or (max(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else None)
+            with torch.no_grad():
+                stacks[param] = stack_from_peft(w, slotted, dtype)
+        record.experts = stacks
+        record.experts_scalings = {param: dict(w.scaling) for param, w in wrappers.items()}
+        record.peft_rows = frozenset(refused)
+
     def stack_dtype(self, layer: nn.Module) -> torch.dtype:
         """The dtype of a layer's stack: ``enable_csgmv``'s ``dtype`` where given, else the adapters' own (PEFT's
         numerics: fp32 adapters on a bf16 model, PEFT's default, are computed in fp32), the widest where they differ."""
@@ -416,9 +501,9 @@ class CsgmvState:
             for layer in self.layers.values():
                 for name in layer_adapters(layer):
                     move_adapter(layer, name, layer._csgmv_record.stack.device)
-        for module in [*self.layers.values(), *self.peft_path.values()]:
+        for module in [*self.layers.values(), *self.peft_path.values(), *self.experts.values()]:
             unpatch_layer(module)
-        self.layers, self.peft_path = {}, {}
+        self.layers, self.peft_path, self.experts = {}, {}, {}
         self.executor.clear_plans()
         if self.static_cache is not None:
             self.static_cache.drop()
@@ -447,6 +532,11 @@ class CsgmvState:
         for layer in self.layers.values():
             if layer.scaling is not layer._csgmv_record.stack.scaling_src:
                 self.stack_layer(layer, force=True)
+        for wrapper in self.experts.values():  # (their stacks are copies: any change of a scaling restacks)
+            _, wrappers = _experts_parts(wrapper)
+            held = wrapper._csgmv_record.experts_scalings
+            if any(held.get(param) != w.scaling for param, w in wrappers.items()):
+                self.stack_experts(wrapper)
 
     def follow_weights(self) -> None:
         """Before a call: where the model was moved since the last one (``model.to(device)``: a base weight of a
@@ -454,6 +544,11 @@ class CsgmvState:
         weights: the host tier keeps those of adapters without a slot in host memory), and bindings to its old
         tensors are dropped. One read per call; a layer whose stack is not where its input is runs PEFT's own
         forward."""
+        for wrapper in self.experts.values():  # (a few experts layers: read on every call)
+            _, wrappers = _experts_parts(wrapper)
+            stacks = wrapper._csgmv_record.experts
+            if any(stacks[p].a.device != w.get_param().device for p, w in wrappers.items() if p in stacks):
+                self.stack_experts(wrapper)
         place = self.place
         if place is None or place[0].device == place[1]:
             return

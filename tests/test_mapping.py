@@ -88,3 +88,23 @@ def test_packed_steps_rewrite_one_plan_at_fixed_addresses():
     assert runs[0].plan.permutation.data_ptr() == runs[2].plan.permutation.data_ptr()
     assert runs[3] is not runs[0], "three adapters: a plan sized for four runs"
     assert cache.run_for_tokens((-1,) * 8, "cpu").plan.is_empty
+
+
+def test_token_slots_for_flattened_rows_beams_alora_and_packed_steps():
+    """A MoE layer's experts see a step's rows × tokens flattened: each id's slot over its consecutive tokens (its
+    rows: beams, returned sequences), an aLoRA row's adapter on its last tokens only, a packed step's slots padded
+    with base tokens; one tensor per size and device, shared by the step's layers."""
+    from peft_csgmv.mapping import Mapping
+
+    m = Mapping(row_slots=(0, -1, 1), names=("a0", BASE, "a1"), arg_name="adapter_ids")
+    assert m.token_slots_for(6) == (0, 0, -1, -1, 1, 1)  # 3 rows × 2 tokens, or 6 beams × 1 token: the same
+    assert m.token_slots_for(3) == (0, -1, 1)
+    t = m.token_slots_for(12, torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == [0] * 4 + [-1] * 4 + [1] * 4
+    assert m.token_slots_for(12, torch.device("cpu")) is t
+    with pytest.raises(ValueError, match="whole multiple"):
+        m.token_slots_for(7)
+    alora = Mapping(row_slots=(0, 1), names=("a0", "al"), arg_name="adapter_ids", row_keep=(None, 2))
+    assert alora.token_slots_for(8) == (0, 0, 0, 0, -1, -1, 1, 1)
+    packed = Mapping(row_slots=(), names=(), arg_name="adapter_ids", token_slots=(1, 1, -1, 0))
+    assert packed.token_slots_for(6) == (1, 1, -1, 0, -1, -1)

@@ -1,0 +1,212 @@
+"""MoE expert LoRA (``LoraConfig(target_parameters=[...])`` on transformers' 3D experts) in mixed batches, through the
+model's normal call, against stock PEFT one adapter at a time.
+
+Whole two-layer causal LMs with random weights (Qwen3-MoE, gpt-oss with its biases and clamped activation, Mixtral)
+in fp32 on the CPU (the Triton kernels under the interpreter). Adapters of different ranks and alphas, one also on
+the attention projections (``q_proj``, ``v_proj``: kernel layers beside the experts layers), randomly initialised
+(``init_lora_weights=False``); base rows interleaved. Each row of a mixed batch must equal the row PEFT returns with
+that row's adapter alone (``set_adapter``), base rows ``disable_adapter()``'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    BACKENDS,
+    BASE,
+    DEVICE,
+    assert_adapters_matter,
+    assert_close,
+    assert_generations_differ,
+    greedy_kwargs,
+    per_adapter,
+    stitch,
+)
+from test_moe_prototype import _has_3d_experts
+
+from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv
+
+pytestmark = pytest.mark.skipif(
+    not _has_3d_experts(), reason="needs transformers' 3D experts and PEFT's target_parameters"
+)
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ADAPTERS = {
+    "a0": dict(r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERTS),
+    "a1": dict(r=8, lora_alpha=4, use_rslora=True, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS),
+    "a2": dict(r=2, lora_alpha=16, target_modules=["q_proj"], target_parameters=EXPERTS),
+}
+ARCHS = ["qwen3_moe", "gpt_oss", "mixtral"]
+VOCAB = 64
+
+
+def tiny_moe_lm(arch: str):
+    """A two-layer MoE causal LM with random weights (experts of order one, gpt-oss's biases set) on DEVICE."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    if arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_experts=6)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(**common, intermediate_size=24, num_local_experts=6)
+        cls = transformers.MixtralForCausalLM
+    else:  # a low swiglu limit: the clamp after the gate/up LoRA is active
+        config = transformers.GptOssConfig(**common, intermediate_size=24, num_local_experts=6, swiglu_limit=0.3)
+        cls = transformers.GptOssForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp." in name:
+                param.normal_(0, 0.5 if name.endswith("_bias") else 0.2)
+            elif "q_proj" in name or "v_proj" in name:
+                param.normal_(0, 0.3)
+    model.generation_config.pad_token_id = 0
+    return model.to(DEVICE)
+
+
+def moe_peft(arch: str, adapters=ADAPTERS):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_moe_lm(arch)
+    pm = None
+    for i, (name, spec) in enumerate(adapters.items()):
+        torch.manual_seed(10 + i)
+        config = LoraConfig(init_lora_weights=False, **spec)
+        if pm is None:
+            pm = get_peft_model(model, config, adapter_name=name)
+        else:
+            pm.add_adapter(name, config)
+    return pm.eval()
+
+
+def prompts(rows: int, seq: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (rows, seq), generator=g).to(DEVICE)
+
+
+def names_for(rows: int, adapters=tuple(ADAPTERS)) -> list[str]:
+    cycle = [BASE, *adapters]
+    return [cycle[i % len(cycle)] for i in range(rows)]
+
+
+def close(actual, expected, what):
+    assert actual.shape == expected.shape and torch.isfinite(actual).all(), what
+    assert_close(actual, expected, what=what, scale=max(1.0, expected.abs().max().item()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_forward_matches_peft_per_adapter(arch, backend):
+    pm = moe_peft(arch)
+    ids = prompts(8, 5)
+    names = names_for(8)
+    expected = per_adapter(pm, names, lambda: pm(ids).logits)
+    assert_adapters_matter(expected)
+    enable_csgmv(pm, backend=backend)
+    stats = csgmv_stats(pm)
+    assert stats["expert_layers"] == 2 and stats["peft_path_modules"] == 0 and stats["expert_stack_bytes"] > 0
+    with torch.no_grad():
+        got = pm(ids, adapter_ids=names).logits
+        stock = pm(ids).logits  # no ids: the active adapter through PEFT's own path, untouched
+    close(got, stitch(expected, names), f"{arch}/{backend}")
+    assert torch.equal(stock, expected["a0"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generate_matches_peft_per_adapter(arch):
+    pm = moe_peft(arch)
+    ids = prompts(4, 4, seed=1)
+    names = names_for(4)
+    kw = greedy_kwargs(4)
+    expected = per_adapter(pm, names, lambda: pm.generate(input_ids=ids, **kw))
+    assert_generations_differ(expected)
+    enable_csgmv(pm, backend="torch")
+    got = pm.generate(input_ids=ids, adapter_ids=names, **kw)
+    assert torch.equal(got, stitch(expected, names))
+
+
+def test_beams_and_triton_generate_match_peft():
+    """Beam search (the ids repeat over each row's beams) with the Triton kernels."""
+    pm = moe_peft("qwen3_moe")
+    ids = prompts(4, 4, seed=2)
+    names = names_for(4)
+    kw = greedy_kwargs(3, num_beams=2)
+    expected = per_adapter(pm, names, lambda: pm.generate(input_ids=ids, **kw))
+    assert_generations_differ(expected)
+    enable_csgmv(pm, backend="triton")
+    got = pm.generate(input_ids=ids, adapter_ids=names, **kw)
+    assert torch.equal(got, stitch(expected, names))
+
+
+def test_adapters_added_and_deleted_after_enable_are_seen():
+    from peft import LoraConfig
+
+    pm = moe_peft("mixtral", {k: ADAPTERS[k] for k in ("a0", "a1")})
+    enable_csgmv(pm, backend="torch")
+    ids = prompts(4, 5, seed=3)
+    torch.manual_seed(20)
+    pm.add_adapter("a2", LoraConfig(init_lora_weights=False, **ADAPTERS["a2"]))
+    pm.delete_adapter("a0")
+    names = names_for(4, ("a1", "a2"))
+    with torch.no_grad():
+        got = pm(ids, adapter_ids=names).logits
+    disable_csgmv(pm)
+    expected = per_adapter(pm, names, lambda: pm(ids).logits)
+    assert_adapters_matter(expected)
+    close(got, stitch(expected, names), "after add/delete")
+
+
+def test_rescaled_adapter_restacks():
+    pm = moe_peft("qwen3_moe", {k: ADAPTERS[k] for k in ("a0", "a1")})
+    enable_csgmv(pm, backend="torch")
+    ids = prompts(3, 4, seed=4)
+    names = names_for(3, ("a0", "a1"))
+    with torch.no_grad():
+        pm(ids, adapter_ids=names)
+    from peft.tuners.lora import LoraLayer
+
+    for module in pm.modules():  # (PEFT's own rescaling: experts layers and kernel layers alike)
+        if isinstance(module, LoraLayer) and "a0" in module.scaling:
+            module.set_scale("a0", 3.0)
+    with torch.no_grad():
+        got = pm(ids, adapter_ids=names).logits
+    disable_csgmv(pm)
+    close(got, stitch(per_adapter(pm, names, lambda: pm(ids).logits), names), "rescaled")
+
+
+def test_disable_csgmv_gives_peft_its_forward_and_refusal_back():
+    from peft.tuners.lora.layer import ParamWrapper
+
+    pm = moe_peft("gpt_oss", {k: ADAPTERS[k] for k in ("a0", "a1")})
+    ids = prompts(3, 4)
+    names = names_for(3, ("a0", "a1"))
+    wrappers = [m for m in pm.modules() if isinstance(m, ParamWrapper)]
+    enable_csgmv(pm)
+    with torch.no_grad():
+        pm(ids, adapter_ids=names)
+    disable_csgmv(pm)
+    assert all(type(m) is ParamWrapper and "_csgmv_record" not in m.__dict__ for m in wrappers)
+    with torch.no_grad(), pytest.raises(ValueError, match="mixed"):
+        pm(ids, adapter_names=names)
+
+
+def test_host_tier_is_refused_with_experts_layers():
+    pm = moe_peft("qwen3_moe", {k: ADAPTERS[k] for k in ("a0", "a1")})
+    with pytest.raises(NotImplementedError, match="max_resident_adapters"):
+        enable_csgmv(pm, max_resident_adapters=1)
+    from peft.tuners.lora.layer import ParamWrapper
+
+    assert all(type(m) is ParamWrapper for m in pm.modules() if isinstance(m, ParamWrapper))
+
+
+def test_static_cache_generate_is_refused_before_anything_runs():
+    """The compiled path does not serve experts layers yet: a static-cache generate with ids fails at once, loudly."""
+    pm = moe_peft("qwen3_moe", {k: ADAPTERS[k] for k in ("a0", "a1")})
+    enable_csgmv(pm, backend="torch")
+    with pytest.raises(NotImplementedError, match="eagerly only"):
+        pm.generate(input_ids=prompts(3, 4), adapter_ids=names_for(3, ("a0", "a1")), cache_implementation="static",
+                    **greedy_kwargs(2))  # fmt: skip
