@@ -210,3 +210,34 @@ def test_static_cache_generate_is_refused_before_anything_runs():
     with pytest.raises(NotImplementedError, match="eagerly only"):
         pm.generate(input_ids=prompts(3, 4), adapter_ids=names_for(3, ("a0", "a1")), cache_implementation="static",
                     **greedy_kwargs(2))  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_continuous_batching_gives_each_request_its_expert_adapter(arch):
+    """transformers' continuous batching over expert LoRA: each packed step's tokens take their requests' adapters in
+    the experts' products (steps of 8 tokens split the prompts, mixing prefill chunks and decode tokens of several
+    adapters); every request's tokens are its own stock PEFT run's."""
+    from peft_csgmv.continuous import continuous_batching_available
+
+    if not continuous_batching_available():
+        pytest.skip("this transformers has no continuous batching")
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    pm = moe_peft(arch)
+    pm.get_base_model().generation_config.eos_token_id = None
+    rows = prompts(4, 6, seed=2).tolist()
+    rows[1], rows[3] = rows[1][:3], rows[3][:5]  # (uneven prompts)
+    names = names_for(4)
+    kw = greedy_kwargs(4, eos_token_id=None)
+    want = []
+    for row, name in zip(rows, names):
+        ids = torch.tensor([row], device=DEVICE)
+        want.append(per_adapter(pm, [name], lambda ids=ids: pm.generate(input_ids=ids, **kw))[name][0, len(row) :])
+    assert len({tuple(w.tolist()) for w in want}) > 2, "the adapters change nothing: the test would prove nothing"
+    enable_csgmv(pm, backend="torch")
+    gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cbc = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=8)
+    ids = [None if n == BASE else n for n in names]
+    out = pm.generate_batch(rows, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
+    disable_csgmv(pm)
+    assert [out[f"req_{i}"].generated_tokens for i in range(4)] == [w.tolist() for w in want]
