@@ -49,6 +49,10 @@
 #   gbeside8b  static cache 8B full, groups beside (10 MiB floor) against the default (~5 min) -> static_8b_gbeside.*
 #   compile  compile time, 1B: base model and csgmv alternated over 3 rounds, each row a process of its own with empty
 #            caches (~9 min on a slow machine; read the rows that are not the machine's first process) -> compile_1b.*
+#   moe      end to end, MoE expert LoRA (r=16 on attention and experts), batch 32, prompt 256: qwen3-30b-a3b and
+#            gpt-oss-20b cut to 16 layers; base model, PEFT one adapter (rebuilds the experts' weights each forward: 2
+#            repeats), csgmv 1/8/32 distinct; 2 rounds (~3-4 min each, ~8 min; a row out of memory reads NaN)
+#            -> e2e_moe_{qwen3,gptoss}.json
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 set -u
 export PYTHONUNBUFFERED=1
@@ -116,6 +120,13 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         python3 benchmarks/bench_e2e.py --model $m --fp32-adapters --csgmv-only --distinct 1,32 --repeats 5 \
           --rounds 2 --out "$OUT/e2e_${m}_fp32.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/e2e_${m}_fp32.log"
         grep "^| $m" "$OUT/e2e_${m}_fp32.log" || tail -25 "$OUT/e2e_${m}_fp32.log"
+      done ;;
+    moe)
+      for pair in qwen3:qwen3-30b-a3b gptoss:gpt-oss-20b; do
+        tag=${pair%%:*} m=${pair#*:}
+        python3 benchmarks/bench_e2e.py --model $m --layers 16 --repeats 3 --peft-one-repeats 2 --rounds 2 \
+          --out "$OUT/e2e_moe_$tag.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/e2e_moe_$tag.log"
+        grep "^| $m" "$OUT/e2e_moe_$tag.log" || tail -25 "$OUT/e2e_moe_$tag.log"
       done ;;
     cli)
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"

@@ -3,11 +3,15 @@
     peft-csgmv bench --model 1b --out results/e2e_1b.json --plot results/e2e_1b.png
     python benchmarks/bench_e2e.py --model 1b --out results/e2e_1b.json        (the same)
 
-Random weights from a transformers LlamaConfig (no hub). Rows: base model with no LoRA; PEFT with one active adapter;
-PEFT ``adapter_names`` with 1 / 8 / 32 distinct adapters; peft_csgmv with the same batches (and one with base rows
-mixed in). Columns: prefill ms (batch × prompt tokens), decode-step ms (one token per row over a KV cache of the
-prompt length), generate tok/s (``max_new_tokens`` = ``min_new_tokens``). Medians of CUDA-event timings after a
-warm-up. The table is printed last; the JSON holds GPU name, versions and date.
+Random weights from a transformers config (no hub): Llama sizes, or the MoE layouts qwen3-30b-a3b / gpt-oss-20b
+(cut to ``--layers``; tiny-moe for CPU checks), whose adapters (``--moe``, on by default for them) are r=16 LoRA on
+the attention projections and on the experts' 3D ``gate_up_proj`` / ``down_proj`` (PEFT ``target_parameters``); PEFT
+``adapter_names`` refuses expert LoRA, so MoE runs skip those rows. Rows: base model with no LoRA; PEFT
+with one active adapter; PEFT ``adapter_names`` with 1 / 8 / 32 distinct adapters; peft_csgmv with the same batches
+(and one with base rows mixed in); a measurement out of GPU memory reads NaN. Columns: prefill ms (batch × prompt
+tokens), decode-step ms (one token per row over a KV cache of the prompt length), generate tok/s (``max_new_tokens``
+= ``min_new_tokens``). Medians of CUDA-event timings after a warm-up. The table is printed last; the JSON holds GPU
+name, versions and date.
 """
 
 from __future__ import annotations
@@ -30,8 +34,29 @@ MODELS = {
                num_key_value_heads=8, vocab_size=128256),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256),
+    # Mixture-of-experts layouts (``arch`` picks the config class), r=16 LoRA on attention and experts by default. The
+    # real dimensions (transformers 5.25 config docstrings/defaults, and the models' config.json):
+    # Qwen3-30B-A3B (Qwen3MoeConfig's defaults are its docstring checkpoint's but for 24 layers): hidden 2048, 48
+    #   layers, 32 query / 4 KV heads of 128, 128 experts, 8 active, moe_intermediate 768, vocab 151936, untied.
+    # gpt-oss-20b (GptOssConfig's defaults are gpt-oss-120b's 36 layers and 128 experts): hidden 2880, 24 layers, 64
+    #   query / 8 KV heads of 64, 32 experts, 4 active, intermediate 2880 (experts with biases, swiglu_limit 7),
+    #   sliding window 128 on alternate layers, vocab 201088, untied.
+    # Both are cut to 16 layers by default (``--layers``): bf16 with 32 adapters, csgmv's stacks beside PEFT's copy
+    # and the transient gathered expert weights of a decode step, ~55-60 GB, inside an 80 GB GPU.
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=16, full_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          vocab_size=151936),
+    "gpt-oss-20b": dict(arch="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=16, full_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                        num_experts_per_tok=4, sliding_window=128, vocab_size=201088),
+    "tiny-moe": dict(arch="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_hidden_layers=2, full_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     num_experts=8, num_experts_per_tok=2, vocab_size=1000),
 }  # fmt: skip
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # beside the experts' parameters below
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 class Timer:
@@ -142,15 +167,35 @@ def device_and_dtype(name: str | None) -> tuple[torch.device, torch.dtype]:
     return device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def build_model(name: str, device: torch.device, dtype: torch.dtype, config_path: str | None = None):
-    """Random weights from a built-in Llama size (``name``) or from any causal-LM config (``config_path``: a
-    ``config.json`` or a folder holding one); no weights are downloaded."""
+def is_moe(name: str | None = None, config=None) -> bool:
+    """Whether a built-in layout (``name``) or a loaded config has experts."""
+    if config is not None:
+        return any(getattr(config, k, None) for k in ("num_experts", "num_local_experts"))
+    return "arch" in MODELS.get(name, {})
+
+
+def build_model(
+    name: str, device: torch.device, dtype: torch.dtype, config_path: str | None = None, layers: int | None = None
+):
+    """Random weights from a built-in layout (``name``; ``layers`` overrides its layer count) or from any causal-LM
+    config (``config_path``: a ``config.json`` or a folder holding one); no weights are downloaded."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     if config_path:
         config = AutoConfig.from_pretrained(config_path)
+        if layers:
+            config.num_hidden_layers = layers
     else:
-        config = LlamaConfig(max_position_embeddings=4096, **MODELS[name])
+        kw = {k: v for k, v in MODELS[name].items() if k not in ("arch", "full_layers")}
+        if layers:
+            kw["num_hidden_layers"] = layers
+        arch = MODELS[name].get("arch")
+        if arch is None:
+            config = LlamaConfig(max_position_embeddings=4096, **kw)
+        else:
+            cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "gpt_oss": transformers.GptOssConfig}[arch]
+            config = cls(pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -158,14 +203,26 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, config_path
     return model.eval()
 
 
-def add_adapters(model, n: int, ranks: list[int], device: torch.device, fp32_adapters: bool = False, targets=TARGETS):
+def add_adapters(
+    model,
+    n: int,
+    ranks: list[int],
+    device: torch.device,
+    fp32_adapters: bool = False,
+    targets=TARGETS,
+    target_parameters=None,
+):
+    """``n`` randomly initialised adapters ``a0``... (ranks cycled), on ``targets`` and, for expert LoRA, on the 3D
+    parameters ``target_parameters``."""
     from peft import LoraConfig, get_peft_model
+
+    extra = dict(target_parameters=list(target_parameters)) if target_parameters else {}
 
     peft_model = None
     with torch.device(device):
         for i in range(n):
             r = ranks[i % len(ranks)]
-            cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
+            cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, **extra)
             if peft_model is None:
                 # PEFT keeps adapters in fp32 on a bf16 base unless told otherwise; the default here is the model's
                 # dtype (faster for PEFT, so the stricter baseline).
@@ -179,7 +236,7 @@ def cpu_note(args) -> str:
     """The line a CPU run starts with: what runs there, what its times are worth, and how long it takes."""
     if args.config:
         span = "its time grows with the model and --batch, --prompt, --new-tokens (--model tiny: a minute or two)"
-    elif args.model == "tiny":
+    elif args.model in ("tiny", "tiny-moe"):
         span = "the tiny model takes a minute or two at the default sizes"
     else:
         span = f"the {args.model} model takes hours at these sizes (--model tiny: a minute or two)"
@@ -195,9 +252,30 @@ def main(argv=None) -> int:
         description=__doc__.replace("``", "`"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", choices=sorted(MODELS), default="1b", help="a built-in Llama size")
+    p.add_argument("--model", choices=sorted(MODELS), default="1b", help="a built-in layout (Llama sizes, MoE layouts)")
     p.add_argument("--config", default=None, help="any causal-LM config.json (or folder) instead of --model")
-    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated LoRA target modules")
+    p.add_argument(
+        "--layers", type=int, default=None, help="cut the layer count (MoE layouts: 16 by default, said in the table)"
+    )
+    p.add_argument(
+        "--targets",
+        default=None,
+        help=f"comma-separated LoRA target modules (default {','.join(TARGETS)}; with --moe {','.join(MOE_TARGETS)})",
+    )
+    p.add_argument(
+        "--moe",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="LoRA on the experts too (target_parameters " + ",".join(EXPERT_PARAMETERS) + "); PEFT adapter_names "
+        "rows skipped (PEFT refuses them). Default: on for a model with experts",
+    )
+    p.add_argument(
+        "--peft-one-repeats",
+        type=int,
+        default=None,
+        help="prefill/decode repeats of the PEFT one-adapter rows (default --repeats; expert LoRA rebuilds every "
+        "expert's weight each forward, so keep it low on big MoE layouts)",
+    )
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--ranks", default="16", help="comma-separated ranks, cycled over the adapters (e.g. 8,16,64)")
     p.add_argument("--batch", type=int, default=32)
@@ -237,48 +315,95 @@ def main(argv=None) -> int:
     ranks = [int(r) for r in args.ranks.split(",")]
     distinct = [int(d) for d in args.distinct.split(",") if int(d) <= args.adapters]
     timer = Timer(device)
-    model = build_model(args.model, device, dtype, args.config)
+    model = build_model(args.model, device, dtype, args.config, args.layers)
     model_label = os.path.basename(os.path.normpath(args.config)) if args.config else args.model
+    if args.moe is None:
+        args.moe = is_moe(config=model.config)
+    if args.targets is None:
+        args.targets = ",".join(MOE_TARGETS if args.moe else TARGETS)
+    full = MODELS.get(args.model, {}).get("full_layers") if not args.config else None
+    if args.layers or (full and full != model.config.num_hidden_layers):
+        model_label += f" ({model.config.num_hidden_layers}" + (f" of {full}" if full else "") + " layers)"
+    if args.moe and not args.csgmv_only:
+        print("expert LoRA: PEFT adapter_names refuses mixed batches on it, its rows are skipped", flush=True)
+        args.csgmv_only = True
     vocab = model.config.vocab_size
     cache_name = cache_kwarg(model)  # "cache" from transformers 5.24 on, "past_key_values" before
     input_ids, mask, step_ids, step_mask = decode_inputs(vocab, args.batch, args.prompt, device)
     results = []
 
-    def measure(label: str, call, gen_repeats: int | None = None):
-        """``call(**kw)`` runs the model (forward or generate) with the row's adapter arguments."""
+    def measure(label: str, call, gen_repeats: int | None = None, repeats: int | None = None, cache_call=None):
+        """``call(**kw)`` runs the model (forward or generate) with the row's adapter arguments. A measurement that
+        runs out of GPU memory is NaN (noted in the row's ``oom``); the decode step's KV cache then comes from
+        ``cache_call`` (the same shapes without the row's adapter arguments)."""
+        repeats = repeats or args.repeats
+        oom: list[str] = []
+
+        def guarded(what, fn):
+            try:
+                return fn()
+            except torch.OutOfMemoryError:
+                oom.append(what)
+                print(f"{label}: {what} ran out of GPU memory", flush=True)
+                torch.cuda.empty_cache()
+                return None
+
         clock_up(device)
         with torch.no_grad():
-            prefill = timer(
-                lambda: call("forward", input_ids=input_ids, attention_mask=mask, use_cache=False), args.repeats
-            )
-            out = call("forward", input_ids=input_ids, attention_mask=mask, use_cache=True)
-            cache = output_cache(out)
-            decode = timer(
-                lambda: call(
-                    "forward", input_ids=step_ids, attention_mask=step_mask, use_cache=True, **{cache_name: cache}
+            prefill = guarded(
+                "prefill",
+                lambda: timer(
+                    lambda: call("forward", input_ids=input_ids, attention_mask=mask, use_cache=False), repeats
                 ),
-                args.repeats * 2,
-                before=lambda: crop_cache(cache, args.prompt),
+            )
+            prompt_kw = dict(input_ids=input_ids, attention_mask=mask, use_cache=True)
+            out = guarded("cache", lambda: call("forward", **prompt_kw))
+            if out is None and cache_call is not None:
+                out = guarded("cache from the plain call", lambda: cache_call("forward", **prompt_kw))
+            cache = output_cache(out) if out is not None else None
+            decode = (
+                None
+                if cache is None
+                else guarded(
+                    "decode",
+                    lambda: timer(
+                        lambda: call(
+                            "forward",
+                            input_ids=step_ids,
+                            attention_mask=step_mask,
+                            use_cache=True,
+                            **{cache_name: cache},
+                        ),
+                        repeats * 2,
+                        before=lambda: crop_cache(cache, args.prompt),
+                    ),
+                )
             )
             out = cache = None  # free the KV cache before generate
             reps = gen_repeats if gen_repeats is not None else max(2, args.repeats // 3)
+            gen_ms = None
             if reps > 0:
-                gen_ms = timer(
-                    lambda: call(
-                        "generate",
-                        input_ids=input_ids,
-                        attention_mask=mask,
-                        do_sample=False,
-                        max_new_tokens=args.new_tokens,
-                        min_new_tokens=args.new_tokens,
+                gen_ms = guarded(
+                    "generate",
+                    lambda: timer(
+                        lambda: call(
+                            "generate",
+                            input_ids=input_ids,
+                            attention_mask=mask,
+                            do_sample=False,
+                            max_new_tokens=args.new_tokens,
+                            min_new_tokens=args.new_tokens,
+                        ),
+                        reps,
+                        warmup=1 if reps > 1 else 0,
                     ),
-                    reps,
-                    warmup=1 if reps > 1 else 0,
                 )
-                tok_s = args.batch * args.new_tokens / (gen_ms / 1e3)
-            else:
-                tok_s = float("nan")
+            tok_s = args.batch * args.new_tokens / (gen_ms / 1e3) if gen_ms else float("nan")
+        nan = float("nan")
+        prefill, decode = prefill if prefill is not None else nan, decode if decode is not None else nan
         row = dict(row=label, prefill_ms=prefill, decode_ms=decode, generate_tok_s=tok_s)
+        if oom:
+            row["oom"] = oom
         results.append(row)
         print(
             f"{label:<40} prefill {prefill:9.2f} ms  decode {decode:8.2f} ms  generate {tok_s:9.1f} tok/s", flush=True
@@ -292,7 +417,15 @@ def main(argv=None) -> int:
 
     measure("base model, no LoRA", runner(model))
     t0 = time.perf_counter()
-    pm = add_adapters(model, args.adapters, ranks, device, args.fp32_adapters, args.targets.split(","))
+    pm = add_adapters(
+        model,
+        args.adapters,
+        ranks,
+        device,
+        args.fp32_adapters,
+        [t for t in args.targets.split(",") if t],
+        EXPERT_PARAMETERS if args.moe else None,
+    )
     print(f"loaded {args.adapters} adapters (ranks {ranks}) in {time.perf_counter() - t0:.1f} s", flush=True)
     pm.set_adapter("a0")
 
@@ -314,7 +447,7 @@ def main(argv=None) -> int:
     for rnd in range(args.rounds):
         if args.rounds > 1:
             print(f"-- round {rnd + 1} of {args.rounds}", flush=True)
-        measure("PEFT one adapter", runner(pm), gen_repeats=gen_reps)
+        measure("PEFT one adapter", runner(pm), gen_repeats=gen_reps, repeats=args.peft_one_repeats)
         t0 = time.perf_counter()
         enable_csgmv(pm)
         if rnd == 0:
@@ -330,11 +463,12 @@ def main(argv=None) -> int:
             )
         try:
             for d, label in zip(distinct, fast_rows):
-                measure(label, runner(pm, adapter_ids=names_for(d)), gen_repeats=gen_reps)
+                measure(label, runner(pm, adapter_ids=names_for(d)), gen_repeats=gen_reps, cache_call=runner(pm))
             measure(
                 f"peft_csgmv, {max(distinct)} distinct + 1/4 base rows",
                 runner(pm, adapter_ids=names_for(max(distinct), base_rows=True)),
                 gen_repeats=gen_reps,
+                cache_call=runner(pm),
             )
         finally:
             disable_csgmv(pm)

@@ -341,6 +341,22 @@ def test_bench_any_config(tmp_path):
     assert {r["row"] for r in json.loads(out.read_text())["results"]} >= {"peft_csgmv, 2 distinct", "PEFT one adapter"}
 
 
+def test_bench_moe_layout(tmp_path):
+    """A MoE layout puts LoRA on the experts too (``target_parameters``) and skips PEFT ``adapter_names`` (which
+    refuses expert LoRA); ``--layers`` cuts the layer count and the label says so."""
+    out = tmp_path / "e2e.json"
+    rc = main(["bench", "--model", "tiny-moe", "--layers", "1", "--adapters", "2", "--distinct", "1,2", "--batch", "2",
+               "--prompt", "4", "--new-tokens", "1", "--repeats", "1", "--device", "cpu",
+               "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["args"]["moe"] and data["meta"]["label"] == "tiny-moe (1 of 2 layers)"
+    rows = {r["row"] for r in data["results"]}
+    assert {"base model, no LoRA", "PEFT one adapter", "peft_csgmv, 2 distinct"} <= rows
+    assert not any(r.startswith("PEFT adapter_names") for r in rows)
+    assert all(r["decode_ms"] == r["decode_ms"] for r in data["results"])  # no NaN
+
+
 # --- argument checks: each problem one line naming the argument, exit 2, before the model loads ---------------------
 
 
