@@ -109,14 +109,31 @@ def stack_from_peft(wrapper: torch.nn.Module, adapters: Sequence[str | None], dt
     )
 
 
-def _expert_linear(x: torch.Tensor, weight: torch.Tensor, bias, experts: torch.Tensor, is_transposed: bool):
-    """Each row's product with its expert's weight (``(E, out, in)``, or ``(E, in, out)`` transposed) plus bias: the
-    math of transformers' batched implementation (a grouped product over ``plan.expert_offsets`` is the same)."""
-    selected = weight[experts]
-    if is_transposed:
-        out = torch.bmm(x.unsqueeze(1), selected).squeeze(1)
+def _expert_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias, experts: torch.Tensor, offsets: torch.Tensor, is_transposed: bool
+) -> torch.Tensor:
+    """Each row's product with its expert's weight (``(E, out, in)``, or ``(E, in, out)`` transposed) plus bias, the
+    rows sorted expert-major (``offsets``: :attr:`MoePlan.expert_offsets`, where each expert's rows end; ``experts``:
+    each row's expert). One grouped product where torch has one for these tensors (CUDA, 16-bit; no host sync), else
+    a product per expert with rows (its offsets read on the host, as transformers' eager experts loop does). Never
+    each row's weight gathered: that is rows × the weight's bytes."""
+    w = weight if is_transposed else weight.transpose(-1, -2)  # (E, in, out)
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if (
+        grouped is not None
+        and x.is_cuda
+        and w.dtype in (torch.bfloat16, torch.float16)
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    ):
+        out = grouped(x.to(w.dtype), w, offs=offsets)
     else:
-        out = torch.bmm(selected, x.unsqueeze(-1)).squeeze(-1)
+        out = x.new_empty((x.shape[0], w.shape[-1]), dtype=torch.promote_types(x.dtype, w.dtype))
+        start = 0
+        for e, end in enumerate(offsets.tolist()):
+            if end > start:
+                torch.matmul(x[start:end].to(out.dtype), w[e].to(out.dtype), out=out[start:end])
+            start = end
+        out[start:] = 0  # (rows routed to no expert of this module: none without expert parallelism)
     if bias is not None:
         out = out + bias[experts]
     return out
@@ -173,12 +190,13 @@ def moe_lora_forward(
     def bias(name):
         return getattr(experts, f"{name}_bias") if has_bias else None
 
+    offsets = plan.expert_offsets
     gate_up = _expert_linear(
-        hidden_states[perm // top_k], experts.gate_up_proj, bias("gate_up_proj"), expert_ids, transposed
+        hidden_states[perm // top_k], experts.gate_up_proj, bias("gate_up_proj"), expert_ids, offsets, transposed
     )  # (P, 2·I), sorted order
     _lora(hidden_states, stacks.get("gate_up_proj"), plan, gate_up, "token", backend)
     act = experts._apply_gate(gate_up)  # (P, I)
-    out = _expert_linear(act, experts.down_proj, bias("down_proj"), expert_ids, transposed)  # (P, hidden)
+    out = _expert_linear(act, experts.down_proj, bias("down_proj"), expert_ids, offsets, transposed)  # (P, hidden)
     _lora(act, stacks.get("down_proj"), plan, out, "sorted", backend)
     weighted = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
     by_pair = torch.empty_like(weighted)
