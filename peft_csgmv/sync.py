@@ -306,6 +306,7 @@ class CsgmvState:
             for module in peft_path.values():
                 if not is_patched(module):
                     patch_peft_path(module, self.executor)
+                module._csgmv_record.adapters = frozenset(_held_adapters(module))
             for module in experts.values():
                 if not is_patched(module):
                     patch_experts(module, self.executor)
