@@ -277,14 +277,21 @@ def check_generate_args(args) -> list[str]:
     if args.device and args.device_map:
         problems.append(f"--device {args.device} and --device-map {args.device_map}: give one of them")
     elif args.device:
-        try:
-            device = torch.device(args.device)
-        except (RuntimeError, ValueError):
-            problems.append(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
-        else:
-            if device.type == "cuda" and not torch.cuda.is_available():
-                problems.append(f"--device {args.device}: no CUDA device here (--device cpu runs on the CPU)")
+        problem = _device_problem(args.device)
+        if problem:
+            problems.append(problem)
     return problems
+
+
+def _device_problem(name: str) -> str | None:
+    """What is wrong with ``--device name`` here (``None``: nothing)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return f"--device {name}: not a device (cpu, cuda, cuda:1, ...)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {name}: no CUDA device here (--device cpu runs on the CPU)"
+    return None
 
 
 def check_hub_args(args) -> list[str]:

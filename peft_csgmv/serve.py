@@ -1134,7 +1134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args) -> list[str]:
-    from .cli import _folder_problem
+    from .cli import _device_problem, _folder_problem
 
     problems = []
     names = [name for name, _ in args.adapter]
@@ -1154,13 +1154,9 @@ def _check_args(args) -> list[str]:
         if problem:
             problems.append(problem)
     if args.device:
-        try:
-            device = torch.device(args.device)
-        except (RuntimeError, ValueError):
-            problems.append(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
-        else:
-            if device.type == "cuda" and not torch.cuda.is_available():
-                problems.append(f"--device {args.device}: no CUDA device here (--device cpu runs on the CPU)")
+        problem = _device_problem(args.device)
+        if problem:
+            problems.append(problem)
     return problems
 
 

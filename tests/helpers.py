@@ -129,6 +129,37 @@ def tiny_model(
     return model.to(dtype).eval(), targets
 
 
+def tiny_moe(arch: str, layers: int = 2, dtype: torch.dtype = torch.float32, **config):
+    """A tiny MoE causal LM with transformers' 3D experts (``qwen3_moe``, ``mixtral``, ``gpt_oss``), random weights on
+    DEVICE: experts of order one (the default init's 0.02 leaves their outputs near 1e-4), gpt-oss's expert biases set
+    (it leaves them at zero; its low ``swiglu_limit`` keeps the clamp after the gate/up LoRA active), ``q_proj`` /
+    ``v_proj`` of order one too. ``config``: further config fields (``experts_implementation=...``)."""
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    common.update(config)
+    if arch == "qwen3_moe":
+        built = transformers.Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_experts=6)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        built = transformers.MixtralConfig(**common, intermediate_size=24, num_local_experts=6)
+        cls = transformers.MixtralForCausalLM
+    else:
+        built = transformers.GptOssConfig(**common, intermediate_size=24, num_local_experts=6, swiglu_limit=0.3)
+        cls = transformers.GptOssForCausalLM
+    torch.manual_seed(0)
+    model = cls(built).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp." in name:
+                param.normal_(0, 0.5 if name.endswith("_bias") else 0.2)
+            elif "q_proj" in name or "v_proj" in name:
+                param.normal_(0, 0.3)
+    model.generation_config.pad_token_id = 0
+    return model.to(DEVICE, dtype)
+
+
 def add_adapters(model, specs: dict, seed: int = 1):
     """Wrap ``model`` into a PeftModel with one LoRA adapter per ``specs`` entry (name → LoraConfig kwargs); every
     adapter is randomly initialised (``init_lora_weights=False``) so it really changes the output."""

@@ -22,6 +22,7 @@ from helpers import (
     greedy_kwargs,
     per_adapter,
     stitch,
+    tiny_moe,
 )
 from test_moe_prototype import _has_3d_experts
 
@@ -41,37 +42,10 @@ ARCHS = ["qwen3_moe", "gpt_oss", "mixtral"]
 VOCAB = 64
 
 
-def tiny_moe_lm(arch: str):
-    """A two-layer MoE causal LM with random weights (experts of order one, gpt-oss's biases set) on DEVICE."""
-    import transformers
-
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-    if arch == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_experts=6)
-        cls = transformers.Qwen3MoeForCausalLM
-    elif arch == "mixtral":
-        config = transformers.MixtralConfig(**common, intermediate_size=24, num_local_experts=6)
-        cls = transformers.MixtralForCausalLM
-    else:  # a low swiglu limit: the clamp after the gate/up LoRA is active
-        config = transformers.GptOssConfig(**common, intermediate_size=24, num_local_experts=6, swiglu_limit=0.3)
-        cls = transformers.GptOssForCausalLM
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".mlp." in name:
-                param.normal_(0, 0.5 if name.endswith("_bias") else 0.2)
-            elif "q_proj" in name or "v_proj" in name:
-                param.normal_(0, 0.3)
-    model.generation_config.pad_token_id = 0
-    return model.to(DEVICE)
-
-
 def moe_peft(arch: str, adapters=ADAPTERS):
     from peft import LoraConfig, get_peft_model
 
-    model = tiny_moe_lm(arch)
+    model = tiny_moe(arch)
     pm = None
     for i, (name, spec) in enumerate(adapters.items()):
         torch.manual_seed(10 + i)

@@ -10,6 +10,7 @@ transformers' experts implementations.
 
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 from helpers import BASE, DEVICE, assert_close
@@ -43,27 +44,8 @@ CLEAR_MARGIN = 1e-2
 
 
 def tiny_moe(arch: str, experts_implementation: str, dtype=torch.float32):
-    """A one-layer MoE model with random weights: ``(model, its MoE block)``."""
-    import transformers
-
-    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, num_experts_per_tok=2, experts_implementation=experts_implementation)  # fmt: skip
-    if arch == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_experts=6)
-        cls = transformers.Qwen3MoeForCausalLM
-    elif arch == "mixtral":
-        config = transformers.MixtralConfig(**common, intermediate_size=24, num_local_experts=6)
-        cls = transformers.MixtralForCausalLM
-    else:  # a low swiglu limit, so the clamp after the gate/up LoRA is active
-        config = transformers.GptOssConfig(**common, intermediate_size=24, num_local_experts=6, swiglu_limit=0.3)
-        cls = transformers.GptOssForCausalLM
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    with torch.no_grad():  # weights of order one (the default init's 0.02 leaves outputs near 1e-4), and gpt-oss's
-        for name, param in model.named_parameters():  # biases, which it leaves at zero
-            if ".mlp." in name:
-                param.normal_(0, 0.5 if name.endswith("_bias") else 0.2)
-    model.to(DEVICE, dtype)
+    """A one-layer MoE model (helpers.tiny_moe): ``(model, its MoE block)``."""
+    model = helpers.tiny_moe(arch, layers=1, dtype=dtype, experts_implementation=experts_implementation)
     return model, model.model.layers[0].mlp
 
 
