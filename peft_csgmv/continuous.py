@@ -121,14 +121,9 @@ class Router:
         if not isinstance(adapter_id, str):
             raise TypeError(f"`adapter_id` must be an adapter name (str) or None, got {adapter_id!r}")
         model = self.model_ref()
-        state = model.__dict__.get("_csgmv")
-        if state is None:
+        if "_csgmv" not in model.__dict__:
             raise RuntimeError("csgmv was disabled on this model: its continuous-batching manager takes no adapter_id")
-        with state.executor.lock:
-            state.sync(model)
-            why = refusal(model, state, adapter_id)
-        if why is not None:
-            raise ValueError(why)
+        check_adapters(model, [adapter_id])
         return adapter_id
 
     def name_of(self, request_id: str):
@@ -216,6 +211,18 @@ class Router:
                 executor.end(failed=True)
                 raise
             executor.end()
+
+
+def check_adapters(model, names) -> None:
+    """Raise the first :func:`refusal` among ``names`` (adapter names; base names and ``None`` pass), after a sync,
+    under the model's call lock: before any request is queued."""
+    state = model._csgmv
+    with state.executor.lock:
+        state.sync(model)
+        for name in dict.fromkeys(n for n in names if n is not None and n not in BASE_NAMES):
+            why = refusal(model, state, name)
+            if why is not None:
+                raise ValueError(why)
 
 
 def stock_adapter(model, state) -> str | None:
@@ -420,12 +427,7 @@ def generate_batch(model, inputs, generation_config=None, *args, adapter_ids: Se
     if len(adapter_ids) != len(inputs):
         raise ValueError(f"`adapter_ids` has {len(adapter_ids)} entries for {len(inputs)} inputs")
     state = model._csgmv
-    with state.executor.lock:
-        state.sync(model)
-        for name in dict.fromkeys(a for a in adapter_ids if a is not None and a not in BASE_NAMES):
-            why = refusal(model, state, name)
-            if why is not None:
-                raise ValueError(why)
+    check_adapters(model, adapter_ids)
     thread = threading.get_ident()
     state.batch_ids[thread] = list(adapter_ids)
     try:

@@ -168,11 +168,9 @@ class Mapping:
                     f"layer input of {num_tokens} tokens (not a whole multiple of {n})"
                 )
             per = num_tokens // n
-            keep = self.row_keep or (None,) * n
+            keep = self.row_tokens(n, per) or (per,) * n  # (each id's tokens that use its slot)
             slots = tuple(
-                -1 if slot < 0 or (k is not None and j < per - k) else slot
-                for slot, k in zip(self.row_slots, keep)
-                for j in range(per)
+                -1 if slot < 0 or j < per - k else slot for slot, k in zip(self.row_slots, keep) for j in range(per)
             )
         out = slots if device is None else torch.tensor(slots, dtype=torch.int32, device=device)
         self._token_slots[key] = out
@@ -230,6 +228,15 @@ def max_segments(rows: int, num_tokens: int, chunk: int) -> int:
     return min(num_tokens, rows + (num_tokens > rows) + num_tokens // chunk)
 
 
+def write_buffer(buf: torch.Tensor, host: torch.Tensor) -> None:
+    """Rewrite a plan's device buffer in place from ``host`` (on CUDA one copy from pinned memory, queued on the
+    current stream: it runs after the kernels queued before it, which may still read the old contents)."""
+    if buf.device.type == "cuda":
+        buf.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        buf.copy_(host)
+
+
 class StaticPlan:
     """The plan of one compiled shape at fixed device addresses: ``n`` ids, ``rows × tokens_per_row`` tokens.
 
@@ -268,10 +275,7 @@ class StaticPlan:
         pad = self.max_segments - len(seg_slot)  # segments past the live ones: empty, at the end of the tokens
         tail = aligned_tail(self.num_tokens, bounds + [self.num_tokens] * pad, seg_slot + [0] * pad)
         host = torch.tensor(plan.permutation.tolist() + tail, dtype=torch.int32)
-        if self.device.type == "cuda":
-            self.buf.copy_(host.pin_memory(), non_blocking=True)
-        else:
-            self.buf.copy_(host)
+        write_buffer(self.buf, host)
 
 
 class PackedPlan:
@@ -302,10 +306,7 @@ class PackedPlan:
         pad = self.max_segments - len(seg_slot)  # (empty segments: zero tokens each, after the step's own)
         tail = aligned_tail(self.num_tokens, bounds + [bounds[-1]] * pad, seg_slot + [0] * pad)
         host = torch.cat([plan.permutation, torch.tensor(tail, dtype=torch.int32)])
-        if self.device.type == "cuda":
-            self.buf.copy_(host.pin_memory(), non_blocking=True)
-        else:
-            self.buf.copy_(host)
+        write_buffer(self.buf, host)
         permutation, seg_indptr, seg_slot_view = self.views
         self.run.plan = dataclasses.replace(
             plan,
@@ -328,6 +329,10 @@ class PlanCache(collections.OrderedDict):
     """A model's plans kept for later calls, least recently used first, at most :data:`PLAN_CACHE_SIZE`: ``(row slots,
     repeat, tokens per row, device, row tokens)`` -> :class:`PlanRun`. A plan's bound launches live with it (a call
     whose ids came before reuses them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packed: dict = {}  # the packed steps' plans at fixed addresses (PackedPlan), by tokens, device, runs
 
     def run_for(self, row_slots: tuple[int, ...], repeat: int, tokens_per_row: int, device, keep=None) -> "PlanRun":
         key = (row_slots, repeat, tokens_per_row, device, keep)
@@ -352,14 +357,6 @@ class PlanCache(collections.OrderedDict):
         if packed is None:
             packed = self.packed[key] = PackedPlan(len(token_slots), key[2], torch.device(device))
         return packed.fill(token_slots)
-
-    @property
-    def packed(self) -> dict:
-        """The packed steps' plans at fixed addresses (:class:`PackedPlan`), by token count, device and runs."""
-        packed = self.__dict__.get("_packed")
-        if packed is None:
-            packed = self.__dict__["_packed"] = {}
-        return packed
 
     def clear(self) -> None:
         super().clear()
