@@ -11,7 +11,12 @@ of ``--prompt-min``..``--prompt-max`` random tokens, each with its own ``max_new
 * base model (no LoRA), transformers' continuous batching as csgmv runs it (no CUDA graphs, synchronous batching);
 * base model, transformers' defaults (CUDA graphs and asynchronous batching where transformers turns them on);
 * stock PEFT, one adapter for every request (the same configuration as the first row);
-* csgmv, each request's adapter one of ``--adapters`` (round robin), the same configuration as the first row.
+* csgmv, each request's adapter one of ``--adapters`` (round robin), the same configuration as the first row;
+* ``tier``: the same as csgmv with ``max_resident_adapters=--max-resident-adapters`` (the host tier: the other adapters
+  wait in host memory; a step starts a request only while its adapters fit).
+
+Past 32 adapters, adapters 32.. are copies of the first 32 (built module by module: PEFT's ``add_adapter`` per
+adapter costs O(N²) for a thousand); each is an adapter of its own to csgmv and the tier.
 
 tok/s counts generated tokens over the wall time from the first request added to the last result (manager start,
 warmup and stop excluded; one untimed pass over a few requests first). The table is printed last; the JSON holds GPU
@@ -28,6 +33,8 @@ import torch
 
 from peft_csgmv import disable_csgmv, enable_csgmv
 from peft_csgmv.bench import TARGETS, add_adapters, build_model, device_and_dtype, run_meta, write_results
+
+from common import clone_adapter, lora_layers
 
 
 def workload(args, vocab: int) -> list[tuple[list[int], int]]:
@@ -80,7 +87,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-max", type=int, default=512)
     p.add_argument("--max-batch-tokens", type=int, default=None, help="the manager's token budget per step")
     p.add_argument("--num-blocks", type=int, default=None, help="the paged cache's blocks (default: transformers')")
-    p.add_argument("--rows", default="base,base-default,peft,csgmv")
+    p.add_argument("--max-resident-adapters", type=int, default=64, help="the tier row's max_resident_adapters")
+    p.add_argument("--rows", default="base,base-default,peft,csgmv", help="of base, base-default, peft, csgmv, tier")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None)
@@ -109,18 +117,21 @@ def main(argv=None) -> int:
                 f"base model ({'no CUDA graphs, sync' if name == 'base' else 'transformers defaults'})",
                 *run(model, requests, None, gen, ContinuousBatchingConfig(**config)),
             )
-    peft_model = add_adapters(model, args.adapters, [args.rank], device, targets=TARGETS)
+    peft_model = add_adapters(model, min(args.adapters, 32), [args.rank], device, targets=TARGETS)
+    layers = lora_layers(peft_model)
+    for i in range(32, args.adapters):
+        clone_adapter(peft_model, f"a{i % 32}", f"a{i}", layers)
     if "peft" in rows:
         run(peft_model, warm, None, gen, ContinuousBatchingConfig(**eager))
         record("stock PEFT, one adapter", *run(peft_model, requests, None, gen, ContinuousBatchingConfig(**eager)))
-    if "csgmv" in rows:
-        enable_csgmv(peft_model)
-        names = [f"a{i}" for i in range(args.adapters)]
+    names = [f"a{i}" for i in range(args.adapters)]
+    for row, limit in (("csgmv", None), ("tier", args.max_resident_adapters)):
+        if row not in rows:
+            continue
+        enable_csgmv(peft_model, max_resident_adapters=limit)
         run(peft_model, warm, names, gen, ContinuousBatchingConfig(**eager))
-        record(
-            f"csgmv, {args.adapters} distinct",
-            *run(peft_model, requests, names, gen, ContinuousBatchingConfig(**eager)),
-        )
+        label = f"csgmv, {args.adapters} adapters" + (f", max_resident_adapters={limit}" if limit else "")
+        record(label, *run(peft_model, requests, names, gen, ContinuousBatchingConfig(**eager)))
         disable_csgmv(peft_model)
 
     base = next((r["tok_s"] for r in results if r["row"].startswith("base model (no")), None)
@@ -130,6 +141,10 @@ def main(argv=None) -> int:
     for r in results:
         ratio = f"{r['tok_s'] / base:.2f}" if base else "-"
         print(f"| {r['row']} | {r['tok_s']:.0f} | {ratio} |")
+    tok_s = {r["row"].split(",")[-1].strip().split("=")[0]: r["tok_s"] for r in results}
+    if "max_resident_adapters" in tok_s and f"{args.adapters} adapters" in tok_s:
+        ratio = tok_s["max_resident_adapters"] / tok_s[f"{args.adapters} adapters"]
+        print(f"\nhost tier ({args.max_resident_adapters} resident) against all {args.adapters} resident: {ratio:.2f}x")
     if args.out:
         write_results(args.out, run_meta(device, args=vars(args)), rows=results)
     return 0

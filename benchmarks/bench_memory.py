@@ -28,7 +28,6 @@ The tables are printed last; the JSON holds GPU name, versions and date.
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import statistics
 import sys
@@ -40,7 +39,6 @@ from peft_csgmv import adapter_ids_scope, csgmv_stats, disable_csgmv, enable_csg
 from peft_csgmv._compat import cache_kwarg, output_cache
 from peft_csgmv.bench import (
     Timer,
-    add_adapters,
     build_model,
     crop_cache,
     decode_inputs,
@@ -49,37 +47,9 @@ from peft_csgmv.bench import (
     write_results,
 )
 
+from common import add_many, clone_adapter, lora_layers
+
 GIB = 2**30
-
-
-def clone_adapter(pm, src: str, new: str, layers=None) -> None:
-    """Add adapter ``new`` as a copy of ``src`` (its own weight tensors), module by module. PEFT's ``add_adapter`` /
-    ``load_adapter`` scan every module of the model per adapter, and the model grows with each adapter, so loading
-    N adapters that way costs O(N²) (0.3 s per adapter at the start on the 1B layout, 0.5 s after 20 more): hours for
-    a thousand. The benchmark's many adapters are made this way; csgmv sees them as it sees PEFT's. ``layers``: the
-    model's LoRA layers (:func:`lora_layers`), found once for many clones."""
-    for module in lora_layers(pm) if layers is None else layers:
-        for attr in (*module.adapter_layer_names, *module.other_param_names, "lora_variant"):
-            held = getattr(module, attr, None)
-            if held is not None and src in held:
-                value = held[src]
-                held[new] = copy.deepcopy(value) if isinstance(value, torch.nn.Module | torch.Tensor) else value
-    pm.peft_config[new] = copy.copy(pm.peft_config[src])
-
-
-def lora_layers(pm) -> list:
-    from peft.tuners.lora import LoraLayer
-
-    return [m for m in pm.modules() if isinstance(m, LoraLayer)]
-
-
-def add_many(model, n: int, ranks: list[int], device, fp32: bool):
-    """``n`` adapters ``a0``… of ``ranks`` (cycled): one per rank through PEFT, the rest cloned from those."""
-    pm = add_adapters(model, len(ranks), ranks, device, fp32_adapters=fp32)
-    layers = lora_layers(pm)
-    for i in range(len(ranks), n):
-        clone_adapter(pm, f"a{i % len(ranks)}", f"a{i}", layers)
-    return pm
 
 
 def _allocated(device) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import json
 import os
 import random
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from peft_csgmv.bench import MODELS, TARGETS
+from peft_csgmv.bench import MODELS, TARGETS, add_adapters
 
 
 @contextlib.contextmanager
@@ -265,3 +266,33 @@ def call_series(fn, n: int, sync) -> dict:
     finally:
         gc.callbacks.remove(on_gc)
     return dict(ms=ms, gc=len(pauses), gc_ms=sum(pauses) * 1e3, graphs=counters["stats"]["unique_graphs"] - graphs0)
+
+
+def clone_adapter(pm, src: str, new: str, layers=None) -> None:
+    """Add adapter ``new`` as a copy of ``src`` (its own weight tensors), module by module. PEFT's ``add_adapter`` /
+    ``load_adapter`` scan every module of the model per adapter, and the model grows with each adapter, so loading
+    N adapters that way costs O(N²) (0.3 s per adapter at the start on the 1B layout, 0.5 s after 20 more): hours for
+    a thousand. The benchmark's many adapters are made this way; csgmv sees them as it sees PEFT's. ``layers``: the
+    model's LoRA layers (:func:`lora_layers`), found once for many clones."""
+    for module in lora_layers(pm) if layers is None else layers:
+        for attr in (*module.adapter_layer_names, *module.other_param_names, "lora_variant"):
+            held = getattr(module, attr, None)
+            if held is not None and src in held:
+                value = held[src]
+                held[new] = copy.deepcopy(value) if isinstance(value, torch.nn.Module | torch.Tensor) else value
+    pm.peft_config[new] = copy.copy(pm.peft_config[src])
+
+
+def lora_layers(pm) -> list:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in pm.modules() if isinstance(m, LoraLayer)]
+
+
+def add_many(model, n: int, ranks: list[int], device, fp32: bool):
+    """``n`` adapters ``a0``… of ``ranks`` (cycled): one per rank through PEFT, the rest cloned from those."""
+    pm = add_adapters(model, len(ranks), ranks, device, fp32_adapters=fp32)
+    layers = lora_layers(pm)
+    for i in range(len(ranks), n):
+        clone_adapter(pm, f"a{i % len(ranks)}", f"a{i}", layers)
+    return pm
