@@ -227,9 +227,9 @@ def test_stacks_lent_to_the_execution_device(tmp_path):
 
 
 def test_adapters_loaded_after_enabling(tmp_path):
-    """An adapter added to an offloaded model after enabling (PEFT puts its weights where the layer's are: on meta
-    for an offloaded base, with no map to read them from) gets what stock PEFT gives for it; the others keep the
-    kernels."""
+    """An adapter added to an offloaded model after enabling (PEFT leaves its weights where it made them, on the
+    host, with no hook: accelerate dispatched the model before it came) gets what stock PEFT gives for it, beside the
+    offloaded ones."""
     model = _cpu_offload(tmp_path)
     input_ids, mask = _batch(len(NAMES), 6, seed=5)
     enable_csgmv(model)
@@ -382,7 +382,7 @@ def test_gpu_offloaded_adapters_not_resident():
         for layer in model._csgmv.layers.values()
         if layer._csgmv_record.stack.runs_on is not None
     )
-    assert offloaded > 8 * largest // 2, "too few offloaded layers to tell"
+    assert offloaded >= 3 * largest, "too few offloaded layers to tell"
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
