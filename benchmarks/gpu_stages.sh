@@ -18,6 +18,9 @@
 #   tier     the host tier's bookkeeping per move alone (bench_tier_host.py --phases --repoint, ~2 min) -> tier_host.log
 #   tiercold the host tier's cold calls alone (1000 adapters loaded, 4 calls of 32 from host memory), then tier
 #            -> memory_1b_cold.json, memory_1b_cold.log, tier_host.log
+#   offload  a model accelerate offloads on one GPU: the offload tests (gpu-marked ones included), then 8B with half
+#            its layers offloaded to the CPU: base, PEFT one adapter, csgmv 32 distinct and one adapter, csgmv with the
+#            offloaded stacks kept on the GPU (~5 min) -> gpu_offload.log, offload_8b.json, offload_8b.log
 #   multi    two GPUs (the nvidia-h200-x2 kind): 8B with device_map over both vs one; data-parallel generate -> multi_gpu.json
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
 #   beside   GPU time of compiled 1B/8B blocks, the LoRA after vs beside the base product (~2 min) -> beside.json
@@ -227,6 +230,12 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 benchmarks/compile_time.py --model 1b --rows base,csgmv --rounds 3 --repeats 1 \
         --out "$OUT/compile_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/compile_1b.log"
       grep "^| 1b" "$OUT/compile_1b.log" || tail -25 "$OUT/compile_1b.log" ;;
+    offload)
+      python3 -m pytest tests/test_offload.py -q -p no:cacheprovider -rf --tb=short > "$OUT/gpu_offload.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_offload.log" | tail -8
+      python3 benchmarks/bench_offload.py --out "$OUT/offload_8b.json" 2>&1 | grep --line-buffered -v -i warn \
+        > "$OUT/offload_8b.log"
+      grep -E "^\||layers offloaded" "$OUT/offload_8b.log" || tail -25 "$OUT/offload_8b.log" ;;
     multi)
       python3 benchmarks/bench_multi_gpu.py --out "$OUT/multi_gpu.json" 2>&1 | grep --line-buffered -v -i warn \
         > "$OUT/multi_gpu.log"

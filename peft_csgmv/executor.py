@@ -172,9 +172,11 @@ class Executor:
         from .kernels.group import MAX_MEMBERS
 
         def joins(layer) -> bool:
-            stack, base = layer._csgmv_record.stack, layer._modules.get("base_layer")
+            record = layer._csgmv_record
+            stack, base = record.stack, layer._modules.get("base_layer")
             weight = getattr(base, "weight", None)
-            if stack is None or not isinstance(weight, torch.Tensor):
+            # (an offloaded layer's weights are accelerate's to bring, for each forward: never read by a group's op)
+            if stack is None or not isinstance(weight, torch.Tensor) or record.offload is not None:
                 return False
             if self.groups_beside:
                 return True

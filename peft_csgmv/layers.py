@@ -74,7 +74,8 @@ def apply_lora(
                 t.mul_(embed_scale)
             kernels.expand(t, stack.b, stack.ranks, stack.scalings, plan, y, stack.mag, stack.bias, stack.lora_bias)
             return
-        bound = run.bound.get(stack) if kernels.BoundLayer.direct else _UNBINDABLE
+        # (a lent stack's tensors are this forward's copies: never bound)
+        bound = run.bound.get(stack) if kernels.BoundLayer.direct and not stack.lent else _UNBINDABLE
         if bound.__class__ is kernels.BoundLayer:
             try:
                 if bound.run_if_fits(x, y, stack):
@@ -190,9 +191,15 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     device = x.device
     if not compiling and ex.mapping.learn is not None:  # (compiled code reads no flag: no guard)
         ex.mapping.observe(self, x)
-    if stack.device != device:
-        # The input is not where the stack is (the driver moves stacks with their layer's weights before each call:
-        # CsgmvState.follow_weights): PEFT's own path decides (its result, or its error).
+    runs_on = stack.runs_on
+    if runs_on is None:
+        if stack.device != device:
+            # The input is not where the stack is (the driver moves stacks with their layer's weights before each call:
+            # CsgmvState.follow_weights): PEFT's own path decides (its result, or its error).
+            return _peft_forward(self, ex.mapping, x, args, kwargs)
+    elif runs_on != device or compiling:
+        # An offloaded layer (its stack in host memory, lent to its execution device for each eager forward): the
+        # input elsewhere, or compiled code, which reads stacks where they live: PEFT's own path.
         return _peft_forward(self, ex.mapping, x, args, kwargs)
     peft_rows = record.peft_rows
     if peft_rows and not peft_rows.isdisjoint(ex.mapping.name_set):
@@ -220,6 +227,8 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     if not result.is_contiguous():
         result = result.contiguous()
     y = result.view(-1, result.shape[-1])
+    if runs_on is not None:  # an offloaded layer: its stack comes to the layer's device for this forward only
+        stack = stack.lend(device, run.slots())
     apply_lora(x2, y, stack, run, ex.triton_on(device), embed_scale=embed_scale)
     return result
 
@@ -257,7 +266,14 @@ def compiled_route(key: int, epoch: int, n: int, shape: torch.Size, device: torc
     if record is None:  # (unpatched since the key was given)
         return None
     stack, ex = record.stack, executor_of(state["_csgmv_exec"])
-    if stack is None or base is None or stack.embedding or stack.device != device or len(shape) < 2:
+    if (
+        stack is None
+        or base is None
+        or stack.embedding
+        or stack.device != device
+        or stack.runs_on is not None
+        or len(shape) < 2
+    ):
         return None
     if record.peft_rows or _hooked(base):
         return None

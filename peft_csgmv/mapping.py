@@ -197,13 +197,22 @@ class PlanRun:
     """A plan in use: the plan (plain data), its shrink workspaces, and each layer's launches bound to it (a
     :class:`~peft_csgmv.kernels.BoundLayer`, or a marker: used once / cannot bind)."""
 
-    __slots__ = ("plan", "workspaces", "bound", "ahead")
+    __slots__ = ("plan", "workspaces", "bound", "ahead", "_slots")
 
     def __init__(self, plan: BatchPlan) -> None:
         self.plan = plan
         self.workspaces: dict = {}
         self.bound: dict = {}
         self.ahead = False  # its kernel variants handed to :func:`~peft_csgmv.eager_ahead.compile_ahead_eager` already
+        self._slots: tuple | None = None  # (plan, its slots) as :meth:`slots` last read them
+
+    def slots(self) -> frozenset:
+        """The slots the plan's segments use (what an offloaded layer's stack lends: :meth:`LoraStack.lend`), the same
+        object for every layer of the plan (a packed step's plan changes each step: read again then)."""
+        held = self._slots
+        if held is None or held[0] is not self.plan:
+            held = self._slots = (self.plan, frozenset(slot for slot, _, _ in self.plan.runs))
+        return held[1]
 
     def workspace(self, width: int, planes: int = 1) -> torch.Tensor:
         """A ``(num_tokens, width)`` fp32 buffer for the shrink output (``(planes, num_tokens, width)`` for split-K

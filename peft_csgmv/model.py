@@ -323,6 +323,9 @@ def csgmv_stats(model) -> dict:
       serve there);
     * ``stack_bytes``: device memory of every stack; ``shared_bytes``: of that, PEFT's own adapter weights, which are
       views into the stacks (stored once);
+    * ``offloaded_layers``: kernel layers whose weights accelerate offloads (their adapters read from accelerate's
+      weights maps, their stacks in host memory, lent to the execution device for each forward: peft_csgmv/offload.py);
+      ``offloaded_stack_bytes``: host memory of their stacks (not counted in ``stack_bytes``);
     * ``plans_cached``: host-built plans kept for later calls with the same ids; ``static_plans``: plans of compiled
       shapes; ``unforeseen_plans``: plans a layer read that its call's driver had not prepared (shapes the call's
       arguments do not tell: made on the layer's first read), over every call so far;
@@ -337,7 +340,15 @@ def csgmv_stats(model) -> dict:
         expert_stack_bytes=_expert_stack_bytes(state),
         peft_path_modules=len(state.peft_path),
         peft_row_layers=sum(1 for layer in state.layers.values() if layer._csgmv_record.peft_rows),
-        stack_bytes=sum(layer._csgmv_record.stack.nbytes for layer in state.layers.values())
+        offloaded_layers=sum(1 for layer in state.layers.values() if layer._csgmv_record.offload is not None),
+        offloaded_stack_bytes=sum(
+            layer._csgmv_record.stack.nbytes
+            for layer in state.layers.values()
+            if layer._csgmv_record.offload is not None
+        ),
+        stack_bytes=sum(
+            layer._csgmv_record.stack.nbytes for layer in state.layers.values() if layer._csgmv_record.offload is None
+        )
         + (0 if state.tier is None else sum(pages.nbytes for pages in state.tier.pages.values()))
         + _expert_stack_bytes(state),
         shared_bytes=sum(layer._csgmv_record.stack.shared_bytes for layer in state.layers.values()),

@@ -20,6 +20,8 @@ from .layers import KERNEL_LAYERS, experts_forward, kernel_forward, layer_keys, 
 from .tier import adapter_params
 
 if TYPE_CHECKING:
+    import torch
+
     from .slots import LoraStack
 
 
@@ -38,6 +40,8 @@ class ModuleRecord:
         experts: an experts layer's stacks, ``{parameter name: MoeStack}`` (:mod:`peft_csgmv.moe`), of the slots'
             adapters; ``None`` for other modules.
         experts_scalings: the scalings an experts layer's stacks were built with, by parameter name.
+        offload: where accelerate runs a kernel layer whose weights it offloads (:mod:`peft_csgmv.offload`: its
+            adapters are read from accelerate's weights maps, its stack waits in host memory); ``None`` for others.
     """
 
     def __init__(self) -> None:
@@ -48,6 +52,7 @@ class ModuleRecord:
         self.member: tuple | None = None
         self.experts: dict | None = None
         self.experts_scalings: dict = {}
+        self.offload: "torch.device | None" = None
 
 
 def _patch(module: nn.Module, forward, executor: Executor) -> ModuleRecord:
@@ -170,7 +175,7 @@ def weights_lent(pairs) -> Iterator[None]:
         for layer, name in pairs:
             device = layer._csgmv_record.stack.device
             for p in adapter_params(layer, name):
-                if p.device != device:
+                if p.device != device and p.device.type != "meta":  # (meta: accelerate's to bring, not the tier's)
                     lent.append((p, p.data))
                     p.data = p.data.to(device)
         yield

@@ -178,6 +178,8 @@ def _up(n: int) -> int:
 class LoraStack:
     """One layer's LoRA weights, every slot at its own rank (see the module docstring for the layout)."""
 
+    lent = False  # (a :class:`LentStack` is: its tensors are one forward's copies, never bound to a plan)
+
     def __setattr__(self, name: str, value) -> None:
         if name in _TENSORS:
             self._bump()
@@ -202,10 +204,13 @@ class LoraStack:
         embedding: bool = False,
         reserve: int = 0,
         pages: "DevicePages | None" = None,
+        runs_on: torch.device | None = None,
     ) -> None:
         """``reserve``: elements of storage to allocate up front (:meth:`slot_elements` of the adapters to come).
         ``pages``: the host tier's :class:`DevicePages` of this device and dtype, whose memory is the stack's storage
-        (slots then go where the tier reserves them, never packed or moved by the stack)."""
+        (slots then go where the tier reserves them, never packed or moved by the stack). ``runs_on``: the layer runs
+        on another device than the stack's (an offloaded layer, :mod:`peft_csgmv.offload`: the stack waits in host
+        memory, pinned where ``runs_on`` is a GPU, and each forward borrows it there: :meth:`lend`)."""
         self.handle = next(_handles)
         _STACKS[self.handle] = self
         self.launch_shape: tuple[int, int] | None = None  # (largest rank, rank alignment) the views were built with
@@ -219,8 +224,13 @@ class LoraStack:
         self.dtype = dtype
         self.device = device
         self.pages = pages
+        self.runs_on = runs_on
+        # Host storage that a GPU copies from while the host goes on (an offloaded layer's stack: :meth:`lend`).
+        self.pin = runs_on is not None and runs_on.type == "cuda"
+        self._lend_src: tuple | None = None  # (views, pinned per-slot vectors and extras) as :meth:`lend` last read
+        self._lend_extents: tuple | None = None  # (views, slots, extents to copy, elements) as :meth:`lend` last cut
         if pages is None:
-            self.data = torch.empty(reserve, dtype=dtype, device=device)
+            self.data = torch.empty(reserve, dtype=dtype, device=device, pin_memory=self.pin)
         else:
             self.data = pages.data
             self.row = pages.join(self)
@@ -394,7 +404,7 @@ class LoraStack:
         more."""
         used = sum(rec.length for rec in self.records.values())
         size = used + extra + ((used + extra) // 16 if room else 0)
-        data = torch.empty(size, dtype=self.dtype, device=self.device)
+        data = torch.empty(size, dtype=self.dtype, device=self.device, pin_memory=self.pin)
         pos, held = 0, {}
         for slot, rec in sorted(self.records.items(), key=lambda kv: kv[1].rel):
             data[pos : pos + rec.length] = self.data[rec.rel : rec.rel + rec.length]
@@ -566,6 +576,62 @@ class LoraStack:
         self.ranks_host[slot] = 0
         self.scalings_host[slot] = 0.0
 
+    def lend(self, device: torch.device, slots: frozenset) -> "LentStack":
+        """The stack on ``device`` for one forward of its layer (an offloaded layer's: :attr:`runs_on`): the weights of
+        ``slots`` (the call's; every other slot is left unwritten, and no plan of the call reads it), the per-slot
+        vectors and the DoRA / ``lora_bias`` rows, each copied in stream order on the current stream (from pinned host
+        memory to a GPU: no host sync). The copies are the forward's alone: nothing keeps them once the layer's
+        kernels are queued (the caching allocator reuses their memory in stream order), so nothing of an offloaded
+        layer's adapters stays on its device between forwards, as accelerate keeps nothing of the layer there."""
+        views = self._pooled()
+        pin = device.type == "cuda"
+        src = self._lend_src
+        if src is None or src[0] is not views:
+            tensors = (self.a_off, self.b_off, self.ranks, self.scalings, self.mag, self.bias, self.lora_bias)
+            held = tuple(None if t is None else t.pin_memory() if pin and not t.is_pinned() else t for t in tensors)
+            src = self._lend_src = (views, held)
+        cut = self._lend_extents
+        if cut is None or cut[0] is not views or cut[1] is not slots:
+            cut = self._lend_extents = (views, slots, *self._extents(slots))
+        extents, numel = cut[2], cut[3]
+        data = torch.empty(max(numel, 1), dtype=self.dtype, device=device)
+        for start, end in extents:
+            data[start:end].copy_(self.data[start:end], non_blocking=True)
+        a_off, b_off, ranks, scalings, mag, bias, lora_bias = (
+            None if t is None else t.to(device, non_blocking=True) for t in src[1]
+        )
+        a, b = views
+        return LentStack(
+            embedding=self.embedding,
+            a=a._replace(data=data, offsets=a_off),
+            b=b._replace(data=data, offsets=b_off),
+            ranks=ranks,
+            scalings=scalings,
+            mag=mag,
+            bias=bias,
+            lora_bias=lora_bias,
+            r_max=self.r_max,
+            ranks_host=self.ranks_host,
+            scalings_host=self.scalings_host,
+            device=device,
+        )
+
+    def _extents(self, slots) -> tuple[tuple[tuple[int, int], ...], int]:
+        """The storage that holds ``slots``' weights, as ``(start, end)`` element ranges (adjacent ones merged), and
+        the elements a copy needs to reach the last of them."""
+        spans = sorted(
+            (self.base(slot) + rec.rel, self.base(slot) + rec.rel + rec.length)
+            for slot, rec in self.records.items()
+            if slot in slots and slot < len(self.ranks_host) and self.ranks_host[slot]
+        )
+        merged: list[list[int]] = []
+        for start, end in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return tuple((s, e) for s, e in merged), (merged[-1][1] if merged else 0)
+
     @torch.inference_mode(False)  # PEFT's weights view the new tensors (see sync.outside_inference_mode)
     def to(self, device: torch.device) -> "LoraStack":
         """Move the stack (after the model was moved). Every tensor is copied before any is replaced, so a copy
@@ -581,6 +647,25 @@ class LoraStack:
         self._point_shared()  # PEFT's parameters were moved on their own: back to one copy, the stack's
         self.refresh()
         return self
+
+
+class LentStack(NamedTuple):
+    """An offloaded layer's stack on its layer's device for one forward (:meth:`LoraStack.lend`): what the kernels
+    and the torch reference read of a stack, the weights those of the call's slots only."""
+
+    embedding: bool
+    a: Pooled
+    b: Pooled
+    ranks: torch.Tensor
+    scalings: torch.Tensor
+    mag: torch.Tensor | None
+    bias: torch.Tensor | None
+    lora_bias: torch.Tensor | None
+    r_max: int
+    ranks_host: list
+    scalings_host: list
+    device: torch.device
+    lent: bool = True
 
 
 def empty_slot(slot: int, stacks) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .executor import Executor
+from .offload import adapter_weights, execution_device, offloaded_param, on_meta
 from .options import Options
 from .patching import (
     WeakMethod,
@@ -201,6 +202,8 @@ class CsgmvState:
         self.registry = SlotRegistry()
         self.tier = None if max_resident is None else HostTier(max_resident, self.registry)
         self.loading = 0  # PEFT's load_adapter under way (its add_adapter then waits for the load to sync)
+        # With the host tier: some offloaded layer's stack may not hold its slots' adapters (a restack failed part way)
+        self.offload_stale = False
         # Runs the layers' LoRA for each call; it restacks a layer through this state when PEFT rescales it.
         # (its restack through a weak method: no cycle through the executor)
         self.executor = Executor(backend, WeakMethod(CsgmvState._restack, self), Options.from_env())
@@ -314,19 +317,22 @@ class CsgmvState:
                 module._csgmv_record.adapters = frozenset(_held_adapters(module))
             restack = set()
             for layer in found.values():
+                where = execution_device(layer)  # (None: accelerate offloads nothing of it)
                 if not is_patched(layer):
-                    patch_layer(layer, self._new_stack(layer), self.executor)
+                    patch_layer(layer, self._new_stack(layer, where), self.executor)
                     regroup = True
-                elif layer._csgmv_record.stack.dtype != self.stack_dtype(layer):
-                    # An adapter of a wider dtype arrived: the stack takes that dtype, every slot copied again.
+                elif layer._csgmv_record.stack.dtype != self.stack_dtype(layer) or layer._csgmv_record.offload != where:
+                    # An adapter of a wider dtype arrived (the stack takes that dtype), or accelerate placed the layer
+                    # anew: a new stack, every slot copied again.
                     layer._csgmv_record.stack.release_shared()
-                    layer._csgmv_record.stack = self._new_stack(layer)
+                    layer._csgmv_record.stack = self._new_stack(layer, where)
                     restack.add(layer)
                     regroup = True
+                layer._csgmv_record.offload = where
             if tier is not None:
                 # Every adapter's place in its page; those without a slot wait in host memory, and residents whose
                 # weights wait there (admitted now) come in from it.
-                tier.lay_out(found.values(), names, self.registry, self.kernel_reason)
+                tier.lay_out(self._tiered(found.values()), names, self.registry, self.kernel_reason)
                 if len(names) > self.max_resident:  # (while every adapter has a slot, none can leave: no host memory)
                     tier.reserve(names)
                 hosted = [n for n in names if n not in self.registry.index]
@@ -336,7 +342,7 @@ class CsgmvState:
                     if name is not None and tier.hosted(name):
                         tier.bring_in(name, slot, _dora_scale, self.dora_refused)
                 if hosted:
-                    host_copies_done(found.values())
+                    host_copies_done(self._tiered(found.values()))
             for layer in found.values():
                 self.stack_layer(layer, force or layer in restack)
         for old, new in ((self.layers, found), (self.peft_path, peft_path), (self.experts, experts)):
@@ -384,6 +390,9 @@ class CsgmvState:
         the adapter's dtype before its products, which the kernels do not, so its rows take PEFT's path (PEFT's
         numbers). Wider adapters (PEFT's fp32 default on a half-precision model) and same-dtype ones run the kernels."""
         reason = _kernel_reason(layer, name)
+        if reason is None and layer.use_dora.get(name, False) and execution_device(layer) is not None:
+            # (its norm needs the base weight, which accelerate brings for each forward only)
+            reason = "DoRA on a layer accelerate offloads"
         if reason is not None or self.dtype is not None:
             return reason
         a = layer_adapter(layer, name)[0]
@@ -413,12 +422,15 @@ class CsgmvState:
         stack: LoraStack = layer._csgmv_record.stack
         names = self.registry.names
         peft_rows = set()
+        # An offloaded layer's adapters come from accelerate's weights maps (PEFT's parameters are on meta).
+        offloaded = layer._csgmv_record.offload is not None
+        adapter = adapter_weights if offloaded else layer_adapter
         for slot, name in enumerate(names):
-            weights = None if name is None else layer_adapter(layer, name)  # a lookup: layers may hold thousands
+            weights = None if name is None else adapter(layer, name)  # a lookup: layers may hold thousands
             if weights is None:
                 stack.clear_slot(slot)
                 continue
-            if self.kernel_reason(layer, name) is not None:
+            if self.kernel_reason(layer, name) is not None or (offloaded and on_meta(*weights)):
                 peft_rows.add(name)
                 if layer.use_dora.get(name, False):
                     self.dora_refused.add(name)
@@ -428,7 +440,8 @@ class CsgmvState:
             held = stack.records.get(slot)
             if force or held is None or held.a is not a:
                 dora = _dora_scale(layer, name) if layer.use_dora.get(name, False) else None
-                lora_bias = None if stack.embedding else module_param(layer._modules["lora_B"][name], "bias")
+                lora_b = None if stack.embedding else layer._modules["lora_B"][name]
+                lora_bias = None if lora_b is None else (offloaded_param if offloaded else module_param)(lora_b, "bias")
                 # PEFT's weights become views into the stack where dtype and device allow: one copy of each adapter.
                 share = isinstance(a, nn.Parameter) and a.dtype == b.dtype == stack.dtype and a.device == stack.device
                 stack.set_slot(slot, a, b, layer.scaling[name], dora=dora, lora_bias=lora_bias, share=share)
@@ -474,14 +487,30 @@ class CsgmvState:
             return weight.dtype if weight is not None and weight.dtype.is_floating_point else torch.float32
         return max(dtypes, key=lambda d: torch.finfo(d).bits)
 
-    def _new_stack(self, layer: nn.Module) -> LoraStack:
+    def _new_stack(self, layer: nn.Module, where: torch.device | None = None) -> LoraStack:
+        """A new stack for kernel layer ``layer``; ``where``: the execution device of a layer accelerate offloads
+        (:func:`~peft_csgmv.offload.execution_device`), whose stack waits in host memory (out of the host tier's
+        pages) and is lent to ``where`` for each forward where that is another device."""
         # Storage for exactly the adapters that get a slot here now (later ones: see slots.py).
         slotted = [
             a.shape[0]
             for n, (a, _) in layer_adapters(layer).items()
             if n in self.registry.index and self.kernel_reason(layer, n) is None
         ]
-        device, dtype = weights_device(layer), self.stack_dtype(layer)
+        dtype = self.stack_dtype(layer)
+        if where is not None:
+            host = torch.device("cpu")
+            return LoraStack(
+                in_features=layer.in_features,
+                out_features=layer.out_features,
+                capacity=max(self.registry.capacity, 1),
+                dtype=dtype,
+                device=host,
+                embedding=_is_embedding(layer),
+                reserve=sum(LoraStack.slot_elements(r, layer.in_features, layer.out_features) for r in slotted),
+                runs_on=None if where == host else where,
+            )
+        device = weights_device(layer)
         if self.tier is not None and device.type == "cpu":  # the layer's first adapter may wait in host memory
             weight = getattr(layer.get_base_layer(), "weight", None)
             if weight is not None and weight.device.type not in ("cpu", "meta"):
@@ -499,7 +528,7 @@ class CsgmvState:
 
     def release(self) -> None:
         if self.max_resident is not None:  # PEFT holds every adapter on the device again
-            for layer in self.layers.values():
+            for layer in self._tiered(self.layers.values()):
                 for name in layer_adapters(layer):
                     move_adapter(layer, name, layer._csgmv_record.stack.device)
         for module in [*self.layers.values(), *self.peft_path.values(), *self.experts.values()]:
@@ -515,12 +544,27 @@ class CsgmvState:
         if self.tier is not None:
             self.tier.check_fits(needed, what)
 
+    @staticmethod
+    def _tiered(layers) -> list[nn.Module]:
+        """The kernel layers of ``layers`` that the host tier holds: all but those accelerate offloads, whose stacks
+        wait in host memory whatever their adapters (:mod:`peft_csgmv.offload`)."""
+        return [layer for layer in layers if layer._csgmv_record.offload is None]
+
     def make_resident(self, needed) -> list:
         """Give every adapter in ``needed`` a slot (host tier only; :meth:`~peft_csgmv.tier.HostTier.make_resident`);
-        the events of the copies out still in flight."""
+        the events of the copies out still in flight. The stacks of offloaded layers (out of the tier) then hold the
+        adapters of the slots as they are now."""
         if self.tier is None:
             return []
-        return self.tier.make_resident(needed, list(self.layers.values()), _dora_scale, self.dora_refused)
+        before = list(self.registry.names)
+        out = self.tier.make_resident(needed, self._tiered(self.layers.values()), _dora_scale, self.dora_refused)
+        offloaded = [layer for layer in self.layers.values() if layer._csgmv_record.offload is not None]
+        if offloaded and (self.registry.names != before or self.offload_stale):
+            self.offload_stale = True  # (until every offloaded stack holds its slots' adapters: a failure retries)
+            for layer in offloaded:
+                self.stack_layer(layer)
+            self.offload_stale = False
+        return out
 
     @property
     def resident(self) -> list[str]:
@@ -553,7 +597,7 @@ class CsgmvState:
         place = self.place
         if place is None or place[0].device == place[1]:
             return
-        for layer in self.layers.values():
+        for layer in self._tiered(self.layers.values()):  # (offloaded layers: accelerate places their weights)
             stack, weight = layer._csgmv_record.stack, getattr(layer.get_base_layer(), "weight", None)
             if stack is not None and isinstance(weight, torch.Tensor) and weight.device.type != "meta":
                 if stack.device != weight.device:
@@ -564,7 +608,8 @@ class CsgmvState:
     def _find_devices(self) -> None:
         """The devices of the kernel layers' stacks, and the place :meth:`follow_weights` reads."""
         stacks = [(layer, layer._csgmv_record.stack) for layer in self.layers.values()]
-        self.devices = tuple(dict.fromkeys(stack.device for _, stack in stacks if stack is not None))
+        # (an offloaded layer's plans go where it runs, to which its stack is lent)
+        self.devices = tuple(dict.fromkeys(stack.runs_on or stack.device for _, stack in stacks if stack is not None))
         weights = (getattr(layer.get_base_layer(), "weight", None) for layer, _ in stacks)
         weight = next((w for w in weights if isinstance(w, torch.Tensor)), None)
         self.place = None if weight is None else (weight, weight.device)
