@@ -137,7 +137,8 @@ def crop_cache(cache, length: int) -> None:
     (``activate_past_recording``: each step's update keeps the window plus the new tokens until the next ``crop``
     cuts them back). Recording is switched on here, before the first timed step, where the cache has it: the step
     computes the same (its attention sees the same ``window - 1`` past states plus the new token), and ``crop``
-    brings back exactly the prompt's states. Layers without a window are cropped as before."""
+    brings back exactly the prompt's states. Layers without a window are cropped as before. Call it before every
+    step, the first included (a step taken before recording is on cannot be taken back)."""
     activate = getattr(cache, "activate_past_recording", None)
     if activate is not None:
         activate()

@@ -109,6 +109,19 @@ def stack_from_peft(wrapper: torch.nn.Module, adapters: Sequence[str | None], dt
     )
 
 
+# benchmarks/count_moe_ops.py counts the CUDA path's host work on the CPU: there the base products take torch's grouped
+# product too (torch runs it on the CPU), not the product per expert (whose offsets the CPU reads on the host).
+GROUPED_ON_CPU = False
+_SM80: dict = {}  # device -> whether its capability is 8.0 or above (torch's grouped product needs it)
+
+
+def _sm80(device: torch.device) -> bool:
+    ok = _SM80.get(device)
+    if ok is None:
+        ok = _SM80[device] = torch.cuda.get_device_capability(device) >= (8, 0)
+    return ok
+
+
 def _expert_linear(
     x: torch.Tensor, weight: torch.Tensor, bias, experts: torch.Tensor, offsets: torch.Tensor, is_transposed: bool
 ) -> torch.Tensor:
@@ -119,12 +132,9 @@ def _expert_linear(
     each row's weight gathered: that is rows × the weight's bytes."""
     w = weight if is_transposed else weight.transpose(-1, -2)  # (E, in, out)
     grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if (
-        grouped is not None
-        and x.is_cuda
-        and w.dtype in (torch.bfloat16, torch.float16)
-        and torch.cuda.get_device_capability(x.device) >= (8, 0)
-    ):
+    if grouped is not None and GROUPED_ON_CPU and not x.is_cuda:
+        out = grouped(x.to(w.dtype), w, offs=offsets)
+    elif grouped is not None and x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and _sm80(x.device):
         out = grouped(x.to(w.dtype), w, offs=offsets)
     else:
         out = x.new_empty((x.shape[0], w.shape[-1]), dtype=torch.promote_types(x.dtype, w.dtype))
@@ -139,16 +149,21 @@ def _expert_linear(
     return out
 
 
-def _lora(x, stack: MoeStack | None, plan: MoePlan, y: torch.Tensor, x_rows: str, backend: str) -> None:
-    """``y`` (rows in sorted order) += each pair's LoRA of ``stack`` on ``x`` (rows by ``x_rows``)."""
+def _lora(x, stack: MoeStack | None, plan: MoePlan, y: torch.Tensor, x_rows: str, backend: str, t=None):
+    """``y`` (rows in sorted order) += each pair's LoRA of ``stack`` on ``x`` (rows by ``x_rows``). ``t``: a shrink
+    output buffer ``(P, R)`` fp32 to reuse (the Triton backend; one of another rank is not used). Returns the buffer
+    the shrink wrote (``t`` or a new one; ``None`` without a stack or on the torch backend)."""
     if stack is None:
-        return
+        return t
     if backend == "triton":
-        t = moe_shrink(x, stack.a, stack.ranks, plan, x_rows=x_rows)
+        if t is not None and t.shape[1] != stack.a.shape[2]:
+            t = None
+        t = moe_shrink(x, stack.a, stack.ranks, plan, t, x_rows=x_rows)
         moe_expand(t, stack.b, stack.ranks, stack.scalings, plan, y, y_rows="sorted")
-    else:
-        t = moe_shrink_reference(x, stack.a, stack.ranks_host, plan, x_rows=x_rows)
-        moe_expand_reference(t, stack.b, stack.ranks_host, stack.scalings.tolist(), plan, y, y_rows="sorted")
+        return t
+    t = moe_shrink_reference(x, stack.a, stack.ranks_host, plan, x_rows=x_rows)
+    moe_expand_reference(t, stack.b, stack.ranks_host, stack.scalings.tolist(), plan, y, y_rows="sorted")
+    return None
 
 
 def moe_lora_forward(
@@ -156,10 +171,11 @@ def moe_lora_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    token_slot: Sequence[int] | torch.Tensor,
+    token_slot: Sequence[int] | torch.Tensor | None,
     stacks: dict[str, MoeStack],
     backend: str = "triton",
     chunk_size: int | None = None,
+    plan: MoePlan | None = None,
 ) -> torch.Tensor:
     """The experts' output with each token's own adapter: for every token, what PEFT's forward with that token's
     adapter alone returns (the base experts' output for a base token, slot ``-1``).
@@ -169,11 +185,13 @@ def moe_lora_forward(
             their optional biases, ``is_transposed``, ``_apply_gate``), not PEFT's wrapper around it.
         hidden_states: ``(T, hidden)``, the experts' input.
         top_k_index, top_k_weights: ``(T, top_k)``, the router's experts and weights of each token.
-        token_slot: ``(T,)`` slot of each token, ``-1`` for a base token.
+        token_slot: ``(T,)`` slot of each token, ``-1`` for a base token (not read when ``plan`` is given).
         stacks: ``{"gate_up_proj": MoeStack, "down_proj": MoeStack}`` (either may be missing: that parameter is not
             adapted), of the same slots.
         backend: ``"triton"`` (the kernels) or ``"torch"`` (their reference).
         chunk_size: override the plan's segment length.
+        plan: the layer's :class:`MoePlan` of ``top_k_index``, already built (an experts layer builds it from the
+            call's :meth:`~peft_csgmv.mapping.Mapping.token_groups_for`); built from ``token_slot`` when ``None``.
 
     Returns:
         ``(T, hidden)`` in ``hidden_states``' dtype.
@@ -181,24 +199,27 @@ def moe_lora_forward(
     if not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
         raise NotImplementedError("the prototype covers gated experts without a post-expert norm")
     num_tokens, top_k = top_k_index.shape
-    num_slots = next(iter(stacks.values())).num_slots if stacks else 1
-    plan = MoePlan.build(token_slot, top_k_index, experts.num_experts, num_slots, chunk_size=chunk_size)
-    perm = plan.permutation.long()
-    expert_ids = top_k_index.reshape(-1)[perm]  # (P,) each sorted pair's expert
-    has_bias, transposed = getattr(experts, "has_bias", False), getattr(experts, "is_transposed", False)
-
-    def bias(name):
-        return getattr(experts, f"{name}_bias") if has_bias else None
-
+    if plan is None:
+        num_slots = next(iter(stacks.values())).num_slots if stacks else 1
+        plan = MoePlan.build(token_slot, top_k_index, experts.num_experts, num_slots, chunk_size=chunk_size)
+    perm = plan.permutation  # (P,) int32, each sorted position's pair (torch indexes with it as it is)
+    transposed = getattr(experts, "is_transposed", False)
+    if getattr(experts, "has_bias", False):
+        expert_ids = top_k_index.reshape(-1)[perm]  # (P,) each sorted pair's expert (for its bias)
+        gate_up_bias, down_bias = experts.gate_up_proj_bias, experts.down_proj_bias
+    else:
+        expert_ids = gate_up_bias = down_bias = None
     offsets = plan.expert_offsets
     gate_up = _expert_linear(
-        hidden_states[perm // top_k], experts.gate_up_proj, bias("gate_up_proj"), expert_ids, offsets, transposed
+        hidden_states[perm // top_k], experts.gate_up_proj, gate_up_bias, expert_ids, offsets, transposed
     )  # (P, 2·I), sorted order
-    _lora(hidden_states, stacks.get("gate_up_proj"), plan, gate_up, "token", backend)
+    # (one shrink output buffer for both products: the down shrink runs after the gate/up expand has read it)
+    t = _lora(hidden_states, stacks.get("gate_up_proj"), plan, gate_up, "token", backend)
     act = experts._apply_gate(gate_up)  # (P, I)
-    out = _expert_linear(act, experts.down_proj, bias("down_proj"), expert_ids, offsets, transposed)  # (P, hidden)
-    _lora(act, stacks.get("down_proj"), plan, out, "sorted", backend)
-    weighted = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
-    by_pair = torch.empty_like(weighted)
-    by_pair[perm] = weighted
-    return by_pair.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    out = _expert_linear(act, experts.down_proj, down_bias, expert_ids, offsets, transposed)  # (P, hidden)
+    _lora(act, stacks.get("down_proj"), plan, out, "sorted", backend, t)
+    # Back to pair order, each pair weighted by its routing weight, summed over each token's experts.
+    by_pair = torch.empty_like(out)
+    by_pair[perm] = out
+    weighted = by_pair.view(num_tokens, top_k, -1) * top_k_weights.to(out.dtype).unsqueeze(-1)
+    return weighted.sum(dim=1).to(hidden_states.dtype)

@@ -38,6 +38,8 @@ class ModuleRecord:
         experts: an experts layer's stacks, ``{parameter name: MoeStack}`` (:mod:`peft_csgmv.moe`), of the slots'
             adapters; ``None`` for other modules.
         experts_scalings: the scalings an experts layer's stacks were built with, by parameter name.
+        experts_module: an experts layer's experts module (under PEFT's wrappers), and ``experts_slots`` the slots of
+            its stacks (both set with ``experts``).
     """
 
     def __init__(self) -> None:
@@ -48,6 +50,8 @@ class ModuleRecord:
         self.member: tuple | None = None
         self.experts: dict | None = None
         self.experts_scalings: dict = {}
+        self.experts_module: nn.Module | None = None
+        self.experts_slots: int = 0
 
 
 def _patch(module: nn.Module, forward, executor: Executor) -> ModuleRecord:

@@ -448,7 +448,7 @@ class CsgmvState:
         are named in its record's ``peft_rows``: a call that asks for one gets PEFT's path (PEFT's error)."""
         from .moe import stack_from_peft
 
-        _, wrappers = _experts_parts(wrapper)
+        experts, wrappers = _experts_parts(wrapper)
         names = self.registry.names
         record = wrapper._csgmv_record
         refused = {n for w in wrappers.values() for n in w.lora_A if _experts_reason(w, n) is not None}
@@ -460,6 +460,8 @@ class CsgmvState:
             with torch.no_grad():
                 stacks[param] = stack_from_peft(w, slotted, dtype)
         record.experts = stacks
+        record.experts_module = experts
+        record.experts_slots = len(slotted)
         record.experts_scalings = {param: dict(w.scaling) for param, w in wrappers.items()}
         record.peft_rows = frozenset(refused)
 

@@ -215,3 +215,66 @@ def test_continuous_batching_gives_each_request_its_expert_adapter(arch):
     out = pm.generate_batch(rows, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
     disable_csgmv(pm)
     assert [out[f"req_{i}"].generated_tokens for i in range(4)] == [w.tolist() for w in want]
+
+
+def test_experts_layer_decode_step_host_work(monkeypatch):
+    """An experts layer's host work per decode step, on the path CUDA takes (torch's grouped base products, here on
+    the CPU where torch has them too): no op that reads the device on the host (``.item()``, ``.tolist()``,
+    ``nonzero``), a bounded number of torch ops (the plan's and the layer's: 28 on Qwen3-MoE when this was written,
+    73 before the plan was cut down; the experts' own gate among them) and four Triton launches; and the grouped path
+    gives each row its adapter's PEFT result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from peft_csgmv import moe
+    from peft_csgmv.kernels import launch
+
+    monkeypatch.setattr(moe, "GROUPED_ON_CPU", True)
+    pm = moe_peft("qwen3_moe")
+    ids, step = prompts(6, 5, seed=5), prompts(6, 1, seed=6)
+    names = names_for(6)
+    expected = per_adapter(pm, names, lambda: pm(torch.cat([ids, step], 1)).logits[:, -1])
+    enable_csgmv(pm, backend="triton")
+    experts = [m for m in pm.modules() if getattr(m.__dict__.get("_csgmv_record"), "experts", None)]
+    assert len(experts) == 2
+
+    class Count(TorchDispatchMode):
+        on, ops, launches = False, [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if Count.on:
+                Count.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def on(*_):
+        Count.on = True
+
+    def off(*_):
+        Count.on = False
+
+    for m in experts:
+        m.register_forward_pre_hook(on)
+        m.register_forward_hook(off)
+    real_launch = launch.Launcher.__call__
+
+    def counted(self, *args, **kwargs):
+        was, Count.on = Count.on, False  # (the interpreter's own tensor ops are not the layer's)
+        Count.launches += was
+        try:
+            return real_launch(self, *args, **kwargs)
+        finally:
+            Count.on = was
+
+    monkeypatch.setattr(launch.Launcher, "__call__", counted)
+    with torch.no_grad():
+        cache = pm(ids, adapter_ids=names, use_cache=True).past_key_values
+        pm(step, past_key_values=cache, adapter_ids=names)  # (the plan's constants of this size are made once)
+        cache.crop(-1)
+        Count.launches = 0
+        with Count():
+            got = pm(step, past_key_values=cache, adapter_ids=names).logits[:, -1]
+    close(got, stitch(expected, names), "grouped decode step")
+    views = {"view", "_unsafe_view", "slice", "select", "transpose", "unsqueeze", "split", "lift_fresh", "alias"}
+    ops = [op for op in Count.ops if op not in views]
+    assert not {"_local_scalar_dense", "item", "nonzero", "tolist"} & set(Count.ops), Count.ops
+    assert len(ops) / 2 <= 30, f"{len(ops) / 2} torch ops per experts layer: {ops}"
+    assert Count.launches == 2 * 4
