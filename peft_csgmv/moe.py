@@ -34,11 +34,15 @@ class MoeStack:
     """The adapters of one expert parameter, one slot each.
 
     Attributes:
-        a: ``(S, E, R, K)`` A of every slot and expert, zero past each slot's rank (``R``: the largest rank).
-        b: ``(S, E, N, R)`` B likewise.
+        a: ``(S, E, R, K)`` A of every slot and expert, zero past each slot's rank (``R``: the largest rank); stored
+            so (contiguous): slot ``s``'s ``a[s]`` is PEFT's ``lora_A.weight`` ``(R·E, K)`` of an adapter of rank R.
+        b: ``(S, E, N, R)`` B likewise, a strided view of storage laid out ``(S, N, R, E)``: slot ``s``'s block is
+            PEFT's rank-major ``lora_B.weight`` ``(N, R·E)`` (column ``j·E + e``) of an adapter of rank R.
         ranks: ``(S,)`` int32 (0: the slot's adapter does not adapt this parameter).
         scalings: ``(S,)`` fp32.
         ranks_host: the same ranks, on the host (the torch reference walks them).
+        shared: PEFT's ``lora_A`` / ``lora_B`` weight parameters that are views into ``a`` / ``b`` (adapters of rank
+            ``R``, of the stack's dtype and device: stored once); :meth:`release_shared` gives them their own memory.
     """
 
     a: torch.Tensor
@@ -46,6 +50,7 @@ class MoeStack:
     ranks: torch.Tensor
     scalings: torch.Tensor
     ranks_host: tuple[int, ...]
+    shared: tuple = ()
 
     @property
     def num_slots(self) -> int:
@@ -55,10 +60,28 @@ class MoeStack:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.a, self.b, self.ranks, self.scalings))
 
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of PEFT's weights that are views into this stack (not held twice)."""
+        return sum(p.nbytes for p in self.shared)
+
+    def release_shared(self, keep=frozenset()) -> None:
+        """Every shared parameter (but those whose ``id`` is in ``keep``: a newer stack's views) owns its memory
+        again, a copy of its values (``disable_csgmv``, the layer unpatched or restacked)."""
+        for p in self.shared:
+            if id(p) not in keep and _views(p, self):
+                p.data = p.data.clone()
+
     def serves(self, row_slots: Sequence[int], token_slots: Sequence[int] | None = None) -> bool:
         """Whether some slot of a call's rows (or of a packed step's tokens) adapts this parameter."""
         ranks = self.ranks_host
         return any(0 <= s < len(ranks) and ranks[s] for s in set(token_slots if token_slots is not None else row_slots))
+
+
+def _views(p: torch.Tensor, stack: MoeStack) -> bool:
+    """Whether ``p`` still views ``stack``'s memory (a model moved or cast since gave it memory of its own)."""
+    storage = p.untyped_storage().data_ptr()
+    return storage in (stack.a.untyped_storage().data_ptr(), stack.b.untyped_storage().data_ptr())
 
 
 def param_wrappers(module: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
@@ -72,7 +95,9 @@ def param_wrappers(module: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     return module, wrappers
 
 
-def stack_from_peft(wrapper: torch.nn.Module, adapters: Sequence[str | None], dtype: torch.dtype | None = None):
+def stack_from_peft(
+    wrapper: torch.nn.Module, adapters: Sequence[str | None], dtype: torch.dtype | None = None, share: bool = False
+):
     """A :class:`MoeStack` of ``adapters`` (slot ``i`` holds ``adapters[i]``; ``None`` or an adapter this parameter
     lacks: rank 0) from a PEFT ``ParamWrapper`` of a 3-D expert parameter.
 
@@ -80,7 +105,9 @@ def stack_from_peft(wrapper: torch.nn.Module, adapters: Sequence[str | None], dt
     ``e``'s A is rows ``e·r .. e·r + r``), and ``lora_B.weight`` ``(out, r·E)``, rank-major (expert ``e``'s B is columns
     ``e, e + E, …``), whichever way the parameter itself is laid out (``in``/``out`` are the features of the product,
     the parameter's ``(E, out, in)`` or transposed ``(E, in, out)``). The delta of expert ``e`` on an input row ``x`` is
-    ``scaling · (x @ A_eᵀ) @ B_eᵀ``.
+    ``scaling · (x @ A_eᵀ) @ B_eᵀ``. The stack keeps both layouts (see :class:`MoeStack`), so with ``share`` the
+    weights of every adapter of the stack's largest rank, dtype and device become views into it (stored once; PEFT's
+    forward, saves and in-place edits then work on the memory the kernels read); others are copied.
     """
     num_experts, k, n = wrapper.num_experts, wrapper.in_features, wrapper.out_features
     present = [name for name in adapters if name is not None and name in wrapper.lora_A]
@@ -88,24 +115,33 @@ def stack_from_peft(wrapper: torch.nn.Module, adapters: Sequence[str | None], dt
     like = wrapper.lora_A[present[0]].weight if present else wrapper.get_param()
     dtype = dtype or like.dtype
     a = torch.zeros(len(adapters), num_experts, r_max, k, dtype=dtype, device=like.device)
-    b = torch.zeros(len(adapters), num_experts, n, r_max, dtype=dtype, device=like.device)
-    ranks, scalings = [], []
+    b_store = torch.zeros(len(adapters), n, r_max, num_experts, dtype=dtype, device=like.device)
+    ranks, scalings, shared = [], [], []
     for slot, name in enumerate(adapters):
         if name is None or name not in wrapper.lora_A:
             ranks.append(0)
             scalings.append(0.0)
             continue
         r = wrapper.r[name]
-        a[slot, :, :r] = wrapper.lora_A[name].weight.detach().view(num_experts, r, k)
-        b[slot, :, :, :r] = wrapper.lora_B[name].weight.detach().view(n, r, num_experts).permute(2, 0, 1)
+        wa, wb = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
+        a[slot, :, :r] = wa.detach().view(num_experts, r, k)
+        b_store[slot, :, :r] = wb.detach().view(n, r, num_experts)
         ranks.append(r)
         scalings.append(float(wrapper.scaling[name]))
+        if (
+            share
+            and r == r_max
+            and all(isinstance(w, torch.nn.Parameter) and w.dtype == dtype and w.device == a.device for w in (wa, wb))
+        ):
+            wa.data, wb.data = a[slot].view(num_experts * r, k), b_store[slot].view(n, r * num_experts)
+            shared += [wa, wb]
     return MoeStack(
         a=a,
-        b=b,
+        b=b_store.permute(0, 3, 1, 2),
         ranks=torch.tensor(ranks, dtype=torch.int32, device=like.device),
         scalings=torch.tensor(scalings, dtype=torch.float32, device=like.device),
         ranks_host=tuple(ranks),
+        shared=tuple(shared),
     )
 
 

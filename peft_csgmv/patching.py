@@ -223,6 +223,9 @@ def unpatch_layer(layer: nn.Module) -> None:
     record = state.get("_csgmv_record")
     if record is not None and record.stack is not None:  # PEFT's weights own their memory again
         record.stack.release_shared()
+    if record is not None and record.experts:  # (an experts layer's too)
+        for stack in record.experts.values():
+            stack.release_shared()
     if "_csgmv_orig_forward" in state:  # patched on the instance: the instance's own forward again
         state["forward"] = state.pop("_csgmv_orig_forward")
     else:  # patched by class: its class again (a forward set on the instance since, as accelerate's hooks do, stays)

@@ -278,3 +278,70 @@ def test_experts_layer_decode_step_host_work(monkeypatch):
     assert not {"_local_scalar_dense", "item", "nonzero", "tolist"} & set(Count.ops), Count.ops
     assert len(ops) / 2 <= 30, f"{len(ops) / 2} torch ops per experts layer: {ops}"
     assert Count.launches == 2 * 4
+
+
+def _expert_weights(pm, name):
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return [(m.lora_A[name].weight, m.lora_B[name].weight) for m in pm.modules()
+            if isinstance(m, ParamWrapper) and name in m.lora_A]  # fmt: skip
+
+
+def _stacks(pm) -> list:
+    return [s for m in pm.modules() for s in (getattr(m.__dict__.get("_csgmv_record"), "experts", None) or {}).values()]
+
+
+def _in_stacks(pm, w, stacks=None) -> bool:
+    stacks = _stacks(pm) if stacks is None else stacks
+    ptr = w.untyped_storage().data_ptr()
+    return any(ptr in (s.a.untyped_storage().data_ptr(), s.b.untyped_storage().data_ptr()) for s in stacks)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_expert_weights_are_stored_once(arch):
+    """PEFT's expert weights of adapters of a stack's largest rank are views into csgmv's stacks (``lora_A`` as the
+    stack's A, ``lora_B`` as its rank-major B layout): counted in ``shared_bytes``, PEFT's own forward unchanged, an
+    in-place edit of PEFT's weight seen by the kernels; an adapter of a smaller rank stays a copy; a wider adapter
+    added later gives the views their own memory back (values kept); ``disable_csgmv`` does the same for all."""
+    from peft import LoraConfig
+
+    pm = moe_peft(arch, {k: ADAPTERS[k] for k in ("a0", "a1")})  # ranks 4 and 8: a1 is shared, a0 copied
+    ids = prompts(4, 5, seed=7)
+    names = names_for(4, ("a0", "a1"))
+    before = {n: [(a.clone(), b.clone()) for a, b in _expert_weights(pm, n)] for n in ("a0", "a1")}
+    stock = per_adapter(pm, ["a1"], lambda: pm(ids).logits)["a1"]
+    enable_csgmv(pm, backend="triton")
+    stats = csgmv_stats(pm)
+    shared = sum(a.nbytes + b.nbytes for a, b in _expert_weights(pm, "a1"))
+    assert all(_in_stacks(pm, a) and _in_stacks(pm, b) for a, b in _expert_weights(pm, "a1"))
+    assert not any(_in_stacks(pm, a) or _in_stacks(pm, b) for a, b in _expert_weights(pm, "a0"))
+    assert stats["shared_bytes"] >= shared > 0 and stats["expert_stack_bytes"] >= shared
+    for n in ("a0", "a1"):  # the same values, PEFT's own layouts
+        for (a, b), (a0, b0) in zip(_expert_weights(pm, n), before[n]):
+            assert a.shape == a0.shape and b.shape == b0.shape and torch.equal(a, a0) and torch.equal(b, b0)
+    with torch.no_grad():
+        assert torch.equal(per_adapter(pm, ["a1"], lambda: pm(ids).logits)["a1"], stock)  # PEFT's forward reads views
+        for _, b in _expert_weights(pm, "a1"):  # an in-place edit of PEFT's weight: the kernels see it
+            b.mul_(-0.5)
+        got = pm(ids, adapter_ids=names).logits
+        edited = per_adapter(pm, names, lambda: pm(ids).logits)
+    assert_adapters_matter(edited)
+    close(got, stitch(edited, names), "after an in-place edit")
+    assert not torch.allclose(edited["a1"], stock)
+
+    torch.manual_seed(30)
+    pm.add_adapter("a3", LoraConfig(init_lora_weights=False, r=12, lora_alpha=6, target_modules=[],
+                                    target_parameters=EXPERTS))  # fmt: skip
+    names = names_for(4, ("a1", "a3"))
+    values = [(a.clone(), b.clone()) for a, b in _expert_weights(pm, "a1")]
+    with torch.no_grad():
+        got = pm(ids, adapter_ids=names).logits  # restacked at R = 12: a1 is a copy now, a3 shared
+    assert not any(_in_stacks(pm, a) or _in_stacks(pm, b) for a, b in _expert_weights(pm, "a1"))
+    assert all(_in_stacks(pm, a) and _in_stacks(pm, b) for a, b in _expert_weights(pm, "a3"))
+    assert all(torch.equal(a, a0) and torch.equal(b, b0) for (a, b), (a0, b0) in zip(_expert_weights(pm, "a1"), values))
+    stacks = _stacks(pm)
+    disable_csgmv(pm)
+    weights = [w for n in ("a0", "a1", "a3") for pair in _expert_weights(pm, n) for w in pair]
+    assert stacks and not any(_in_stacks(pm, w, stacks) for w in weights)
+    expected = per_adapter(pm, names, lambda: pm(ids).logits)
+    close(got, stitch(expected, names), "a wider adapter added")
