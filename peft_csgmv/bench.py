@@ -3,15 +3,15 @@
     peft-csgmv bench --model 1b --out results/e2e_1b.json --plot results/e2e_1b.png
     python benchmarks/bench_e2e.py --model 1b --out results/e2e_1b.json        (the same)
 
-Random weights from a transformers config (no hub): Llama sizes, or the MoE layouts qwen3-30b-a3b / gpt-oss-20b
-(cut to ``--layers``; tiny-moe for CPU checks), whose adapters (``--moe``, on by default for them) are r=16 LoRA on
-the attention projections and on the experts' 3D ``gate_up_proj`` / ``down_proj`` (PEFT ``target_parameters``); PEFT
-``adapter_names`` refuses expert LoRA, so MoE runs skip those rows. Rows: base model with no LoRA; PEFT
-with one active adapter; PEFT ``adapter_names`` with 1 / 8 / 32 distinct adapters; peft_csgmv with the same batches
-(and one with base rows mixed in); a measurement out of GPU memory reads NaN. Columns: prefill ms (batch × prompt
-tokens), decode-step ms (one token per row over a KV cache of the prompt length), generate tok/s (``max_new_tokens``
-= ``min_new_tokens``). Medians of CUDA-event timings after a warm-up. The table is printed last; the JSON holds GPU
-name, versions and date.
+Random weights from a transformers config (no hub): Llama sizes, or the MoE layouts qwen3-30b-a3b / gpt-oss-20b (cut
+to ``--layers``; tiny-moe and tiny-gpt-oss for CPU checks), whose adapters (``--moe``, on by default for them) are
+r=16 LoRA on the attention projections and on the experts' 3D ``gate_up_proj`` / ``down_proj`` (PEFT
+``target_parameters``); PEFT ``adapter_names`` refuses expert LoRA, so MoE runs skip those rows. Rows: base model with
+no LoRA; PEFT with one active adapter; PEFT ``adapter_names`` with 1 / 8 / 32 distinct adapters; peft_csgmv with the
+same batches (and one with base rows mixed in); a measurement out of GPU memory reads NaN. Columns: prefill ms (batch
+× prompt tokens), decode-step ms (one token per row over a KV cache of the prompt length), generate tok/s
+(``max_new_tokens`` = ``min_new_tokens``). Medians of CUDA-event timings after a warm-up. The table is printed last;
+the JSON holds GPU name, versions and date.
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ MODELS = {
     "tiny-moe": dict(arch="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                      num_hidden_layers=2, full_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      num_experts=8, num_experts_per_tok=2, vocab_size=1000),
+    # gpt-oss's layout in miniature (sliding window 4 on alternate layers: a prompt of 4 or more fills it)
+    "tiny-gpt-oss": dict(arch="gpt_oss", hidden_size=64, intermediate_size=32, num_hidden_layers=2, full_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                         num_experts_per_tok=2, sliding_window=4, vocab_size=1000),
 }  # fmt: skip
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # beside the experts' parameters below
@@ -126,7 +130,18 @@ def _device_name(device: torch.device) -> str:
 
 
 def crop_cache(cache, length: int) -> None:
-    """Cut a KV cache back to ``length`` tokens (the prompt's, before the next decode step is timed)."""
+    """Cut a KV cache back to ``length`` tokens (the prompt's, before the next decode step is timed).
+
+    A sliding-window layer (gpt-oss, Mistral-style configs) that has filled its window keeps only the last
+    ``window - 1`` states, and transformers 5 refuses to crop it unless it records its past
+    (``activate_past_recording``: each step's update keeps the window plus the new tokens until the next ``crop``
+    cuts them back). Recording is switched on here, before the first timed step, where the cache has it: the step
+    computes the same (its attention sees the same ``window - 1`` past states plus the new token), and ``crop``
+    brings back exactly the prompt's states. Layers without a window are cropped as before. Call it before every
+    step, the first included (a step taken before recording is on cannot be taken back)."""
+    activate = getattr(cache, "activate_past_recording", None)
+    if activate is not None:
+        activate()
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)
@@ -236,7 +251,7 @@ def cpu_note(args) -> str:
     """The line a CPU run starts with: what runs there, what its times are worth, and how long it takes."""
     if args.config:
         span = "its time grows with the model and --batch, --prompt, --new-tokens (--model tiny: a minute or two)"
-    elif args.model in ("tiny", "tiny-moe"):
+    elif args.model.startswith("tiny"):
         span = "the tiny model takes a minute or two at the default sizes"
     else:
         span = f"the {args.model} model takes hours at these sizes (--model tiny: a minute or two)"

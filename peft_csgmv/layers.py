@@ -30,6 +30,8 @@ from . import kernels, ops
 from . import slots as _slots
 from .executor import _LIVE, Executor, executor_of, static_plan_attr, use_triton
 from .mapping import PlanRun
+from .moe import moe_lora_forward
+from .moe_plan import MoePlan
 from .slots import stack_by_handle
 
 if TYPE_CHECKING:
@@ -509,11 +511,11 @@ def experts_forward(
         # PEFT's own path (its result or error).
         names = mapping.names_for(num_tokens)
         return self._csgmv_orig_forward(hidden_states, top_k_index, top_k_weights, *args, adapter_names=names, **kwargs)
-    from .moe import moe_lora_forward, param_wrappers
-
-    experts, _ = param_wrappers(self)
-    if not any(stacks[name].serves(mapping.row_slots, mapping.token_slots) for name in stacks):
+    experts = record.experts_module
+    if not any(stack.serves(mapping.row_slots, mapping.token_slots) for stack in stacks.values()):
         return experts(hidden_states, top_k_index, top_k_weights)  # no adapter token here: the base experts
-    token_slot = mapping.token_slots_for(num_tokens, device)
+    num_slots = record.experts_slots
+    groups = mapping.token_groups_for(num_tokens, device, num_slots)  # (one per call: every MoE layer reads it)
+    plan = MoePlan.from_groups(groups, top_k_index, experts.num_experts, num_slots)
     backend = "triton" if ex.triton_on(device) else "torch"
-    return moe_lora_forward(experts, hidden_states, top_k_index, top_k_weights, token_slot, stacks, backend=backend)
+    return moe_lora_forward(experts, hidden_states, top_k_index, top_k_weights, None, stacks, backend, plan=plan)

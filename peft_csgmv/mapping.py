@@ -74,7 +74,7 @@ class Mapping:
         self._seen_x = None
         self.runs: dict = {}  # (rows, tokens_per_row, device) -> PlanRun: this call's plans, by shape
         self.unforeseen = 0  # plans of shapes the driver did not prepare, made when a layer first read them
-        self._token_slots: dict = {}  # (num_tokens, device) -> token_slots_for's answer
+        self._token_slots: dict = {}  # (num_tokens, device[, slots]) -> token_slots_for's (token_groups_for's) answer
 
     def prepare(self, rows: int, tokens_per_row: int, device: torch.device) -> "PlanRun":
         """Make the plan of a layer input of ``rows × tokens_per_row`` tokens on ``device`` (from the cache when an
@@ -175,6 +175,18 @@ class Mapping:
         out = slots if device is None else torch.tensor(slots, dtype=torch.int32, device=device)
         self._token_slots[key] = out
         return out
+
+    def token_groups_for(self, num_tokens: int, device: torch.device, num_slots: int) -> torch.Tensor:
+        """:meth:`token_slots_for` as a MoE plan's group slots (:func:`~peft_csgmv.moe_plan.token_groups`): ``(T,)``
+        int64 on ``device``, each token's slot or ``num_slots`` for a base token; made once per call, size and slot
+        count (every MoE layer of a step reads the same one)."""
+        key = (num_tokens, device, num_slots)
+        cached = self._token_slots.get(key)
+        if cached is None:
+            slots = self.token_slots_for(num_tokens)
+            groups = [num_slots if s < 0 else s for s in slots]
+            cached = self._token_slots[key] = torch.tensor(groups, dtype=torch.int64, device=device)
+        return cached
 
     def names_for(self, rows: int) -> list[str]:
         """PEFT's ``adapter_names`` for a module input of ``rows`` rows (each name repeated for its rows); the call's

@@ -318,7 +318,8 @@ def csgmv_stats(model) -> dict:
 
     * ``kernel_layers``, ``peft_path_modules``: counts of the layers on the kernels and the modules on PEFT's path;
     * ``expert_layers``: MoE experts modules whose expert LoRA (``target_parameters``) runs csgmv's expert path;
-      ``expert_stack_bytes``: device memory of their stacks (copies of PEFT's weights; counted in ``stack_bytes`` too);
+      ``expert_stack_bytes``: device memory of their stacks (counted in ``stack_bytes`` too; PEFT's weights of adapters
+      of each stack's largest rank view them, counted in ``shared_bytes``, the others are copies);
     * ``peft_row_layers``: kernel layers where some adapter's rows run PEFT's own forward (adapters the kernels do not
       serve there);
     * ``stack_bytes``: device memory of every stack; ``shared_bytes``: of that, PEFT's own adapter weights, which are
@@ -351,7 +352,8 @@ def csgmv_stats(model) -> dict:
         )
         + (0 if state.tier is None else sum(pages.nbytes for pages in state.tier.pages.values()))
         + _expert_stack_bytes(state),
-        shared_bytes=sum(layer._csgmv_record.stack.shared_bytes for layer in state.layers.values()),
+        shared_bytes=sum(layer._csgmv_record.stack.shared_bytes for layer in state.layers.values())
+        + _expert_stacks(state, "shared_bytes"),
         plans_cached=state.executor.num_plans,
         static_plans=len(state.executor.statics),
         unforeseen_plans=state.executor.unforeseen,
@@ -362,8 +364,12 @@ def csgmv_stats(model) -> dict:
     )
 
 
+def _expert_stacks(state: CsgmvState, what: str) -> int:
+    return sum(getattr(s, what) for wrapper in state.experts.values() for s in wrapper._csgmv_record.experts.values())
+
+
 def _expert_stack_bytes(state: CsgmvState) -> int:
-    return sum(stack.nbytes for wrapper in state.experts.values() for stack in wrapper._csgmv_record.experts.values())
+    return _expert_stacks(state, "nbytes")
 
 
 def is_csgmv_enabled(model) -> bool:

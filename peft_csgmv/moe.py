@@ -34,11 +34,15 @@ class MoeStack:
     """The adapters of one expert parameter, one slot each.
 
     Attributes:
-        a: ``(S, E, R, K)`` A of every slot and expert, zero past each slot's rank (``R``: the largest rank).
-        b: ``(S, E, N, R)`` B likewise.
+        a: ``(S, E, R, K)`` A of every slot and expert, zero past each slot's rank (``R``: the largest rank); stored
+            so (contiguous): slot ``s``'s ``a[s]`` is PEFT's ``lora_A.weight`` ``(R·E, K)`` of an adapter of rank R.
+        b: ``(S, E, N, R)`` B likewise, a strided view of storage laid out ``(S, N, R, E)``: slot ``s``'s block is
+            PEFT's rank-major ``lora_B.weight`` ``(N, R·E)`` (column ``j·E + e``) of an adapter of rank R.
         ranks: ``(S,)`` int32 (0: the slot's adapter does not adapt this parameter).
         scalings: ``(S,)`` fp32.
         ranks_host: the same ranks, on the host (the torch reference walks them).
+        shared: PEFT's ``lora_A`` / ``lora_B`` weight parameters that are views into ``a`` / ``b`` (adapters of rank
+            ``R``, of the stack's dtype and device: stored once); :meth:`release_shared` gives them their own memory.
     """
 
     a: torch.Tensor
@@ -46,6 +50,7 @@ class MoeStack:
     ranks: torch.Tensor
     scalings: torch.Tensor
     ranks_host: tuple[int, ...]
+    shared: tuple = ()
 
     @property
     def num_slots(self) -> int:
@@ -55,10 +60,28 @@ class MoeStack:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.a, self.b, self.ranks, self.scalings))
 
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of PEFT's weights that are views into this stack (not held twice)."""
+        return sum(p.nbytes for p in self.shared)
+
+    def release_shared(self, keep=frozenset()) -> None:
+        """Every shared parameter (but those whose ``id`` is in ``keep``: a newer stack's views) owns its memory
+        again, a copy of its values (``disable_csgmv``, the layer unpatched or restacked)."""
+        for p in self.shared:
+            if id(p) not in keep and _views(p, self):
+                p.data = p.data.clone()
+
     def serves(self, row_slots: Sequence[int], token_slots: Sequence[int] | None = None) -> bool:
         """Whether some slot of a call's rows (or of a packed step's tokens) adapts this parameter."""
         ranks = self.ranks_host
         return any(0 <= s < len(ranks) and ranks[s] for s in set(token_slots if token_slots is not None else row_slots))
+
+
+def _views(p: torch.Tensor, stack: MoeStack) -> bool:
+    """Whether ``p`` still views ``stack``'s memory (a model moved or cast since gave it memory of its own)."""
+    storage = p.untyped_storage().data_ptr()
+    return storage in (stack.a.untyped_storage().data_ptr(), stack.b.untyped_storage().data_ptr())
 
 
 def param_wrappers(module: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
@@ -72,7 +95,9 @@ def param_wrappers(module: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     return module, wrappers
 
 
-def stack_from_peft(wrapper: torch.nn.Module, adapters: Sequence[str | None], dtype: torch.dtype | None = None):
+def stack_from_peft(
+    wrapper: torch.nn.Module, adapters: Sequence[str | None], dtype: torch.dtype | None = None, share: bool = False
+):
     """A :class:`MoeStack` of ``adapters`` (slot ``i`` holds ``adapters[i]``; ``None`` or an adapter this parameter
     lacks: rank 0) from a PEFT ``ParamWrapper`` of a 3-D expert parameter.
 
@@ -80,7 +105,9 @@ def stack_from_peft(wrapper: torch.nn.Module, adapters: Sequence[str | None], dt
     ``e``'s A is rows ``e·r .. e·r + r``), and ``lora_B.weight`` ``(out, r·E)``, rank-major (expert ``e``'s B is columns
     ``e, e + E, …``), whichever way the parameter itself is laid out (``in``/``out`` are the features of the product,
     the parameter's ``(E, out, in)`` or transposed ``(E, in, out)``). The delta of expert ``e`` on an input row ``x`` is
-    ``scaling · (x @ A_eᵀ) @ B_eᵀ``.
+    ``scaling · (x @ A_eᵀ) @ B_eᵀ``. The stack keeps both layouts (see :class:`MoeStack`), so with ``share`` the
+    weights of every adapter of the stack's largest rank, dtype and device become views into it (stored once; PEFT's
+    forward, saves and in-place edits then work on the memory the kernels read); others are copied.
     """
     num_experts, k, n = wrapper.num_experts, wrapper.in_features, wrapper.out_features
     present = [name for name in adapters if name is not None and name in wrapper.lora_A]
@@ -88,25 +115,47 @@ def stack_from_peft(wrapper: torch.nn.Module, adapters: Sequence[str | None], dt
     like = wrapper.lora_A[present[0]].weight if present else wrapper.get_param()
     dtype = dtype or like.dtype
     a = torch.zeros(len(adapters), num_experts, r_max, k, dtype=dtype, device=like.device)
-    b = torch.zeros(len(adapters), num_experts, n, r_max, dtype=dtype, device=like.device)
-    ranks, scalings = [], []
+    b_store = torch.zeros(len(adapters), n, r_max, num_experts, dtype=dtype, device=like.device)
+    ranks, scalings, shared = [], [], []
     for slot, name in enumerate(adapters):
         if name is None or name not in wrapper.lora_A:
             ranks.append(0)
             scalings.append(0.0)
             continue
         r = wrapper.r[name]
-        a[slot, :, :r] = wrapper.lora_A[name].weight.detach().view(num_experts, r, k)
-        b[slot, :, :, :r] = wrapper.lora_B[name].weight.detach().view(n, r, num_experts).permute(2, 0, 1)
+        wa, wb = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
+        a[slot, :, :r] = wa.detach().view(num_experts, r, k)
+        b_store[slot, :, :r] = wb.detach().view(n, r, num_experts)
         ranks.append(r)
         scalings.append(float(wrapper.scaling[name]))
+        if (
+            share
+            and r == r_max
+            and all(isinstance(w, torch.nn.Parameter) and w.dtype == dtype and w.device == a.device for w in (wa, wb))
+        ):
+            wa.data, wb.data = a[slot].view(num_experts * r, k), b_store[slot].view(n, r * num_experts)
+            shared += [wa, wb]
     return MoeStack(
         a=a,
-        b=b,
+        b=b_store.permute(0, 3, 1, 2),
         ranks=torch.tensor(ranks, dtype=torch.int32, device=like.device),
         scalings=torch.tensor(scalings, dtype=torch.float32, device=like.device),
         ranks_host=tuple(ranks),
+        shared=tuple(shared),
     )
+
+
+# benchmarks/count_moe_ops.py counts the CUDA path's host work on the CPU: there the base products take torch's grouped
+# product too (torch runs it on the CPU), not the product per expert (whose offsets the CPU reads on the host).
+GROUPED_ON_CPU = False
+_SM80: dict = {}  # device -> whether its capability is 8.0 or above (torch's grouped product needs it)
+
+
+def _sm80(device: torch.device) -> bool:
+    ok = _SM80.get(device)
+    if ok is None:
+        ok = _SM80[device] = torch.cuda.get_device_capability(device) >= (8, 0)
+    return ok
 
 
 def _expert_linear(
@@ -119,12 +168,9 @@ def _expert_linear(
     each row's weight gathered: that is rows × the weight's bytes."""
     w = weight if is_transposed else weight.transpose(-1, -2)  # (E, in, out)
     grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if (
-        grouped is not None
-        and x.is_cuda
-        and w.dtype in (torch.bfloat16, torch.float16)
-        and torch.cuda.get_device_capability(x.device) >= (8, 0)
-    ):
+    if grouped is not None and GROUPED_ON_CPU and not x.is_cuda:
+        out = grouped(x.to(w.dtype), w, offs=offsets)
+    elif grouped is not None and x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and _sm80(x.device):
         out = grouped(x.to(w.dtype), w, offs=offsets)
     else:
         out = x.new_empty((x.shape[0], w.shape[-1]), dtype=torch.promote_types(x.dtype, w.dtype))
@@ -139,16 +185,21 @@ def _expert_linear(
     return out
 
 
-def _lora(x, stack: MoeStack | None, plan: MoePlan, y: torch.Tensor, x_rows: str, backend: str) -> None:
-    """``y`` (rows in sorted order) += each pair's LoRA of ``stack`` on ``x`` (rows by ``x_rows``)."""
+def _lora(x, stack: MoeStack | None, plan: MoePlan, y: torch.Tensor, x_rows: str, backend: str, t=None):
+    """``y`` (rows in sorted order) += each pair's LoRA of ``stack`` on ``x`` (rows by ``x_rows``). ``t``: a shrink
+    output buffer ``(P, R)`` fp32 to reuse (the Triton backend; one of another rank is not used). Returns the buffer
+    the shrink wrote (``t`` or a new one; ``None`` without a stack or on the torch backend)."""
     if stack is None:
-        return
+        return t
     if backend == "triton":
-        t = moe_shrink(x, stack.a, stack.ranks, plan, x_rows=x_rows)
+        if t is not None and t.shape[1] != stack.a.shape[2]:
+            t = None
+        t = moe_shrink(x, stack.a, stack.ranks, plan, t, x_rows=x_rows)
         moe_expand(t, stack.b, stack.ranks, stack.scalings, plan, y, y_rows="sorted")
-    else:
-        t = moe_shrink_reference(x, stack.a, stack.ranks_host, plan, x_rows=x_rows)
-        moe_expand_reference(t, stack.b, stack.ranks_host, stack.scalings.tolist(), plan, y, y_rows="sorted")
+        return t
+    t = moe_shrink_reference(x, stack.a, stack.ranks_host, plan, x_rows=x_rows)
+    moe_expand_reference(t, stack.b, stack.ranks_host, stack.scalings.tolist(), plan, y, y_rows="sorted")
+    return None
 
 
 def moe_lora_forward(
@@ -156,10 +207,11 @@ def moe_lora_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    token_slot: Sequence[int] | torch.Tensor,
+    token_slot: Sequence[int] | torch.Tensor | None,
     stacks: dict[str, MoeStack],
     backend: str = "triton",
     chunk_size: int | None = None,
+    plan: MoePlan | None = None,
 ) -> torch.Tensor:
     """The experts' output with each token's own adapter: for every token, what PEFT's forward with that token's
     adapter alone returns (the base experts' output for a base token, slot ``-1``).
@@ -169,11 +221,13 @@ def moe_lora_forward(
             their optional biases, ``is_transposed``, ``_apply_gate``), not PEFT's wrapper around it.
         hidden_states: ``(T, hidden)``, the experts' input.
         top_k_index, top_k_weights: ``(T, top_k)``, the router's experts and weights of each token.
-        token_slot: ``(T,)`` slot of each token, ``-1`` for a base token.
+        token_slot: ``(T,)`` slot of each token, ``-1`` for a base token (not read when ``plan`` is given).
         stacks: ``{"gate_up_proj": MoeStack, "down_proj": MoeStack}`` (either may be missing: that parameter is not
             adapted), of the same slots.
         backend: ``"triton"`` (the kernels) or ``"torch"`` (their reference).
         chunk_size: override the plan's segment length.
+        plan: the layer's :class:`MoePlan` of ``top_k_index``, already built (an experts layer builds it from the
+            call's :meth:`~peft_csgmv.mapping.Mapping.token_groups_for`); built from ``token_slot`` when ``None``.
 
     Returns:
         ``(T, hidden)`` in ``hidden_states``' dtype.
@@ -181,24 +235,27 @@ def moe_lora_forward(
     if not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
         raise NotImplementedError("the prototype covers gated experts without a post-expert norm")
     num_tokens, top_k = top_k_index.shape
-    num_slots = next(iter(stacks.values())).num_slots if stacks else 1
-    plan = MoePlan.build(token_slot, top_k_index, experts.num_experts, num_slots, chunk_size=chunk_size)
-    perm = plan.permutation.long()
-    expert_ids = top_k_index.reshape(-1)[perm]  # (P,) each sorted pair's expert
-    has_bias, transposed = getattr(experts, "has_bias", False), getattr(experts, "is_transposed", False)
-
-    def bias(name):
-        return getattr(experts, f"{name}_bias") if has_bias else None
-
+    if plan is None:
+        num_slots = next(iter(stacks.values())).num_slots if stacks else 1
+        plan = MoePlan.build(token_slot, top_k_index, experts.num_experts, num_slots, chunk_size=chunk_size)
+    perm = plan.permutation  # (P,) int32, each sorted position's pair (torch indexes with it as it is)
+    transposed = getattr(experts, "is_transposed", False)
+    if getattr(experts, "has_bias", False):
+        expert_ids = top_k_index.reshape(-1)[perm]  # (P,) each sorted pair's expert (for its bias)
+        gate_up_bias, down_bias = experts.gate_up_proj_bias, experts.down_proj_bias
+    else:
+        expert_ids = gate_up_bias = down_bias = None
     offsets = plan.expert_offsets
     gate_up = _expert_linear(
-        hidden_states[perm // top_k], experts.gate_up_proj, bias("gate_up_proj"), expert_ids, offsets, transposed
+        hidden_states[perm // top_k], experts.gate_up_proj, gate_up_bias, expert_ids, offsets, transposed
     )  # (P, 2·I), sorted order
-    _lora(hidden_states, stacks.get("gate_up_proj"), plan, gate_up, "token", backend)
+    # (one shrink output buffer for both products: the down shrink runs after the gate/up expand has read it)
+    t = _lora(hidden_states, stacks.get("gate_up_proj"), plan, gate_up, "token", backend)
     act = experts._apply_gate(gate_up)  # (P, I)
-    out = _expert_linear(act, experts.down_proj, bias("down_proj"), expert_ids, offsets, transposed)  # (P, hidden)
-    _lora(act, stacks.get("down_proj"), plan, out, "sorted", backend)
-    weighted = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
-    by_pair = torch.empty_like(weighted)
-    by_pair[perm] = weighted
-    return by_pair.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    out = _expert_linear(act, experts.down_proj, down_bias, expert_ids, offsets, transposed)  # (P, hidden)
+    _lora(act, stacks.get("down_proj"), plan, out, "sorted", backend, t)
+    # Back to pair order, each pair weighted by its routing weight, summed over each token's experts.
+    by_pair = torch.empty_like(out)
+    by_pair[perm] = out
+    weighted = by_pair.view(num_tokens, top_k, -1) * top_k_weights.to(out.dtype).unsqueeze(-1)
+    return weighted.sum(dim=1).to(hidden_states.dtype)

@@ -44,6 +44,7 @@ data, and a plan built this way can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import torch
@@ -133,7 +134,7 @@ class MoePlan:
         """
         if top_k_index.dim() != 2:
             raise ValueError(f"top_k_index must be (tokens, top_k), got shape {tuple(top_k_index.shape)}")
-        num_tokens, top_k = top_k_index.shape
+        num_tokens = top_k_index.shape[0]
         if num_experts < 1 or num_slots < 1:
             raise ValueError(f"a MoE plan needs experts and slots, got {num_experts} experts, {num_slots} slots")
         device = top_k_index.device
@@ -141,48 +142,72 @@ class MoePlan:
             if token_slot.shape != (num_tokens,):
                 raise ValueError(f"token_slot {tuple(token_slot.shape)} does not fit top_k_index ({num_tokens} tokens)")
             slots = token_slot.to(device=device, dtype=torch.int64, non_blocking=True)
+            groups = torch.where(slots < 0, num_slots, slots)
             used_slots = num_slots
         else:
             if len(token_slot) != num_tokens or any(not -1 <= s < num_slots for s in token_slot):
                 raise ValueError(f"token_slot must hold {num_tokens} slots in -1..{num_slots - 1}, got {token_slot}")
-            slots = torch.tensor(list(token_slot), dtype=torch.int64).to(device, non_blocking=True)
+            groups = torch.tensor([num_slots if s < 0 else s for s in token_slot], dtype=torch.int64)
+            groups = groups.to(device, non_blocking=True)
             used_slots = len({s for s in token_slot if s >= 0})
+        return cls.from_groups(groups, top_k_index, num_experts, num_slots, chunk_size, used_slots)
+
+    @classmethod
+    def from_groups(
+        cls,
+        token_group: torch.Tensor,
+        top_k_index: torch.Tensor,
+        num_experts: int,
+        num_slots: int,
+        chunk_size: int | None = None,
+        used_slots: int | None = None,
+    ) -> "MoePlan":
+        """:meth:`build` from each token's *group slot*: ``token_group`` ``(T,)`` int64 on ``top_k_index``'s device,
+        the token's slot, or ``num_slots`` for a base token (:func:`token_groups`; a call makes it once for all its
+        MoE layers). Not checked (a layer's fast path). ``used_slots``: how many slots the tokens use, for the default
+        chunk (``num_slots`` when not known on the host).
+
+        About twenty device ops, no host sync: the group key of each pair (one ``add``; a ``clamp`` and a
+        ``remainder`` send unrouted pairs to the last group), one stable sort, one ``searchsorted`` of the sorted keys
+        for every expert's end and every adapter group's start and end, the segments each adapter group needs and
+        their running sum, one ``searchsorted`` for each segment's group, and gathers of the group's rows (the
+        constant tables come from :func:`_tables`, made once per shape and device)."""
+        num_tokens, top_k = top_k_index.shape
         num_pairs = num_tokens * top_k
         if chunk_size is None:
-            chunk_size = moe_chunk_size(num_pairs, num_experts * used_slots)
+            chunk_size = moe_chunk_size(num_pairs, num_experts * (num_slots if used_slots is None else used_slots))
         elif chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         num_segments = max_segments(num_pairs, num_experts, num_slots, chunk_size)
-
-        # Group key of each pair: expert * (S + 1) + slot, base pairs in their expert's last group (slot S), unrouted
-        # pairs in one group after every expert's.
+        bounds, group_slot, group_expert, seg_index, seg_offsets = _tables(
+            top_k_index.device, num_experts, num_slots, num_segments, chunk_size
+        )
+        adapter_groups = num_experts * num_slots
         width = num_slots + 1
-        experts = top_k_index.reshape(-1).to(torch.int64)
-        pair_slot = slots[:, None].expand(num_tokens, top_k).reshape(-1)
-        routed = (experts >= 0) & (experts < num_experts)
-        group_slot = torch.where(pair_slot < 0, num_slots, pair_slot)
-        key = torch.where(routed, experts * width + group_slot, num_experts * width)
-        permutation = torch.argsort(key, stable=True)
 
-        groups = num_experts * width + 1
-        counts = torch.zeros(groups, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-        ends = torch.cumsum(counts, 0)
-        starts = ends - counts
-        adapter_group = torch.ones(groups, dtype=torch.bool, device=device)
-        adapter_group[num_slots::width] = False  # each expert's base group
-        adapter_group[-1] = False  # the unrouted pairs
-        group_segments = torch.where(adapter_group, (counts + chunk_size - 1) // chunk_size, 0)
-        segments_end = torch.cumsum(group_segments, 0)  # segments of groups 0..g
+        # Group key of each pair: expert * (S + 1) + slot, base pairs in their expert's last group (slot S); pairs
+        # routed to no expert of the layer (expert < 0 or >= E) in one group after every expert's, E * (S + 1):
+        # clamped to -1 or E * (S + 1), and -1 taken modulo E * (S + 1) + 1.
+        key = torch.add(token_group.view(num_tokens, 1), top_k_index, alpha=width).view(num_pairs)
+        key = key.clamp_(-1, num_experts * width).remainder_(num_experts * width + 1)
+        sorted_key, permutation = torch.sort(key, stable=True)
+        # Sorted positions where each expert's pairs end, and where each adapter group's start and end (each group
+        # (e, s) is g = e * S + s; one more, empty, group past them: the segments past the live ones point at it).
+        found = torch.searchsorted(sorted_key, bounds, out_int32=True)
+        expert_offsets = found[:num_experts]
+        starts = found[num_experts : num_experts + adapter_groups + 1]
+        ends = found[num_experts + adapter_groups + 1 :]
+        group_segments = (ends - starts + (chunk_size - 1)) // chunk_size
+        segments_end = torch.cumsum(group_segments, 0, dtype=torch.int32)  # segments of groups 0..g
+        # Group g's segment s covers sorted positions first[g] + s * chunk up to one chunk more, cut to the group's end.
+        first = torch.sub(starts, segments_end - group_segments, alpha=chunk_size)
+        table = torch.stack([first, ends, group_slot, group_expert])  # (4, E·S + 1)
 
-        # Segment s belongs to the first group whose segments end past s; segments past the last live one get none.
-        s = torch.arange(num_segments, dtype=torch.int64, device=device)
-        group = torch.searchsorted(segments_end, s, right=True)
-        live = group < groups
-        group = group.clamp(max=groups - 1)
-        index_in_group = s - (segments_end[group] - group_segments[group])
-        seg_start = starts[group] + index_in_group * chunk_size
-        seg_end = torch.minimum(seg_start + chunk_size, ends[group])
-        int32 = dict(dtype=torch.int32)
+        # Segment s belongs to the first group whose segments end past s; the segments past the last live one to the
+        # empty group (start and end 0: first[g] + s * chunk >= 0 there, and is cut to 0).
+        group = torch.searchsorted(segments_end[:adapter_groups], seg_index, right=True, out_int32=True)
+        rows = table[:, group]  # (4, M): first, end, slot, expert of each segment's group
+        start_end = torch.minimum(rows[:1] + seg_offsets, rows[1:2])  # (2, M)
         return cls(
             num_tokens=num_tokens,
             top_k=top_k,
@@ -190,12 +215,12 @@ class MoePlan:
             num_slots=num_slots,
             chunk_size=chunk_size,
             num_segments=num_segments,
-            permutation=permutation.to(**int32),
-            expert_offsets=ends[num_slots:-1:width].to(**int32),
-            seg_start=torch.where(live, seg_start, 0).to(**int32),
-            seg_end=torch.where(live, seg_end, 0).to(**int32),
-            seg_slot=torch.where(live, group % width, -1).to(**int32),
-            seg_expert=torch.where(live, group // width, 0).to(**int32),
+            permutation=permutation.to(torch.int32),
+            expert_offsets=expert_offsets,
+            seg_start=start_end[0],
+            seg_end=start_end[1],
+            seg_slot=rows[2],
+            seg_expert=rows[3],
         )
 
     def segments(self) -> list[tuple[int, int, int, int]]:
@@ -203,3 +228,42 @@ class MoePlan:
         tests and debugging, not for the kernels' path)."""
         rows = zip(self.seg_slot.tolist(), self.seg_expert.tolist(), self.seg_start.tolist(), self.seg_end.tolist())
         return [(slot, expert, start, end) for slot, expert, start, end in rows if end > start]
+
+
+def token_groups(token_slot: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Each token's group slot for :meth:`MoePlan.from_groups`: its slot, or ``num_slots`` for a base token (``-1``),
+    ``(T,)`` int64 on ``token_slot``'s device (two device ops; a call makes it once for all its MoE layers)."""
+    slots = token_slot.to(torch.int64)
+    return torch.where(slots < 0, num_slots, slots)
+
+
+@functools.lru_cache(maxsize=256)
+def _tables(device: torch.device, num_experts: int, num_slots: int, num_segments: int, chunk_size: int) -> tuple:
+    """The constant tensors a plan of these shapes reads, on ``device`` (made there with device ops once, no copy
+    from the host: a layer never waits):
+
+    - ``bounds`` ``(E + 2 * (E * S + 1),)`` int64, the keys ``searchsorted`` finds: where each expert's groups end
+      (``(e + 1) * (S + 1)``), where each adapter group starts (``e * (S + 1) + s``) then ``0`` for the empty group,
+      where each ends (``e * (S + 1) + s + 1``) then ``0``;
+    - ``slot``, ``expert`` ``(E * S + 1,)`` int32, the slot and expert of each adapter group (``-1`` and ``0`` for
+      the empty one);
+    - ``index`` ``(M,)`` int32, each segment's index ``s``, and ``offsets`` ``(2, M)`` int32, ``s * chunk`` and
+      ``(s + 1) * chunk``.
+    """
+    with torch.inference_mode(False):  # (plain tensors, whatever mode the first call runs in)
+        return _make_tables(device, num_experts, num_slots, num_segments, chunk_size)
+
+
+def _make_tables(device: torch.device, num_experts: int, num_slots: int, num_segments: int, chunk_size: int) -> tuple:
+    width, groups = num_slots + 1, num_experts * num_slots
+    i64 = dict(dtype=torch.int64, device=device)
+    g = torch.arange(groups + 1, **i64)
+    expert, slot = g // num_slots, g % num_slots
+    group_start = expert * width + slot
+    group_start[-1] = 0
+    bounds = torch.cat([torch.arange(1, num_experts + 1, **i64) * width, group_start, group_start + 1])
+    bounds[-1] = 0
+    slot[-1], expert[-1] = -1, 0
+    s = torch.arange(num_segments, dtype=torch.int32, device=device)
+    offsets = torch.stack([s * chunk_size, (s + 1) * chunk_size])
+    return bounds, slot.to(torch.int32), expert.to(torch.int32), s, offsets

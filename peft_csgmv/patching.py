@@ -42,6 +42,8 @@ class ModuleRecord:
         experts_scalings: the scalings an experts layer's stacks were built with, by parameter name.
         offload: where accelerate runs a kernel layer whose weights it offloads (:mod:`peft_csgmv.offload`: its
             adapters are read from accelerate's weights maps, its stack waits in host memory); ``None`` for others.
+        experts_module: an experts layer's experts module (under PEFT's wrappers), and ``experts_slots`` the slots of
+            its stacks (both set with ``experts``).
     """
 
     def __init__(self) -> None:
@@ -53,6 +55,8 @@ class ModuleRecord:
         self.experts: dict | None = None
         self.experts_scalings: dict = {}
         self.offload: "torch.device | None" = None
+        self.experts_module: nn.Module | None = None
+        self.experts_slots: int = 0
 
 
 def _patch(module: nn.Module, forward, executor: Executor) -> ModuleRecord:
@@ -224,6 +228,9 @@ def unpatch_layer(layer: nn.Module) -> None:
     record = state.get("_csgmv_record")
     if record is not None and record.stack is not None:  # PEFT's weights own their memory again
         record.stack.release_shared()
+    if record is not None and record.experts:  # (an experts layer's too)
+        for stack in record.experts.values():
+            stack.release_shared()
     if "_csgmv_orig_forward" in state:  # patched on the instance: the instance's own forward again
         state["forward"] = state.pop("_csgmv_orig_forward")
     else:  # patched by class: its class again (a forward set on the instance since, as accelerate's hooks do, stays)

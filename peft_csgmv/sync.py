@@ -456,12 +456,14 @@ class CsgmvState:
 
     def stack_experts(self, wrapper: nn.Module) -> None:
         """Build an experts layer's stacks (one per adapted parameter, a slot per slot of the registry) from PEFT's
-        weights (:func:`~peft_csgmv.moe.stack_from_peft`: copies, so weights edited in place need ``enable_csgmv``
-        again). Adapters the layer cannot serve (DoRA, ``lora_bias``, a LoRA variant: PEFT refuses them here too)
-        are named in its record's ``peft_rows``: a call that asks for one gets PEFT's path (PEFT's error)."""
+        weights (:func:`~peft_csgmv.moe.stack_from_peft`: PEFT's weights of adapters of each stack's largest rank
+        become views into it, stored once and edited in place together; the others are copies, so those weights
+        edited in place need ``enable_csgmv`` again). Adapters the layer cannot serve (DoRA, ``lora_bias``, a LoRA
+        variant: PEFT refuses them here too) are named in its record's ``peft_rows``: a call that asks for one gets
+        PEFT's path (PEFT's error)."""
         from .moe import stack_from_peft
 
-        _, wrappers = _experts_parts(wrapper)
+        experts, wrappers = _experts_parts(wrapper)
         names = self.registry.names
         record = wrapper._csgmv_record
         refused = {n for w in wrappers.values() for n in w.lora_A if _experts_reason(w, n) is not None}
@@ -470,9 +472,15 @@ class CsgmvState:
         for param, w in wrappers.items():
             dtypes = {w.lora_A[n].weight.dtype for n in slotted if n is not None and n in w.lora_A}
             dtype = self.dtype or (max(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else None)
-            with torch.no_grad():
-                stacks[param] = stack_from_peft(w, slotted, dtype)
+            with torch.no_grad():  # (PEFT's weights of the stack's rank become views into it: stored once)
+                stacks[param] = stack_from_peft(w, slotted, dtype, share=True)
+        # Weights the old stacks shared and the new ones do not (a wider adapter came) own their memory again.
+        keep = {id(p) for stack in stacks.values() for p in stack.shared}
+        for stack in (record.experts or {}).values():
+            stack.release_shared(keep)
         record.experts = stacks
+        record.experts_module = experts
+        record.experts_slots = len(slotted)
         record.experts_scalings = {param: dict(w.scaling) for param, w in wrappers.items()}
         record.peft_rows = frozenset(refused)
 
@@ -577,7 +585,7 @@ class CsgmvState:
         for layer in self.layers.values():
             if layer.scaling is not layer._csgmv_record.stack.scaling_src:
                 self.stack_layer(layer, force=True)
-        for wrapper in self.experts.values():  # (their stacks are copies: any change of a scaling restacks)
+        for wrapper in self.experts.values():  # (their scalings are copies: any change of a scaling restacks)
             _, wrappers = _experts_parts(wrapper)
             held = wrapper._csgmv_record.experts_scalings
             if any(held.get(param) != w.scaling for param, w in wrappers.items()):

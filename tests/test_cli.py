@@ -357,6 +357,43 @@ def test_bench_moe_layout(tmp_path):
     assert all(r["decode_ms"] == r["decode_ms"] for r in data["results"])  # no NaN
 
 
+def test_bench_crop_cache_rolls_back_sliding_window_layers():
+    """The decode step is timed on the prompt's KV cache, cut back before each step (``crop_cache``). gpt-oss's
+    sliding-window layers, past their window, are cut back too (transformers 5 refuses unless they record their
+    past): every step sees the prompt's cache and gives the same logits as a step on a fresh prefill."""
+    from peft_csgmv._compat import cache_kwarg, output_cache
+    from peft_csgmv.bench import build_model, crop_cache, decode_inputs
+
+    model = build_model("tiny-gpt-oss", torch.device("cpu"), torch.float32)
+    assert model.config.sliding_window == 4 and "sliding_attention" in model.config.layer_types
+    input_ids, mask, step_ids, step_mask = decode_inputs(model.config.vocab_size, 2, 9, torch.device("cpu"))
+    cache_name = cache_kwarg(model)
+
+    def step(cache):
+        return model(input_ids=step_ids, attention_mask=step_mask, use_cache=True, **{cache_name: cache}).logits
+
+    with torch.no_grad():
+        fresh = step(output_cache(model(input_ids=input_ids, attention_mask=mask, use_cache=True)))
+        cache = output_cache(model(input_ids=input_ids, attention_mask=mask, use_cache=True))
+        for _ in range(3):
+            crop_cache(cache, 9)
+            assert cache.get_seq_length() == 9
+            torch.testing.assert_close(step(cache), fresh, rtol=0, atol=0)
+
+
+def test_bench_sliding_window_layout(tmp_path):
+    """The gpt-oss layout (sliding-window layers, a prompt past the window) runs the whole bench."""
+    out = tmp_path / "e2e.json"
+    rc = main(["bench", "--model", "tiny-gpt-oss", "--adapters", "2", "--distinct", "1,2", "--batch", "2",
+               "--prompt", "8", "--new-tokens", "1", "--repeats", "2", "--device", "cpu",
+               "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = {r["row"] for r in data["results"]}
+    assert {"base model, no LoRA", "PEFT one adapter", "peft_csgmv, 2 distinct"} <= rows
+    assert all(r["decode_ms"] == r["decode_ms"] for r in data["results"])  # no NaN
+
+
 # --- argument checks: each problem one line naming the argument, exit 2, before the model loads ---------------------
 
 

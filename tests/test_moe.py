@@ -215,3 +215,133 @@ def test_continuous_batching_gives_each_request_its_expert_adapter(arch):
     out = pm.generate_batch(rows, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
     disable_csgmv(pm)
     assert [out[f"req_{i}"].generated_tokens for i in range(4)] == [w.tolist() for w in want]
+
+
+def test_experts_layer_decode_step_host_work(monkeypatch):
+    """An experts layer's host work per decode step, on the path CUDA takes (torch's grouped base products, here on
+    the CPU where torch has them too): no op that reads the device on the host (``.item()``, ``.tolist()``,
+    ``nonzero``), a bounded number of torch ops (the plan's and the layer's: 28 on Qwen3-MoE when this was written,
+    73 before the plan was cut down; the experts' own gate among them) and four Triton launches; and the grouped path
+    gives each row its adapter's PEFT result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from peft_csgmv import moe
+    from peft_csgmv.kernels import launch
+
+    monkeypatch.setattr(moe, "GROUPED_ON_CPU", True)
+    pm = moe_peft("qwen3_moe")
+    ids, step = prompts(6, 5, seed=5), prompts(6, 1, seed=6)
+    names = names_for(6)
+    expected = per_adapter(pm, names, lambda: pm(torch.cat([ids, step], 1)).logits[:, -1])
+    enable_csgmv(pm, backend="triton")
+    experts = [m for m in pm.modules() if getattr(m.__dict__.get("_csgmv_record"), "experts", None)]
+    assert len(experts) == 2
+
+    class Count(TorchDispatchMode):
+        on, ops, launches = False, [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if Count.on:
+                Count.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def on(*_):
+        Count.on = True
+
+    def off(*_):
+        Count.on = False
+
+    for m in experts:
+        m.register_forward_pre_hook(on)
+        m.register_forward_hook(off)
+    real_launch = launch.Launcher.__call__
+
+    def counted(self, *args, **kwargs):
+        was, Count.on = Count.on, False  # (the interpreter's own tensor ops are not the layer's)
+        Count.launches += was
+        try:
+            return real_launch(self, *args, **kwargs)
+        finally:
+            Count.on = was
+
+    monkeypatch.setattr(launch.Launcher, "__call__", counted)
+    with torch.no_grad():
+        cache = pm(ids, adapter_ids=names, use_cache=True).past_key_values
+        pm(step, past_key_values=cache, adapter_ids=names)  # (the plan's constants of this size are made once)
+        cache.crop(-1)
+        Count.launches = 0
+        with Count():
+            got = pm(step, past_key_values=cache, adapter_ids=names).logits[:, -1]
+    close(got, stitch(expected, names), "grouped decode step")
+    views = {"view", "_unsafe_view", "slice", "select", "transpose", "unsqueeze", "split", "lift_fresh", "alias"}
+    ops = [op for op in Count.ops if op not in views]
+    assert not {"_local_scalar_dense", "item", "nonzero", "tolist"} & set(Count.ops), Count.ops
+    assert len(ops) / 2 <= 30, f"{len(ops) / 2} torch ops per experts layer: {ops}"
+    assert Count.launches == 2 * 4
+
+
+def _expert_weights(pm, name):
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return [(m.lora_A[name].weight, m.lora_B[name].weight) for m in pm.modules()
+            if isinstance(m, ParamWrapper) and name in m.lora_A]  # fmt: skip
+
+
+def _stacks(pm) -> list:
+    return [s for m in pm.modules() for s in (getattr(m.__dict__.get("_csgmv_record"), "experts", None) or {}).values()]
+
+
+def _in_stacks(pm, w, stacks=None) -> bool:
+    stacks = _stacks(pm) if stacks is None else stacks
+    ptr = w.untyped_storage().data_ptr()
+    return any(ptr in (s.a.untyped_storage().data_ptr(), s.b.untyped_storage().data_ptr()) for s in stacks)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_expert_weights_are_stored_once(arch):
+    """PEFT's expert weights of adapters of a stack's largest rank are views into csgmv's stacks (``lora_A`` as the
+    stack's A, ``lora_B`` as its rank-major B layout): counted in ``shared_bytes``, PEFT's own forward unchanged, an
+    in-place edit of PEFT's weight seen by the kernels; an adapter of a smaller rank stays a copy; a wider adapter
+    added later gives the views their own memory back (values kept); ``disable_csgmv`` does the same for all."""
+    from peft import LoraConfig
+
+    pm = moe_peft(arch, {k: ADAPTERS[k] for k in ("a0", "a1")})  # ranks 4 and 8: a1 is shared, a0 copied
+    ids = prompts(4, 5, seed=7)
+    names = names_for(4, ("a0", "a1"))
+    before = {n: [(a.clone(), b.clone()) for a, b in _expert_weights(pm, n)] for n in ("a0", "a1")}
+    stock = per_adapter(pm, ["a1"], lambda: pm(ids).logits)["a1"]
+    enable_csgmv(pm, backend="triton")
+    stats = csgmv_stats(pm)
+    shared = sum(a.nbytes + b.nbytes for a, b in _expert_weights(pm, "a1"))
+    assert all(_in_stacks(pm, a) and _in_stacks(pm, b) for a, b in _expert_weights(pm, "a1"))
+    assert not any(_in_stacks(pm, a) or _in_stacks(pm, b) for a, b in _expert_weights(pm, "a0"))
+    assert stats["shared_bytes"] >= shared > 0 and stats["expert_stack_bytes"] >= shared
+    for n in ("a0", "a1"):  # the same values, PEFT's own layouts
+        for (a, b), (a0, b0) in zip(_expert_weights(pm, n), before[n]):
+            assert a.shape == a0.shape and b.shape == b0.shape and torch.equal(a, a0) and torch.equal(b, b0)
+    with torch.no_grad():
+        assert torch.equal(per_adapter(pm, ["a1"], lambda: pm(ids).logits)["a1"], stock)  # PEFT's forward reads views
+        for _, b in _expert_weights(pm, "a1"):  # an in-place edit of PEFT's weight: the kernels see it
+            b.mul_(-0.5)
+        got = pm(ids, adapter_ids=names).logits
+        edited = per_adapter(pm, names, lambda: pm(ids).logits)
+    assert_adapters_matter(edited)
+    close(got, stitch(edited, names), "after an in-place edit")
+    assert not torch.allclose(edited["a1"], stock)
+
+    torch.manual_seed(30)
+    pm.add_adapter("a3", LoraConfig(init_lora_weights=False, r=12, lora_alpha=6, target_modules=[],
+                                    target_parameters=EXPERTS))  # fmt: skip
+    names = names_for(4, ("a1", "a3"))
+    values = [(a.clone(), b.clone()) for a, b in _expert_weights(pm, "a1")]
+    with torch.no_grad():
+        got = pm(ids, adapter_ids=names).logits  # restacked at R = 12: a1 is a copy now, a3 shared
+    assert not any(_in_stacks(pm, a) or _in_stacks(pm, b) for a, b in _expert_weights(pm, "a1"))
+    assert all(_in_stacks(pm, a) and _in_stacks(pm, b) for a, b in _expert_weights(pm, "a3"))
+    assert all(torch.equal(a, a0) and torch.equal(b, b0) for (a, b), (a0, b0) in zip(_expert_weights(pm, "a1"), values))
+    stacks = _stacks(pm)
+    disable_csgmv(pm)
+    weights = [w for n in ("a0", "a1", "a3") for pair in _expert_weights(pm, n) for w in pair]
+    assert stacks and not any(_in_stacks(pm, w, stacks) for w in weights)
+    expected = per_adapter(pm, names, lambda: pm(ids).logits)
+    close(got, stitch(expected, names), "a wider adapter added")

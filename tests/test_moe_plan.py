@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from peft_csgmv.moe_plan import MAX_CHUNK_SIZE, MoePlan, max_segments, moe_chunk_size
+from peft_csgmv.moe_plan import MAX_CHUNK_SIZE, MoePlan, max_segments, moe_chunk_size, token_groups
 from peft_csgmv.plan import MIN_CHUNK_SIZE
 
 EXAMPLE = dict(token_slot=[1, -1, 0, 1], top_k_index=[[0, 2], [2, 1], [2, 0], [0, 1]], num_experts=3, num_slots=2)
@@ -158,3 +158,60 @@ def test_plan_properties(case):
     assert (plan.seg_start[live:] == plan.seg_end[live:]).all() and (plan.seg_slot[live:] == -1).all()
     if case == "all-base":
         assert live == 0
+
+
+def _old_style_reference(token_slot, index, experts, slots, chunk):
+    """The plan's arrays, from the host by the definition (sort by (expert, slot, base last), unrouted last; segments
+    in group order, chunked, padded with empty segments (0, 0, slot -1, expert 0))."""
+    top_k = index.shape[1]
+    flat = index.reshape(-1).tolist()
+    pairs = len(flat)
+
+    def key(p):
+        e, s = flat[p], token_slot[p // top_k]
+        return (e, s if s >= 0 else slots) if 0 <= e < experts else (experts, 0)
+
+    perm = sorted(range(pairs), key=key)
+    offsets = [sum(1 for e in flat if 0 <= e <= x) for x in range(experts)]
+    segs = []
+    q = 0
+    while q < pairs:
+        k = key(perm[q])
+        end = q
+        while end < pairs and key(perm[end]) == k:
+            end += 1
+        if k[0] < experts and k[1] < slots:
+            for start in range(q, end, chunk):
+                segs.append((start, min(start + chunk, end), k[1], k[0]))
+        q = end
+    n = max_segments(pairs, experts, slots, chunk)
+    segs += [(0, 0, -1, 0)] * (n - len(segs))
+    return perm, offsets, segs
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("chunk", [1, 2, 5, None])
+def test_plan_arrays_exactly_with_far_sentinels(index_dtype, chunk):
+    """Every array of the plan, exactly, against a host reference: routings with expert-parallel sentinels far out of
+    range (-7, E + 5, as well as -1 and E), int32 or int64 router indices, chunks of 1, 2, 5 and the default; the
+    group slots made from a tensor (the layers' path, :meth:`MoePlan.from_groups`) give the same plan."""
+    rng = random.Random(7)
+    experts, slots, tokens, top_k = 5, 3, 23, 3
+    token_slot = [rng.choice([-1, 0, 1, 2]) for _ in range(tokens)]
+    index = torch.tensor(
+        [[rng.choice([-7, -1, experts, experts + 5, *range(experts)]) for _ in range(top_k)] for _ in range(tokens)],
+        dtype=index_dtype,
+    )
+    plan = MoePlan.build(token_slot, index, experts, slots, chunk_size=chunk)
+    perm, offsets, segs = _old_style_reference(token_slot, index, experts, slots, plan.chunk_size)
+    assert_tensor("permutation", plan.permutation, perm)
+    assert_tensor("expert_offsets", plan.expert_offsets, offsets)
+    assert_tensor("seg_start", plan.seg_start, [s[0] for s in segs])
+    assert_tensor("seg_end", plan.seg_end, [s[1] for s in segs])
+    assert_tensor("seg_slot", plan.seg_slot, [s[2] for s in segs])
+    assert_tensor("seg_expert", plan.seg_expert, [s[3] for s in segs])
+    groups = token_groups(torch.tensor(token_slot, dtype=torch.int32), slots)
+    assert groups.dtype == torch.int64 and groups.tolist() == [slots if s < 0 else s for s in token_slot]
+    again = MoePlan.from_groups(groups, index, experts, slots, chunk_size=plan.chunk_size)
+    for name in ("permutation", "expert_offsets", "seg_start", "seg_end", "seg_slot", "seg_expert"):
+        assert torch.equal(getattr(again, name), getattr(plan, name)), name
