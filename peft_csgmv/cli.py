@@ -136,7 +136,11 @@ sizing: continuous batching's paged KV cache and its steps: --max-batch-tokens (
         per step at most, where given).
 speed:  --static-batches --cache-implementation static runs transformers' compiled decode (CUDA), one compile per
         batch shape: prompts are padded to a power of two and the last batch filled, so a run compiles a few
-        shapes. --adapter-dtype model: bf16 adapters on a bf16 model (the default, fp32, is PEFT's).
+        shapes. A run on a GPU with rows x --max-new-tokens of 65536 or more (and none of the options above that
+        choose the batching or size continuous batching) takes these static-cache batches, 64 rows each, by
+        itself, saying so in one line: there they were twice as fast as continuous batching, which runs eagerly
+        (docs/benchmarks.md); --continuous-batching keeps continuous batching. --adapter-dtype model: bf16
+        adapters on a bf16 model (the default, fp32, is PEFT's).
 memory: --max-resident-adapters N keeps N adapters on the GPU, the rest in host memory; a step (or a static
         batch) then holds at most N distinct adapters, requests of others waiting for a slot.
 gpus:   accelerate launch --num_processes N -m peft_csgmv generate ... (or torchrun) runs N processes, one per GPU,
@@ -269,6 +273,9 @@ def check_generate_args(args) -> list[str]:
 
     sizing = {"--max-batch-tokens": args.max_batch_tokens, "--num-blocks": args.num_blocks,
               "--cache-memory": args.cache_memory}  # fmt: skip
+    if args.continuous_batching and (args.static_batches or args.cache_implementation == "static"):
+        flag = "--static-batches" if args.static_batches else "--cache-implementation static"
+        problems.append(f"--continuous-batching and {flag}: give one of them")
     if args.static_batches:
         for flag, value in ((f, v) for f, v in sizing.items() if v is not None):
             problems.append(f"{flag} {value}: sizes continuous batching, which --static-batches turns off; give one")
@@ -318,6 +325,35 @@ def _static_reason(args) -> str | None:
     if args.cache_implementation == "static":
         return "--cache-implementation static is a static-batch option (transformers' compiled decode)"
     return None
+
+
+# On a GPU, continuous batching runs eagerly (no CUDA graphs) and static-cache batches run transformers' compiled
+# decode, whose compile (one per batch shape) a long enough run pays back. Measured in one run on an H100 (the 1B
+# layout, 32 adapters, prompts of 140-236 tokens, 64 new tokens; docs/benchmarks.md, "The batch command"): 512 rows,
+# continuous batching 1687 tok/s against static-cache batches of 64 at 949 (their compiles included); 2048 rows, 1184
+# against 2469. A run that asks for neither takes static-cache batches from about the midpoint of the two, counted in
+# rows times --max-new-tokens.
+STATIC_PAYS_TOKENS = 1024 * 64
+AUTO_STATIC_DEVICES = ("cuda",)  # where the static cache's decode step is compiled
+AUTO_STATIC_BATCH_SIZE = 64  # the static-cache batches' rows per generate call where the command picks them
+
+
+def _auto_static(args, rows: int, device: torch.device, model) -> str | None:
+    """Why a run that asked for neither continuous batching nor static batches takes static-cache batches (``None``:
+    continuous batching): ``rows`` rows to do on a GPU, each of --max-new-tokens, past :data:`STATIC_PAYS_TOKENS`,
+    on a model whose calls with ids can take the static cache."""
+    from .model import csgmv_stats
+
+    asked = args.static_batches or args.continuous_batching or args.cache_implementation is not None
+    sized = any(v is not None for v in (args.max_batch_tokens, args.num_blocks, args.cache_memory))
+    if asked or sized or device.type not in AUTO_STATIC_DEVICES or rows * args.max_new_tokens < STATIC_PAYS_TOKENS:
+        return None
+    if not getattr(model.get_base_model(), "_can_compile_fullgraph", True) or csgmv_stats(model)["expert_layers"]:
+        return None
+    return (
+        f"{rows} rows x {args.max_new_tokens} new tokens on a GPU: past where compiled static-cache batches beat "
+        "continuous batching, which runs eagerly (--continuous-batching keeps it)"
+    )
 
 
 def generate_command(args, prog: str = "peft-csgmv generate") -> int:
@@ -415,6 +451,12 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
         if args.do_sample:
             gen.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         continuous = None
+        auto = _auto_static(args, len(mine), next(model.parameters()).device, model) if static_reason is None else None
+        if auto is not None:
+            static_reason = auto
+            gen["cache_implementation"] = "static"
+            if first:
+                print(f"static-cache batches, not continuous batching: {auto}", file=sys.stderr)
         if not args.static_batches and static_reason is None:
             static_reason = batch.continuous_obstacle(model, tokenizer, {r.adapter for r in mine}, **gen)
             if static_reason is None:
@@ -436,7 +478,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
                 tokenizer,
                 mine,
                 out,
-                batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
+                batch_size=args.batch_size or (AUTO_STATIC_BATCH_SIZE if auto else DEFAULT_BATCH_SIZE),
                 progress=not args.no_progress and first,
                 settings=settings,
                 continuous=continuous,
@@ -507,6 +549,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "continuous batching",
     )
     p_gen.add_argument(
+        "--continuous-batching",
+        action="store_true",
+        help="run continuous batching where the command would take static-cache batches by itself (a long run on a "
+        "GPU: see 'speed' above)",
+    )
+    p_gen.add_argument(
         "--batch-size",
         type=positive,
         default=None,
@@ -563,10 +611,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p_gen.add_argument(
         "--cache-implementation",
         choices=["dynamic", "static"],
-        default="dynamic",
+        default=None,
         help="static batches' KV cache: dynamic (eager decode), or static: transformers' static cache, whose decode "
         "step it compiles (on CUDA; one compile per shape: prompts are left-padded to the next power of two and a "
-        "short last batch is filled, so a run compiles a few); static runs static batches",
+        "short last batch is filled, so a run compiles a few); static runs static batches (default: dynamic, where "
+        "the command does not pick static-cache batches itself: see 'speed' above)",
     )
     p_gen.add_argument(
         "--dtype",

@@ -247,6 +247,68 @@ def test_static_batches_with_a_note_where_continuous_batching_cannot(
     assert out.read_bytes() == reference.read_bytes()
 
 
+AUTO = "static-cache batches, not continuous batching: "
+
+
+@pytest.mark.parametrize(
+    "extra, auto",
+    [
+        ([], True),
+        (["--continuous-batching"], False),
+        (["--cache-implementation", "dynamic"], False),
+        (["--max-batch-tokens", "64"], False),
+        (["--max-resident-adapters", "1"], True),
+    ],
+    ids=["default", "continuous-batching", "dynamic-cache", "sized", "host-tier"],
+)
+def test_a_long_run_on_a_gpu_takes_static_cache_batches(
+    checkout, static_reference, tmp_path, capsys, monkeypatch, generated, extra, auto
+):
+    """A run past ``STATIC_PAYS_TOKENS`` (rows × new tokens) on a device where the static cache's decode step compiles
+    takes static-cache batches of 64 by itself, in one line, unless it asked for a batching or sized continuous
+    batching; either way its output is the --static-batches output (fp32, greedy). Here the CPU stands for the GPU
+    and the threshold is the 9 lines' 63 tokens."""
+    from peft_csgmv import cli
+
+    monkeypatch.setattr(cli, "AUTO_STATIC_DEVICES", ("cpu",))
+    monkeypatch.setattr(cli, "STATIC_PAYS_TOKENS", len(PROMPTS) * 7)
+    inp, reference = static_reference
+    out = tmp_path / "out.jsonl"
+    capsys.readouterr()
+    assert main(_args(checkout, inp, out, *extra)) == 0
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if line.startswith(AUTO)]
+    if auto:
+        assert len(notes) == 1 and "9 rows x 7 new tokens" in notes[0], err
+        assert _mode(err) == "static" and generated[-1][1] is False
+    else:
+        assert not notes and _mode(err) == "continuous", err
+    assert out.read_bytes() == reference.read_bytes()
+
+
+def test_a_short_run_keeps_continuous_batching(checkout, static_reference, tmp_path, capsys, monkeypatch):
+    """One token short of ``STATIC_PAYS_TOKENS``: continuous batching, no note."""
+    from peft_csgmv import cli
+
+    monkeypatch.setattr(cli, "AUTO_STATIC_DEVICES", ("cpu",))
+    monkeypatch.setattr(cli, "STATIC_PAYS_TOKENS", len(PROMPTS) * 7 + 1)
+    inp, _ = static_reference
+    out = tmp_path / "out.jsonl"
+    capsys.readouterr()
+    assert main(_args(checkout, inp, out)) == 0
+    err = capsys.readouterr().err
+    assert AUTO not in err and _mode(err) == "continuous", err
+
+
+def test_continuous_batching_flag_conflicts(checkout, static_reference, tmp_path, capsys):
+    inp, _ = static_reference
+    for extra, says in ((["--static-batches"], "--static-batches"),
+                        (["--cache-implementation", "static"], "--cache-implementation static")):  # fmt: skip
+        capsys.readouterr()
+        assert main(_args(checkout, inp, tmp_path / "out.jsonl", "--continuous-batching", *extra)) == 2
+        assert f"--continuous-batching and {says}: give one of them" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "settings, says",
     [
