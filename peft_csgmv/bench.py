@@ -17,6 +17,7 @@ the JSON holds GPU name, versions and date.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -24,6 +25,7 @@ import platform
 import statistics
 import sys
 import time
+import weakref
 
 import torch
 
@@ -129,6 +131,9 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
+_PROMPT_CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # (crop_cache, transformers before 5)
+
+
 def crop_cache(cache, length: int) -> None:
     """Cut a KV cache back to ``length`` tokens (the prompt's, before the next decode step is timed).
 
@@ -142,6 +147,15 @@ def crop_cache(cache, length: int) -> None:
     activate = getattr(cache, "activate_past_recording", None)
     if activate is not None:
         activate()
+    elif any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
+        # transformers before 5 cannot take a filled window back: the prompt's cache is kept at the first call and
+        # put back at each later one.
+        kept = _PROMPT_CACHES.get(cache)
+        if kept is None:
+            _PROMPT_CACHES[cache] = copy.deepcopy(cache)
+        else:
+            cache.__dict__.update(copy.deepcopy(kept).__dict__)
+        return
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)

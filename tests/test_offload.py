@@ -11,6 +11,8 @@ a CPU / GPU split, and read the GPU's memory."""
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 import torch
 from helpers import ALL_LINEAR, BASE, add_adapters, assert_close, close, greedy_kwargs, per_adapter, stitch, tiny_model
@@ -260,6 +262,10 @@ def test_adapters_loaded_after_enabling(tmp_path):
     close(got, stitch(stock, names), "adapter added after enabling")
 
 
+@pytest.mark.skipif(
+    tuple(int(p) for p in importlib.metadata.version("peft").split(".")[:2]) < (0, 21),
+    reason="PEFT before 0.21 fails its own re-dispatch of this placement (KeyError on the output layer's key)",
+)
 def test_peft_from_pretrained_redispatch(tmp_path, monkeypatch):
     """The usual way to an offloaded PeftModel: a base loaded with a ``device_map`` that puts layers on disk, then
     ``PeftModel.from_pretrained`` (PEFT dispatches the model again with its first adapter, which offloads that
