@@ -128,7 +128,9 @@ def main(argv=None) -> int:
     for row, limit in (("csgmv", None), ("tier", args.max_resident_adapters)):
         if row not in rows:
             continue
+        start = time.perf_counter()
         enable_csgmv(peft_model, max_resident_adapters=limit)
+        print(f"{row}: enable_csgmv took {time.perf_counter() - start:.1f} s", flush=True)
         run(peft_model, warm, names, gen, ContinuousBatchingConfig(**eager))
         label = f"csgmv, {args.adapters} adapters" + (f", max_resident_adapters={limit}" if limit else "")
         record(label, *run(peft_model, requests, names, gen, ContinuousBatchingConfig(**eager)))

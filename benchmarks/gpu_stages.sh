@@ -29,6 +29,8 @@
 #   continuous  continuous batching with an adapter per request, 1B, 256 requests (prompts 32-1024, answers 16-512):
 #            base model (csgmv's loop and transformers' defaults), stock PEFT one adapter, csgmv 32 distinct (~6 min)
 #            -> continuous_1b.json
+#   cbtier   continuous batching over 1000 adapters (copies of 32), 1B, 96 requests (answers 16-256): all resident, then
+#            max_resident_adapters=64 (~5 min) -> continuous_1b_tier.json
 #   peer     PEFT's own mixed-batch tests through csgmv's Triton kernels, fp32 then bf16 models (needs
 #            `python benchmarks/peft_tests/run.py --fetch <the image's PEFT version>` here first; carry wheels)
 #            -> peer_fp32.log, peer_bf16.log
@@ -134,6 +136,11 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     cli)
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
       grep -E "^\||identical" "$OUT/cli_1b.log" || tail -25 "$OUT/cli_1b.log" ;;
+    cbtier)
+      python3 benchmarks/bench_continuous.py --model 1b --requests 96 --new-max 256 --adapters 1000 \
+        --max-resident-adapters 64 --rows csgmv,tier --out "$OUT/continuous_1b_tier.json" 2>&1 \
+        | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b_tier.log"
+      grep "^|\|host tier\|enable" "$OUT/continuous_1b_tier.log" || tail -25 "$OUT/continuous_1b_tier.log" ;;
     continuous)
       python3 benchmarks/bench_continuous.py --model 1b --requests 256 --out "$OUT/continuous_1b.json" 2>&1 \
         | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b.log"
