@@ -1,12 +1,15 @@
 """Batch generation over a JSONL file of prompts, each with its own adapter (``peft-csgmv generate``).
 
 Input: one JSON object per line, ``{"prompt": "...", "adapter": "legal", "id": 17}``; ``adapter`` absent, null or
-``"__base__"`` means the base model; ``id`` is optional and echoed; blank lines are skipped.
+``"__base__"`` means the base model; ``id`` is optional and echoed; ``max_new_tokens`` (optional, a positive integer)
+is the line's own limit of new tokens in place of the run's (a static batch decodes until its largest and cuts each
+row's completion to its own); blank lines are skipped.
 
 Output: one JSON object per non-blank input line, ``{"line": 3, "id": 17, "adapter": "legal", "completion": "...",
 "new_tokens": 42, "input_sha1": "...", "settings_sha1": "..."}``, or ``{"line": 5, "error": "...", "input_sha1":
 "..."}`` for a bad line under ``--on-error skip``. ``input_sha1`` is the SHA-1 of the line's request, its prompt and
-its adapter (:func:`identity.request_sha1`; for a bad line, of the line's text); ``settings_sha1`` that of the run
+its adapter, and its own ``max_new_tokens`` where it gives one (:func:`identity.request_sha1`; for a bad line, of the
+line's text); ``settings_sha1`` that of the run
 settings it was made with (:class:`identity.RunSettings`: base model, dtypes, decoding options, its adapter's files).
 ``line`` (and ``id``) say where the request sits in the input as it is now: they are rewritten when lines move, and
 play no part in resuming. Beside the output, ``OUTPUT.settings.json`` holds the run's settings (identity.py says
@@ -68,7 +71,11 @@ class Row:
     adapter: str | None
     id: Any = None
     has_id: bool = False
-    sha1: str = ""  # fingerprint of the request: identity.request_sha1(prompt, adapter)
+    sha1: str = ""  # fingerprint of the request: identity.request_sha1(prompt, adapter, max_new_tokens)
+    max_new_tokens: int | None = None  # the line's own "max_new_tokens" (None: the run's --max-new-tokens)
+
+
+MAX_NEW_TOKENS_KEY = "max_new_tokens"  # an input line's own limit of new tokens
 
 
 class InputError(ValueError):
@@ -145,8 +152,13 @@ def read_input(
                     (n, f"unknown adapter {adapter!r}; loaded: {', '.join(sorted(known))} (or null for base)")
                 )
                 continue
-            sha1[n] = request_sha1(prompt, adapter)
-            rows.append(Row(line=n, prompt=prompt, adapter=adapter, id=obj.get("id"), has_id="id" in obj, sha1=sha1[n]))
+            limit = obj.get(MAX_NEW_TOKENS_KEY)
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+                errors.append((n, f"'{MAX_NEW_TOKENS_KEY}' must be a positive integer, got {limit!r}"))
+                continue
+            sha1[n] = request_sha1(prompt, adapter, limit)
+            rows.append(Row(line=n, prompt=prompt, adapter=adapter, id=obj.get("id"), has_id="id" in obj, sha1=sha1[n],
+                            max_new_tokens=limit))  # fmt: skip
     return InputFile(rows, errors, sha1)
 
 
@@ -416,19 +428,21 @@ def finish_output(out_path: str, parsed: InputFile) -> None:
 def batches_by_length(
     rows: list[Row], lengths: list[int], batch_size: int, max_adapters: int | None = None
 ) -> list[list[int]]:
-    """Indices into ``rows`` grouped into batches of similar prompt length (less padding).
+    """Indices into ``rows`` grouped into batches of similar prompt length (less padding), rows with their own
+    ``max_new_tokens`` ordered by it first (a batch decodes until its largest).
 
     ``max_adapters``: at most that many distinct adapters in a batch (base rows take none), for a model that keeps
     that many on the device (``enable_csgmv``'s ``max_resident_adapters``). Rows are then ordered by
     :func:`prompt_bucket`, adapter and length, so that each batch holds as few adapters as its bucket allows and an
     adapter moves onto the device about once per bucket, not once per batch."""
     if max_adapters is None:
-        order = sorted(range(len(rows)), key=lambda i: lengths[i])
+        order = sorted(range(len(rows)), key=lambda i: (rows[i].max_new_tokens or 0, lengths[i]))
         return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     order = sorted(
         range(len(rows)),
-        key=lambda i: (prompt_bucket(lengths[i]), rows[i].adapter is not None, rows[i].adapter or "", lengths[i]),
-    )
+        key=lambda i: (rows[i].max_new_tokens or 0, prompt_bucket(lengths[i]), rows[i].adapter is not None,
+                       rows[i].adapter or "", lengths[i]),
+    )  # fmt: skip
     batches: list[list[int]] = []
     batch: list[int] = []
     held: set[str] = set()
@@ -461,9 +475,11 @@ def _pad_id(tokenizer):
 
 
 def _record(row: Row, ids: list[int], tokenizer, pad_id, settings: RunSettings | None) -> dict:
-    """A row's completion record from its new tokens (the pad token left out: it fills a static batch's finished
-    rows, and it is the end-of-sequence token where the tokenizer has no pad token of its own)."""
-    ids = [t for t in ids if t != pad_id] if pad_id is not None else list(ids)
+    """A row's completion record from its new tokens, at most the row's own ``max_new_tokens`` (a static batch decodes
+    until its largest), the pad token left out (it fills a static batch's finished rows, and it is the
+    end-of-sequence token where the tokenizer has no pad token of its own)."""
+    ids = list(ids)[: row.max_new_tokens] if row.max_new_tokens is not None else list(ids)
+    ids = [t for t in ids if t != pad_id] if pad_id is not None else ids
     record: dict[str, Any] = {"line": row.line}
     if row.has_id:
         record["id"] = row.id
@@ -512,6 +528,11 @@ def generate_rows(
     device = _input_device(model)
     pad_id = _pad_id(tokenizer)
     static = generate_kwargs.get("cache_implementation") == "static"
+    default_limit = generate_kwargs.get("max_new_tokens")
+    own_limits = any(r.max_new_tokens is not None for r in rows)
+    if own_limits:  # (each row's limit, the run's where the line gives none)
+        rows = [r if r.max_new_tokens is not None else dataclasses.replace(r, max_new_tokens=default_limit)
+                for r in rows]  # fmt: skip
     new_tokens_total, written, started = 0, 0, time.perf_counter()
     bar = tqdm(total=len(rows), unit="row", disable=not progress, dynamic_ncols=True)
     try:
@@ -528,12 +549,13 @@ def generate_rows(
                 # Only what every causal LM's generate takes (a tokenizer may add token_type_ids, which older
                 # transformers refuse for models that do not use them).
                 input_ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+                limits = {"max_new_tokens": max(r.max_new_tokens for r in brows)} if own_limits else {}
                 seqs = model.generate(
                     input_ids=input_ids,
                     attention_mask=mask,
                     adapter_ids=[r.adapter for r in called],
                     pad_token_id=pad_id,
-                    **generate_kwargs,
+                    **{**generate_kwargs, **limits},
                 )
                 new = seqs[: len(brows), input_ids.shape[1] :].cpu()
                 records = [_record(r, ids.tolist(), tokenizer, pad_id, settings) for r, ids in zip(brows, new)]
@@ -689,13 +711,15 @@ def generate_continuous(
 
     prompts = tokenizer([r.prompt for r in rows])["input_ids"] if rows else []
     max_new_tokens = int(generate_kwargs.get("max_new_tokens") or 0)
-    needs = [len(p) + max_new_tokens for p in prompts]
+    limits = [r.max_new_tokens or max_new_tokens for r in rows]  # (a line's own, else the run's)
+    needs = [len(p) + limit for p, limit in zip(prompts, limits)]
     if continuous.num_blocks is not None and needs:
         longest = max(range(len(rows)), key=lambda i: needs[i])
         if needs[longest] > continuous.num_blocks * PAGE_SIZE:
             raise SizingError(
                 f"--num-blocks {continuous.num_blocks}: the cache holds {continuous.num_blocks * PAGE_SIZE} tokens, "
-                f"input line {rows[longest].line} needs {needs[longest]} (its prompt and --max-new-tokens)"
+                f"input line {rows[longest].line} needs {needs[longest]} (its prompt and "
+                f"{'its max_new_tokens' if rows[longest].max_new_tokens else '--max-new-tokens'})"
             )
     pad_id = _pad_id(tokenizer)
     gen = _generation_config(model, tokenizer, **generate_kwargs)
@@ -710,10 +734,10 @@ def generate_continuous(
         if not rows:
             return dict(rows=0, new_tokens=0, seconds=0.0)
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
-        for i, (row, prompt) in enumerate(zip(rows, prompts)):
+        for i, (row, prompt, limit) in enumerate(zip(rows, prompts, limits)):
             request_id = f"row{i}"
             waiting[request_id] = row
-            manager.add_request(prompt, request_id=request_id, max_new_tokens=max_new_tokens, adapter_id=row.adapter)
+            manager.add_request(prompt, request_id=request_id, max_new_tokens=limit, adapter_id=row.adapter)
         manager.start()
         running = True
         with open(out_path, "a", encoding="utf-8") as out:

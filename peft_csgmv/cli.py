@@ -107,11 +107,13 @@ request with its line's adapter goes to one manager (transformers' continuous ba
 and decode tokens of many requests and adapters into each step and takes new requests as others finish.
 
 input:  one JSON object per line: {"prompt": "...", "adapter": "legal", "id": 17}; "adapter" absent, null or
-        "__base__" means the base model; "id" is optional and echoed; blank lines are skipped.
+        "__base__" means the base model; "id" is optional and echoed; "max_new_tokens" (optional, a positive
+        integer) is the line's own limit in place of --max-new-tokens; blank lines are skipped.
 output: one JSON object per input line: {"line": 3, "id": 17, "adapter": "legal", "completion": "...",
         "new_tokens": 42, "input_sha1": "...", "settings_sha1": "..."}, or {"line": 5, "error": "...", ...} for
-        a bad line under --on-error skip. input_sha1 is the SHA-1 of the line's request (its prompt and adapter),
-        settings_sha1 that of the run settings that made it; OUTPUT.settings.json beside the output holds those
+        a bad line under --on-error skip. input_sha1 is the SHA-1 of the line's request (its prompt and adapter,
+        and its own max_new_tokens where it gives one), settings_sha1 that of the run settings that made it;
+        OUTPUT.settings.json beside the output holds those
         settings: --base, --dtype, --adapter-dtype, --max-new-tokens, --do-sample (with it --temperature, --top-p,
         --top-k, --seed) and each adapter's files (by their SHA-1). "line" and "id" are those of the input now.
 order:  each record is appended as soon as its request finishes (with --static-batches, batch by batch); when the
@@ -338,20 +340,23 @@ AUTO_STATIC_DEVICES = ("cuda",)  # where the static cache's decode step is compi
 AUTO_STATIC_BATCH_SIZE = 64  # the static-cache batches' rows per generate call where the command picks them
 
 
-def _auto_static(args, rows: int, device: torch.device, model) -> str | None:
+def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
     """Why a run that asked for neither continuous batching nor static batches takes static-cache batches (``None``:
-    continuous batching): ``rows`` rows to do on a GPU, each of --max-new-tokens, past :data:`STATIC_PAYS_TOKENS`,
-    on a model whose calls with ids can take the static cache."""
+    continuous batching): ``rows`` to do on a GPU, each of --max-new-tokens (no line with a limit of its own: uneven
+    answers are continuous batching's case), past :data:`STATIC_PAYS_TOKENS`, on a model whose calls with ids can
+    take the static cache."""
     from .model import csgmv_stats
 
     asked = args.static_batches or args.continuous_batching or args.cache_implementation is not None
     sized = any(v is not None for v in (args.max_batch_tokens, args.num_blocks, args.cache_memory))
-    if asked or sized or device.type not in AUTO_STATIC_DEVICES or rows * args.max_new_tokens < STATIC_PAYS_TOKENS:
+    if asked or sized or device.type not in AUTO_STATIC_DEVICES or any(r.max_new_tokens for r in rows):
+        return None
+    if len(rows) * args.max_new_tokens < STATIC_PAYS_TOKENS:
         return None
     if not getattr(model.get_base_model(), "_can_compile_fullgraph", True) or csgmv_stats(model)["expert_layers"]:
         return None
     return (
-        f"{rows} rows x {args.max_new_tokens} new tokens on a GPU: past where compiled static-cache batches beat "
+        f"{len(rows)} rows x {args.max_new_tokens} new tokens on a GPU: past where compiled static-cache batches beat "
         "continuous batching, which runs eagerly (--continuous-batching keeps it)"
     )
 
@@ -451,7 +456,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
         if args.do_sample:
             gen.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         continuous = None
-        auto = _auto_static(args, len(mine), next(model.parameters()).device, model) if static_reason is None else None
+        auto = _auto_static(args, mine, next(model.parameters()).device, model) if static_reason is None else None
         if auto is not None:
             static_reason = auto
             gen["cache_implementation"] = "static"

@@ -63,9 +63,13 @@ def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-def request_sha1(prompt: str, adapter: str | None) -> str:
-    """SHA-1 (hex) of a request: its prompt as given and its adapter (``None`` and ``"__base__"``: the base model)."""
-    return hashlib.sha1(_canonical({"adapter": None if adapter == BASE else adapter, "prompt": prompt})).hexdigest()
+def request_sha1(prompt: str, adapter: str | None, max_new_tokens: int | None = None) -> str:
+    """SHA-1 (hex) of a request: its prompt as given, its adapter (``None`` and ``"__base__"``: the base model) and,
+    where its line gives one, its own ``max_new_tokens`` (a line without one keeps the fingerprint it always had)."""
+    request = {"adapter": None if adapter == BASE else adapter, "prompt": prompt}
+    if max_new_tokens is not None:
+        request["max_new_tokens"] = max_new_tokens
+    return hashlib.sha1(_canonical(request)).hexdigest()
 
 
 class SettingsError(ValueError):

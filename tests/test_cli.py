@@ -966,3 +966,76 @@ def test_real_ctrl_c_while_importing_and_while_generating(checkout, tmp_path):
     assert main(_args(checkout, inp, out, "--max-new-tokens", "16")) == 0
     records = _in_input_order(out, 60)
     assert all("completion" in r for r in records)
+
+
+LIMITS = {1: 2, 3: 4, 5: 1, 6: 9}  # input line -> its own max_new_tokens (the run's: 6)
+
+
+def _limited(rows):
+    return [dict(r, **({"max_new_tokens": LIMITS[n]} if n in LIMITS else {})) for n, r in enumerate(rows, start=1)]
+
+
+@pytest.fixture(scope="module")
+def whole_completions(checkout, tmp_path_factory):
+    """PROMPTS by static batches with the run's limit for every line, 6 and 9: {limit: {line: record}}."""
+    folder = tmp_path_factory.mktemp("limits")
+    plain = folder / "in.jsonl"
+    _write(plain, PROMPTS)
+    whole = {}
+    for limit in (6, 9):
+        out = folder / f"out{limit}.jsonl"
+        args = _args(checkout, plain, out, "--static-batches")
+        args[args.index("--max-new-tokens") + 1] = str(limit)
+        assert main(args) == 0
+        whole[limit] = {r["line"]: r for r in _records(out)}
+    return whole
+
+
+@pytest.mark.parametrize("extra", [[], ["--static-batches"]], ids=["default", "static-batches"])
+def test_a_line_with_its_own_max_new_tokens(checkout, tmp_path, whole_completions, extra):
+    """A line's "max_new_tokens" replaces --max-new-tokens for it, below or above the run's: its completion is the
+    first that many tokens of the completion with a larger limit (greedy, fp32), by the default batching and by
+    static batches (which decode until a batch's largest limit and cut each row to its own); lines without one keep
+    the run's."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, _limited(PROMPTS))
+    assert main(_args(checkout, inp, out, *extra)) == 0
+    got = {r["line"]: r for r in _records(out)}
+    assert sorted(got) == list(range(1, len(PROMPTS) + 1))
+    for line, record in got.items():
+        limit = LIMITS.get(line, 6)
+        whole = whole_completions[max(limit, 6)][line]
+        assert whole["completion"].startswith(record["completion"]), (line, record, whole)
+        assert record["new_tokens"] == min(limit, whole["new_tokens"]), (line, record, whole)
+    six = whole_completions[6]
+    assert any(got[n]["new_tokens"] < six[n]["new_tokens"] for n in LIMITS if LIMITS[n] < 6), "no limit cut anything"
+    assert got[6]["new_tokens"] > six[6]["new_tokens"], "the larger limit added nothing: the test proves nothing"
+
+
+def test_a_changed_line_limit_regenerates_that_line(checkout, tmp_path, capsys, generated):
+    """The line's own limit is part of its request's fingerprint: changing it regenerates that line alone; a line
+    without one keeps the fingerprint of its prompt and adapter (outputs written before limits existed resume)."""
+    from peft_csgmv import identity
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = _limited(PROMPTS)
+    _write(inp, rows)
+    assert main(_args(checkout, inp, out)) == 0
+    records = {r["line"]: r for r in _records(out)}
+    assert records[2]["input_sha1"] == identity.request_sha1(PROMPTS[1]["prompt"], None)
+    rows[0] = dict(rows[0], max_new_tokens=3)
+    _write(inp, rows)
+    assert main(_args(checkout, inp, out)) == 0
+    assert generated[-1] == [1]
+    assert {r["line"]: r for r in _records(out)}[1]["new_tokens"] <= 3
+
+
+def test_bad_line_limits_are_bad_lines(checkout, tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    bad = [0, -3, "5", 2.5, True, [4]]
+    _write(inp, [PROMPTS[0]] + [{"prompt": "x", "max_new_tokens": value} for value in bad])
+    assert main(_args(checkout, inp, out)) == 2
+    err = capsys.readouterr().err
+    for n, value in enumerate(bad, start=2):
+        assert f"line {n}: 'max_new_tokens' must be a positive integer, got {value!r}" in err, err
+    assert not out.exists()

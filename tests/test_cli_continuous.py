@@ -300,6 +300,21 @@ def test_a_short_run_keeps_continuous_batching(checkout, static_reference, tmp_p
     assert AUTO not in err and _mode(err) == "continuous", err
 
 
+def test_a_long_run_with_line_limits_keeps_continuous_batching(checkout, tmp_path, capsys, monkeypatch):
+    """Lines with their own max_new_tokens (uneven answers, continuous batching's case): no static-cache batches,
+    however long the run."""
+    from peft_csgmv import cli
+
+    monkeypatch.setattr(cli, "AUTO_STATIC_DEVICES", ("cpu",))
+    monkeypatch.setattr(cli, "STATIC_PAYS_TOKENS", 1)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [dict(PROMPTS[0], max_new_tokens=3)] + PROMPTS[1:])
+    capsys.readouterr()
+    assert main(_args(checkout, inp, out)) == 0
+    err = capsys.readouterr().err
+    assert AUTO not in err and _mode(err) == "continuous", err
+
+
 def test_continuous_batching_flag_conflicts(checkout, static_reference, tmp_path, capsys):
     inp, _ = static_reference
     for extra, says in ((["--static-batches"], "--static-batches"),
