@@ -1,6 +1,7 @@
-"""The batch command on one GPU: ``peft-csgmv generate`` by continuous batching (its default) against static batches
-with the dynamic cache (eager decode, ``--static-batches``) and with the static cache (transformers' compiled decode,
-``--static-batches --cache-implementation static``), on the same JSONL, in one run.
+"""The batch command on one GPU: ``peft-csgmv generate`` by continuous batching (``--continuous-batching``) against
+static batches with the dynamic cache (eager decode, ``--static-batches``) and with the static cache (transformers'
+compiled decode, ``--static-batches --cache-implementation static``), and the command's own choice (``default``: no
+batching flag), on the same JSONL, in one run. ``--limits LOW,HIGH`` gives each line its own ``max_new_tokens``.
 
     python benchmarks/bench_cli.py --out results/cli_1b.json
 
@@ -35,7 +36,12 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=2048)
     p.add_argument("--words", default="25,34", help="words per prompt: LOW,HIGH")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64, help="--max-new-tokens (the largest line limit with --limits)")
+    p.add_argument(
+        "--limits",
+        default=None,
+        help="LOW,HIGH: each line's own max_new_tokens, uneven answers (e.g. 16,512; --new-tokens should be HIGH)",
+    )
     p.add_argument(
         "--adapter-dtype",
         default="model",
@@ -51,8 +57,8 @@ def main(argv=None) -> int:
         "--runs",
         "--caches",
         default="continuous,dynamic,static",
-        help="the runs, in order: continuous (the default command), dynamic (--static-batches), static "
-        "(--static-batches --cache-implementation static)",
+        help="the runs, in order: continuous (--continuous-batching), dynamic (--static-batches), static "
+        "(--static-batches --cache-implementation static), default (no batching flag: the command's choice)",
     )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -64,7 +70,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         base, adapters = save_checkout(folder, args.model)
         inp = os.path.join(folder, "in.jsonl")
-        write_prompts(inp, args.rows, (low, high))
+        limits = tuple(int(n) for n in args.limits.split(",")) if args.limits else None
+        write_prompts(inp, args.rows, (low, high), limits)
         common = ["generate", "--base", base, "--input", inp, "--max-new-tokens", str(args.new_tokens),
                   "--no-progress", "--adapter-dtype", args.adapter_dtype]  # fmt: skip
         for name, path in adapters.items():
@@ -73,7 +80,8 @@ def main(argv=None) -> int:
             common += ["--max-resident-adapters", str(args.max_resident_adapters)]
         static = ["--static-batches", "--batch-size", str(args.batch_size)]
         flags = {
-            "continuous": [],
+            "default": [],
+            "continuous": ["--continuous-batching"],
             "dynamic": static + ["--cache-implementation", "dynamic"],
             "static": static + ["--cache-implementation", "static"],
         }
@@ -82,7 +90,7 @@ def main(argv=None) -> int:
         for run in args.runs.split(","):
             out = os.path.join(folder, f"{run}.jsonl")
             cmd = [sys.executable, "-m", "peft_csgmv", *common, *flags[run], "--output", out]
-            row = dict(row=" ".join(flags[run]) or "continuous batching (default)", **run_generate(cmd, env))
+            row = dict(row=" ".join(flags[run]) or "the default (the command's choice)", **run_generate(cmd, env))
             with open(out) as f:
                 outputs[run] = [json.loads(line)["completion"] for line in f]
             if len(outputs) > 1:

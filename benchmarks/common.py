@@ -154,14 +154,18 @@ def save_checkout(folder: str, model_name: str) -> tuple[str, dict[str, str]]:
     return base_dir, paths
 
 
-def write_prompts(path: str, rows: int, words: tuple[int, int]) -> None:
-    """A JSONL of ``rows`` prompts of ``words[0]``..``words[1]`` random words, over the 32 adapters in turn."""
+def write_prompts(path: str, rows: int, words: tuple[int, int], limits: tuple[int, int] | None = None) -> None:
+    """A JSONL of ``rows`` prompts of ``words[0]``..``words[1]`` random words, over the 32 adapters in turn; with
+    ``limits``, each line's own ``max_new_tokens`` in ``limits[0]``..``limits[1]`` (answers of uneven length)."""
     rng = random.Random(0)
     vocab = ["the", "contract", "says", "hello", "model", "adapter", "prompt", "batch", "token", "tenant"]
     with open(path, "w") as f:
         for i in range(rows):
             text = " ".join(rng.choice(vocab) for _ in range(rng.randint(*words)))
-            f.write(json.dumps({"prompt": text, "adapter": f"a{i % 32}", "id": i}) + "\n")
+            line = {"prompt": text, "adapter": f"a{i % 32}", "id": i}
+            if limits is not None:
+                line["max_new_tokens"] = rng.randint(*limits)
+            f.write(json.dumps(line) + "\n")
 
 
 _WROTE = re.compile(r"wrote (\d+) rows, (\d+) new tokens in ([\d.]+) s")

@@ -29,6 +29,9 @@
 #   continuous  continuous batching with an adapter per request, 1B, 256 requests (prompts 32-1024, answers 16-512):
 #            base model (csgmv's loop and transformers' defaults), stock PEFT one adapter, csgmv 32 distinct (~6 min)
 #            -> continuous_1b.json
+#   cligoal  the batch command on uneven work, 1B, 1024 rows, prompts of ~32-1024 tokens, each line its own
+#            max_new_tokens of 16-512: continuous batching, then static-cache batches (~9 min; one run per call if
+#            need be: --runs continuous / --runs static) -> cli_1b_uneven.json
 #   cbtier   continuous batching over 1000 adapters (copies of 32), 1B, 96 requests (answers 16-256): all resident, then
 #            max_resident_adapters=64 (~5 min) -> continuous_1b_tier.json
 #   peer     PEFT's own mixed-batch tests through csgmv's Triton kernels, fp32 then bf16 models (needs
@@ -136,6 +139,11 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     cli)
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
       grep -E "^\||identical" "$OUT/cli_1b.log" || tail -25 "$OUT/cli_1b.log" ;;
+    cligoal)
+      python3 benchmarks/bench_cli.py --rows 1024 --words 5,160 --limits 16,512 --new-tokens 512 \
+        --runs continuous,static --out "$OUT/cli_1b_uneven.json" 2>&1 | grep --line-buffered -v -i warn \
+        > "$OUT/cli_1b_uneven.log"
+      grep -E "^\|" "$OUT/cli_1b_uneven.log" || tail -25 "$OUT/cli_1b_uneven.log" ;;
     cbtier)
       python3 benchmarks/bench_continuous.py --model 1b --requests 96 --new-max 256 --adapters 1000 \
         --max-resident-adapters 64 --rows csgmv,tier --out "$OUT/continuous_1b_tier.json" 2>&1 \

@@ -2,8 +2,8 @@
 
 Input: one JSON object per line, ``{"prompt": "...", "adapter": "legal", "id": 17}``; ``adapter`` absent, null or
 ``"__base__"`` means the base model; ``id`` is optional and echoed; ``max_new_tokens`` (optional, a positive integer)
-is the line's own limit of new tokens in place of the run's (a static batch decodes until its largest and cuts each
-row's completion to its own); blank lines are skipped.
+is the line's own limit of new tokens in place of the run's (a static batch decodes until its largest, on the static
+cache until the next power of two, and cuts each row's completion to its own); blank lines are skipped.
 
 Output: one JSON object per non-blank input line, ``{"line": 3, "id": 17, "adapter": "legal", "completion": "...",
 "new_tokens": 42, "input_sha1": "...", "settings_sha1": "..."}``, or ``{"line": 5, "error": "...", "input_sha1":
@@ -549,7 +549,10 @@ def generate_rows(
                 # Only what every causal LM's generate takes (a tokenizer may add token_type_ids, which older
                 # transformers refuse for models that do not use them).
                 input_ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-                limits = {"max_new_tokens": max(r.max_new_tokens for r in brows)} if own_limits else {}
+                limits = {}
+                if own_limits:  # (the static cache's length follows it: a power of two, so a run has a few shapes)
+                    largest = max(r.max_new_tokens for r in brows)
+                    limits["max_new_tokens"] = prompt_bucket(largest) if static else largest
                 seqs = model.generate(
                     input_ids=input_ids,
                     attention_mask=mask,

@@ -991,12 +991,16 @@ def whole_completions(checkout, tmp_path_factory):
     return whole
 
 
-@pytest.mark.parametrize("extra", [[], ["--static-batches"]], ids=["default", "static-batches"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--static-batches"], ["--static-batches", "--cache-implementation", "static"]],
+    ids=["default", "static-batches", "static-cache"],
+)
 def test_a_line_with_its_own_max_new_tokens(checkout, tmp_path, whole_completions, extra):
     """A line's "max_new_tokens" replaces --max-new-tokens for it, below or above the run's: its completion is the
     first that many tokens of the completion with a larger limit (greedy, fp32), by the default batching and by
-    static batches (which decode until a batch's largest limit and cut each row to its own); lines without one keep
-    the run's."""
+    static batches (which decode until a batch's largest limit, on the static cache until the next power of two, and
+    cut each row to its own); lines without one keep the run's."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, _limited(PROMPTS))
     assert main(_args(checkout, inp, out, *extra)) == 0
