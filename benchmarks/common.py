@@ -121,9 +121,9 @@ def graph_time_us(fn, iters: int = 20, replays: int = 20) -> float:
 # The batch command's inputs and its runs (bench_multi_gpu.py, bench_cli.py).
 
 
-def save_checkout(folder: str, model_name: str) -> tuple[str, dict[str, str]]:
+def save_checkout(folder: str, model_name: str, device: str = "cuda:0") -> tuple[str, dict[str, str]]:
     """A checkout saved in ``folder``: a built-in Llama layout's random bf16 weights with a character tokenizer, and 32
-    LoRA adapters r=16 on all 7 projections; ``(base folder, {adapter name: its folder})``."""
+    LoRA adapters r=16 on all 7 projections (made on ``device``); ``(base folder, {adapter name: its folder})``."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -132,13 +132,13 @@ def save_checkout(folder: str, model_name: str) -> tuple[str, dict[str, str]]:
     cfg = dict(MODELS[model_name], vocab_size=4 + len(CHARS))
     config = LlamaConfig(max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, **cfg)
     torch.manual_seed(0)
-    with torch.device("cuda:0"):
+    with torch.device(device):
         base = LlamaForCausalLM(config).to(torch.bfloat16)
     base_dir = os.path.join(folder, "base")
     base.save_pretrained(base_dir)
     char_tokenizer().save_pretrained(base_dir)
     pm = None
-    with torch.device("cuda:0"):
+    with torch.device(device):
         for i in range(32):
             lc = LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, init_lora_weights=False)
             if pm is None:

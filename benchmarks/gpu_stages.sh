@@ -32,6 +32,8 @@
 #   cligoal  the batch command on uneven work, 1B, 1024 rows, prompts of ~32-1024 tokens, each line its own
 #            max_new_tokens of 16-512: continuous batching, then static-cache batches (~9 min; one run per call if
 #            need be: --runs continuous / --runs static) -> cli_1b_uneven.json
+#   serve    the server (peft-csgmv serve), 1B, 256 requests from 64 streaming clients, against generate_batch on the
+#            same requests (needs wheels/serve: benchmarks/serve_wheels.sh; carry wheels; ~5 min) -> serve_1b.json
 #   cbtier   continuous batching over 1000 adapters (copies of 32), 1B, 96 requests (answers 16-256): all resident, then
 #            max_resident_adapters=64 (~5 min) -> continuous_1b_tier.json
 #   peer     PEFT's own mixed-batch tests through csgmv's Triton kernels, fp32 then bf16 models (needs
@@ -77,6 +79,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     tests)
       # QLoRA tests need bitsandbytes, which the GPU image lacks: its wheel travels in wheels/ (carry it).
       if ls wheels/bitsandbytes-*.whl > /dev/null 2>&1; then bash benchmarks/bnb_wheel.sh install; fi
+      if ls wheels/serve/*.whl > /dev/null 2>&1; then bash benchmarks/serve_wheels.sh install; fi
       python3 -m pytest tests -q -p no:cacheprovider -rf --tb=short > "$OUT/gpu_tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15 ;;
     kernels)
@@ -144,6 +147,11 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         --runs continuous,static --out "$OUT/cli_1b_uneven.json" 2>&1 | grep --line-buffered -v -i warn \
         > "$OUT/cli_1b_uneven.log"
       grep -E "^\|" "$OUT/cli_1b_uneven.log" || tail -25 "$OUT/cli_1b_uneven.log" ;;
+    serve)
+      bash benchmarks/serve_wheels.sh install
+      python3 benchmarks/bench_serve.py --model 1b --requests 256 --clients 64 --out "$OUT/serve_1b.json" 2>&1 \
+        | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/serve_1b.log"
+      grep "^|" "$OUT/serve_1b.log" || tail -25 "$OUT/serve_1b.log" ;;
     cbtier)
       python3 benchmarks/bench_continuous.py --model 1b --requests 96 --new-max 256 --adapters 1000 \
         --max-resident-adapters 64 --rows csgmv,tier --out "$OUT/continuous_1b_tier.json" 2>&1 \
