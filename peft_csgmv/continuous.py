@@ -16,7 +16,9 @@ packed tokens (each request's tokens map to its adapter's slot, padding to none)
 the executor for the step's thread; the layers read it as they read any call's.
 
 With the host tier (``max_resident_adapters=N``), a step starts waiting requests only while the running requests'
-adapters and theirs number at most N (:meth:`Router.admit`); the step brings its adapters into slots as a call does.
+adapters and theirs number at most N (:meth:`Router.admit`), those whose adapters already hold a slot first (unless
+a request has waited :data:`PATIENCE` steps: then its place in line counts again); the step brings its adapters into
+slots as a call does.
 
 What runs: the eager step (continuous batching without CUDA graphs, synchronous batching: an enabled model's manager
 is made with both off, and a configuration that asks for them with adapters is refused). Adapters whose modules
@@ -39,6 +41,9 @@ from .sync import BASE, BASE_NAMES, PEFT_DORA_ERROR, outside_inference_mode
 CHILD = "__child#"  # transformers' id of a request's extra returned sequence: f"{parent}{CHILD}{i}"
 # A request added without ``adapter_id`` (or ``adapter_ids``): stock PEFT's, the model's active adapter.
 STOCK = object()
+# With the host tier, waiting requests whose adapters hold a slot start before those whose adapters would have to be
+# brought in, but no request waits longer than this many steps for that preference (it then starts in its turn).
+PATIENCE = 16
 
 
 def continuous_batching_available() -> bool:
@@ -102,6 +107,8 @@ class Router:
         self.manager = manager
         self.model_ref = weakref.ref(model)  # the PeftModel (its state, its adapters)
         self.adapters: dict[str, str | None] = {}  # request id -> adapter name (None: the base model)
+        self.rounds = 0  # admission rounds (steps) with the host tier
+        self.since: dict[str, int] = {}  # waiting request id -> the round it was first a candidate in
         state = manager.__dict__
         own = {name: getattr(manager, name) for name in ("add_request", "add_requests", "_create_batch_processor")}
         state["_csgmv_router"] = self
@@ -158,10 +165,12 @@ class Router:
             scheduler.__dict__["_get_waiting_candidates"] = functools.partial(_waiting, self, scheduler, waiting)
 
     def admit(self, scheduler, candidates: list) -> list:
-        """With the host tier (``max_resident_adapters=N``): the waiting requests a step may start, in their order,
-        so that the adapters of the running requests and of those it starts are at most N (a step needs all of its
-        adapters in slots at once); the others wait for running requests to finish. First come, first served: a
-        request whose adapter does not fit holds no place in the order, and its adapter is the next admitted as
+        """With the host tier (``max_resident_adapters=N``): the waiting requests a step may start, so that the
+        adapters of the running requests and of those it starts are at most N (a step needs all of its adapters in
+        slots at once); the others wait for running requests to finish. The order (transformers' scheduler gives the
+        step's token budget in it): first the requests that need no adapter brought in (the base model, an adapter
+        that holds a slot) and those that have waited :data:`PATIENCE` rounds, then the others, each group in its
+        arrival order. A request whose adapter does not fit holds no place, and its adapter is the next admitted as
         soon as one fits."""
         model = self.model_ref()
         state = None if model is None else model.__dict__.get("_csgmv")
@@ -178,8 +187,17 @@ class Router:
             return found
 
         allowed = {name(rid) for rid in list(scheduler.active_requests)} - {None}
-        admitted = []
+        with state.executor.lock:  # (another thread's call may be moving adapters)
+            resident = set(state.registry.index)
+        self.rounds += 1
+        first, later = [], []
         for candidate in candidates:
+            adapter = name(candidate.request_id)
+            waited = self.rounds - self.since.setdefault(candidate.request_id, self.rounds)
+            ready = adapter is None or adapter in allowed or adapter in resident or waited >= PATIENCE
+            (first if ready else later).append(candidate)
+        admitted = []
+        for candidate in first + later:
             adapter = name(candidate.request_id)
             if adapter is not None and adapter not in allowed:
                 if len(allowed) >= state.max_resident:
@@ -386,12 +404,14 @@ def _clear_cancelled(router: Router, own, *args, **kwargs):
     states = own(*args, **kwargs)
     for state in states or ():
         router.adapters.pop(state.request_id, None)
+        router.since.pop(state.request_id, None)
     return states
 
 
 def _finish_request(router: Router, own, request_id, *args, **kwargs):
     out = own(request_id, *args, **kwargs)
     router.adapters.pop(request_id, None)
+    router.since.pop(request_id, None)
     return out
 
 

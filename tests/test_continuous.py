@@ -213,6 +213,44 @@ def test_host_tier_starts_only_requests_whose_adapters_fit():
     assert got == want
 
 
+def test_host_tier_starts_requests_of_resident_adapters_first(monkeypatch):
+    """``max_resident_adapters=2`` (a0 and a1 in the slots), requests of a2 and a3 first in line, then a0's and a1's,
+    and a step budget of a few tokens: the requests whose adapters hold a slot start first, so fewer adapters are
+    brought in than in arrival order (``PATIENCE = 0``: no preference), and every request's tokens are its
+    alone-run's either way."""
+    from helpers import add_adapters, tiny_model
+
+    from peft_csgmv import continuous
+    from peft_csgmv.tier import HostTier
+
+    model, targets = tiny_model("llama")
+    model = add_adapters(model, {f"a{i}": dict(r=4, lora_alpha=8, target_modules=targets) for i in range(4)})
+    model.get_base_model().generation_config.eos_token_id = None
+    gen, cbc = _configs(new_tokens=3, max_batch_tokens=8)
+    ids = ["a2", "a3"] + ["a0", "a1"] * 4 + ["a2", "a3"]  # (a0 and a1 hold the two slots from the start)
+    prompts = [[3 + i, 5, 7 + i % 3, 9] for i in range(len(ids))]
+    brought = []
+    real = HostTier.bring_in
+    monkeypatch.setattr(
+        HostTier, "bring_in", lambda self, name, *a, **k: (brought.append(name), real(self, name, *a, **k))[1]
+    )
+    moves, outputs, default = {}, {}, continuous.PATIENCE
+    for patience in (default, 0):
+        monkeypatch.setattr(continuous, "PATIENCE", patience)
+        enable_csgmv(model, backend="torch", max_resident_adapters=2)
+        brought.clear()
+        try:
+            out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
+            outputs[patience] = [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+            moves[patience] = len(brought)
+        finally:
+            disable_csgmv(model)
+    want = [_alone(model, p, a, 3) for p, a in zip(prompts, ids)]
+    assert len({tuple(w) for w in want}) > 4, "the adapters change nothing: the test would prove nothing"
+    assert outputs[default] == want and outputs[0] == want
+    assert moves[default] < moves[0], moves
+
+
 def test_a_prompt_cached_under_one_adapter_is_not_reused_under_another(enabled):
     """Two requests with the same 600-token prompt (more than one cache block) and different adapters, one after the
     other: the second's tokens are its own alone-run's (transformers shares cached prompt blocks by their tokens
