@@ -359,3 +359,28 @@ def test_continuous_batching_admits_within_the_resident_adapters():
     assert set(csgmv_stats(pm)["resident"]) <= set(NAMES) and len(csgmv_stats(pm)["resident"]) == 2
     disable_csgmv(pm)
     assert [out[f"req_{i}"].generated_tokens for i in range(len(rows))] == [w.tolist() for w in want]
+
+
+def test_merges_of_adapters_in_host_memory():
+    """PEFT's merges of an adapter whose expert weights wait in host memory (``merge_adapter``, ``unmerge_adapter``,
+    ``merge_and_unload``) read them on the experts' device (lent for the call) and give PEFT's results; the lending is
+    PEFT's own ``get_delta_weight`` again after ``disable_csgmv``."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    pm, ids, outs = _tiered("qwen3_moe")
+    assert "a4" not in csgmv_stats(pm)["resident"]
+    assert all(_in_region(pm, "a4", w) for w in _expert_weights(pm, "a4"))
+    with torch.no_grad():
+        before = pm(ids).logits  # (the active adapter, a0)
+    pm.merge_adapter(["a4"])
+    pm.unmerge_adapter()
+    with torch.no_grad():
+        close(pm(ids).logits, before, "after a merge and unmerge of a4")
+    assert all(_in_region(pm, "a4", w) for w in _expert_weights(pm, "a4"))  # lent, not moved
+    _call(pm, ids, outs, ["a4", "a3", BASE, "a4"])
+    disable_csgmv(pm)
+    assert not any("get_delta_weight" in m.__dict__ for m in pm.modules() if isinstance(m, ParamWrapper))
+    pm.set_adapter("a2")
+    merged = pm.merge_and_unload()
+    with torch.no_grad():
+        close(merged(ids).logits, outs["a2"], "merge_and_unload after disable")
