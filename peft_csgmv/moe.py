@@ -29,7 +29,7 @@ from .kernels.moe_reference import moe_expand_reference, moe_shrink_reference
 from .moe_plan import MoePlan
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class MoeStack:
     """The adapters of one expert parameter, one slot each.
 
@@ -40,9 +40,11 @@ class MoeStack:
             PEFT's rank-major ``lora_B.weight`` ``(N, R·E)`` (column ``j·E + e``) of an adapter of rank R.
         ranks: ``(S,)`` int32 (0: the slot's adapter does not adapt this parameter).
         scalings: ``(S,)`` fp32.
-        ranks_host: the same ranks, on the host (the torch reference walks them).
-        shared: PEFT's ``lora_A`` / ``lora_B`` weight parameters that are views into ``a`` / ``b`` (adapters of rank
-            ``R``, of the stack's dtype and device: stored once); :meth:`release_shared` gives them their own memory.
+        ranks_host, scalings_host: the same, on the host (the torch reference walks them; the host tier writes them
+            and uploads both vectors once per call that moves adapters, :meth:`upload`).
+        slot_shared: slot -> PEFT's ``lora_A`` / ``lora_B`` weight parameters of its adapter where they are views into
+            ``a`` / ``b`` (adapters of rank ``R``, of the stack's dtype: stored once); :attr:`shared` lists them all,
+            :meth:`release_shared` gives them their own memory.
     """
 
     a: torch.Tensor
@@ -50,11 +52,21 @@ class MoeStack:
     ranks: torch.Tensor
     scalings: torch.Tensor
     ranks_host: tuple[int, ...]
-    shared: tuple = ()
+    scalings_host: tuple[float, ...] = ()
+    slot_shared: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_slots(self) -> int:
         return self.a.shape[0]
+
+    @property
+    def rank(self) -> int:
+        """``R``: the largest rank a slot holds."""
+        return self.a.shape[2]
+
+    @property
+    def shared(self) -> tuple:
+        return tuple(p for pair in self.slot_shared.values() for p in pair)
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +75,7 @@ class MoeStack:
     @property
     def shared_bytes(self) -> int:
         """Bytes of PEFT's weights that are views into this stack (not held twice)."""
-        return sum(p.nbytes for p in self.shared)
+        return sum(p.nbytes for p in self.shared if _views(p, self))
 
     def release_shared(self, keep=frozenset()) -> None:
         """Every shared parameter (but those whose ``id`` is in ``keep``: a newer stack's views) owns its memory
@@ -76,6 +88,52 @@ class MoeStack:
         """Whether some slot of a call's rows (or of a packed step's tokens) adapts this parameter."""
         ranks = self.ranks_host
         return any(0 <= s < len(ranks) and ranks[s] for s in set(token_slots if token_slots is not None else row_slots))
+
+    # -- the host tier's moves (peft_csgmv.tier): one slot at a time, host bookkeeping, then one upload -------------
+
+    def set_slot(self, slot: int, wa: torch.Tensor, wb: torch.Tensor, scaling: float) -> None:
+        """Slot ``slot`` holds the adapter whose PEFT weights are ``wa`` (``lora_A.weight`` ``(r·E, K)``) and ``wb``
+        (``lora_B.weight`` ``(N, r·E)``), wherever they are (host memory: copied in, asynchronously from pinned
+        memory), its rows past ``r`` zero. PEFT's weights become views of the slot where they are parameters of the
+        stack's rank and dtype (stored once, as :func:`stack_from_peft` shares them); the others get device copies
+        of their own. The device vectors wait for :meth:`upload`."""
+        num_experts, r_max, k = self.a.shape[1:]
+        n = self.b.shape[2]
+        r = wa.shape[0] // num_experts
+        b_store = self.b.permute(0, 2, 3, 1)  # (S, N, R, E): the storage's own layout
+        self.a[slot, :, :r].copy_(wa.detach().view(num_experts, r, k), non_blocking=True)
+        b_store[slot, :, :r].copy_(wb.detach().view(n, r, num_experts), non_blocking=True)
+        if r < r_max:
+            self.a[slot, :, r:].zero_()
+            b_store[slot, :, r:].zero_()
+        if r == r_max and all(isinstance(w, torch.nn.Parameter) and w.dtype == self.a.dtype for w in (wa, wb)):
+            wa.data, wb.data = self.a[slot].view(num_experts * r, k), b_store[slot].view(n, r * num_experts)
+            self.slot_shared[slot] = (wa, wb)
+        else:
+            self.slot_shared.pop(slot, None)
+            for w in (wa, wb):
+                if w.device != self.a.device:
+                    w.data = w.data.to(self.a.device, copy=True, non_blocking=True)
+        self._host(slot, r, float(scaling))
+
+    def clear_slot(self, slot: int) -> None:
+        """Slot ``slot`` holds nothing (rank 0; its weights stay as they are, unread). PEFT's weights that viewed it
+        have been re-pointed elsewhere by the caller."""
+        self.slot_shared.pop(slot, None)
+        if slot < len(self.ranks_host) and self.ranks_host[slot]:
+            self._host(slot, 0, 0.0)
+
+    def _host(self, slot: int, rank: int, scaling: float) -> None:
+        ranks, scalings = list(self.ranks_host), list(self.scalings_host)
+        ranks[slot], scalings[slot] = rank, scaling
+        self.ranks_host, self.scalings_host = tuple(ranks), tuple(scalings)
+
+    def upload(self) -> None:
+        """The device ranks and scalings from their host copies (one copy each, in stream order: no host sync)."""
+        for vector, host, dtype in ((self.ranks, self.ranks_host, torch.int32),
+                                    (self.scalings, self.scalings_host, torch.float32)):  # fmt: skip
+            src = torch.tensor(host, dtype=dtype)
+            vector.copy_(src.pin_memory() if vector.is_cuda else src, non_blocking=True)
 
 
 def _views(p: torch.Tensor, stack: MoeStack) -> bool:
@@ -96,7 +154,12 @@ def param_wrappers(module: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
 
 
 def stack_from_peft(
-    wrapper: torch.nn.Module, adapters: Sequence[str | None], dtype: torch.dtype | None = None, share: bool = False
+    wrapper: torch.nn.Module,
+    adapters: Sequence[str | None],
+    dtype: torch.dtype | None = None,
+    share: bool = False,
+    rank: int | None = None,
+    device: torch.device | None = None,
 ):
     """A :class:`MoeStack` of ``adapters`` (slot ``i`` holds ``adapters[i]``; ``None`` or an adapter this parameter
     lacks: rank 0) from a PEFT ``ParamWrapper`` of a 3-D expert parameter.
@@ -108,15 +171,21 @@ def stack_from_peft(
     ``scaling · (x @ A_eᵀ) @ B_eᵀ``. The stack keeps both layouts (see :class:`MoeStack`), so with ``share`` the
     weights of every adapter of the stack's largest rank, dtype and device become views into it (stored once; PEFT's
     forward, saves and in-place edits then work on the memory the kernels read); others are copied.
+
+    ``rank``: the stack's ``R`` (at least the adapters' largest rank; the host tier gives the largest of every adapter
+    the parameter holds, so that any of them can come into a slot). ``device``: where the stack goes (default: the
+    first adapter's device); given, PEFT's weights of the stack's rank and dtype on another device (the host tier's
+    host memory) become views into it too.
     """
     num_experts, k, n = wrapper.num_experts, wrapper.in_features, wrapper.out_features
     present = [name for name in adapters if name is not None and name in wrapper.lora_A]
-    r_max = max((wrapper.r[name] for name in present), default=1)
+    r_max = max([wrapper.r[name] for name in present] + ([rank] if rank else []), default=1)
     like = wrapper.lora_A[present[0]].weight if present else wrapper.get_param()
     dtype = dtype or like.dtype
-    a = torch.zeros(len(adapters), num_experts, r_max, k, dtype=dtype, device=like.device)
-    b_store = torch.zeros(len(adapters), n, r_max, num_experts, dtype=dtype, device=like.device)
-    ranks, scalings, shared = [], [], []
+    where = like.device if device is None else torch.device(device)
+    a = torch.zeros(len(adapters), num_experts, r_max, k, dtype=dtype, device=where)
+    b_store = torch.zeros(len(adapters), n, r_max, num_experts, dtype=dtype, device=where)
+    ranks, scalings, shared = [], [], {}
     for slot, name in enumerate(adapters):
         if name is None or name not in wrapper.lora_A:
             ranks.append(0)
@@ -131,17 +200,21 @@ def stack_from_peft(
         if (
             share
             and r == r_max
-            and all(isinstance(w, torch.nn.Parameter) and w.dtype == dtype and w.device == a.device for w in (wa, wb))
+            and all(
+                isinstance(w, torch.nn.Parameter) and w.dtype == dtype and (device is not None or w.device == where)
+                for w in (wa, wb)
+            )
         ):
             wa.data, wb.data = a[slot].view(num_experts * r, k), b_store[slot].view(n, r * num_experts)
-            shared += [wa, wb]
+            shared[slot] = (wa, wb)
     return MoeStack(
         a=a,
         b=b_store.permute(0, 3, 1, 2),
-        ranks=torch.tensor(ranks, dtype=torch.int32, device=like.device),
-        scalings=torch.tensor(scalings, dtype=torch.float32, device=like.device),
+        ranks=torch.tensor(ranks, dtype=torch.int32, device=where),
+        scalings=torch.tensor(scalings, dtype=torch.float32, device=where),
         ranks_host=tuple(ranks),
-        shared=tuple(shared),
+        scalings_host=tuple(scalings),
+        slot_shared=shared,
     )
 
 
@@ -198,7 +271,7 @@ def _lora(x, stack: MoeStack | None, plan: MoePlan, y: torch.Tensor, x_rows: str
         moe_expand(t, stack.b, stack.ranks, stack.scalings, plan, y, y_rows="sorted")
         return t
     t = moe_shrink_reference(x, stack.a, stack.ranks_host, plan, x_rows=x_rows)
-    moe_expand_reference(t, stack.b, stack.ranks_host, stack.scalings.tolist(), plan, y, y_rows="sorted")
+    moe_expand_reference(t, stack.b, stack.ranks_host, stack.scalings_host, plan, y, y_rows="sorted")
     return None
 
 

@@ -219,8 +219,37 @@ def patch_peft_path(module: nn.Module, executor: Executor) -> None:
 
 def patch_experts(wrapper: nn.Module, executor: Executor) -> None:
     """Give an experts layer (the outer PEFT ``ParamWrapper`` of a MoE experts module) csgmv's forward (see
-    :func:`_patch`; :func:`unpatch_layer` undoes it). Its stacks go in its record's ``experts``."""
+    :func:`_patch`; :func:`unpatch_layer` undoes it). Its stacks go in its record's ``experts``. Each of its
+    ``ParamWrapper`` s (the inner one too) gets its ``get_delta_weight`` (what PEFT's ``merge`` and ``unmerge`` read)
+    with the adapter's weights lent to its parameter's device for the call (the host tier's, where they wait in host
+    memory; a no-op where they are on the device)."""
+    from .moe import param_wrappers
+
     _patch(wrapper, experts_forward, executor)
+    for w in param_wrappers(wrapper)[1].values():
+        if "get_delta_weight" not in w.__dict__:
+            w.__dict__["get_delta_weight"] = _experts_lending(w)
+
+
+def _experts_lending(w: nn.Module) -> WeakMethod:
+    original = method_function(w, "get_delta_weight")
+
+    def get_delta_weight(w, adapter_name, *args, **kwargs):
+        device = w.get_param().device
+        lent = []
+        try:
+            for p in (*w.lora_A[adapter_name].parameters(), *w.lora_B[adapter_name].parameters()):
+                if p.device != device and p.device.type != "meta":
+                    lent.append((p, p.data))
+                    p.data = p.data.to(device)
+            return original(w, adapter_name, *args, **kwargs)
+        finally:
+            for p, data in lent:
+                p.data = data
+
+    method = WeakMethod(functools.wraps(original)(get_delta_weight), w)
+    method._csgmv_lending = True
+    return method
 
 
 def unpatch_layer(layer: nn.Module) -> None:
@@ -231,6 +260,12 @@ def unpatch_layer(layer: nn.Module) -> None:
     if record is not None and record.experts:  # (an experts layer's too)
         for stack in record.experts.values():
             stack.release_shared()
+    if record is not None and record.stack is None:  # an experts layer's wrappers: their lending get_delta_weight
+        from .moe import param_wrappers
+
+        for w in param_wrappers(layer)[1].values():
+            if getattr(w.__dict__.get("get_delta_weight"), "_csgmv_lending", False):
+                del w.__dict__["get_delta_weight"]
     if "_csgmv_orig_forward" in state:  # patched on the instance: the instance's own forward again
         state["forward"] = state.pop("_csgmv_orig_forward")
     else:  # patched by class: its class again (a forward set on the instance since, as accelerate's hooks do, stays)

@@ -115,6 +115,12 @@ def _experts_wrappers(module: nn.Module) -> dict | None:
     return wrappers
 
 
+def _experts_device(wrapper: nn.Module) -> torch.device:
+    """Where the host tier keeps an experts parameter's stack: with its base parameter (its adapters' weights may
+    wait in host memory)."""
+    return wrapper.get_param().device
+
+
 def _experts_reason(wrapper: nn.Module, name: str) -> str | None:
     """Why an experts layer cannot serve adapter ``name`` of one of its wrappers (``None``: it can)."""
     if wrapper.use_dora.get(name, False):
@@ -301,11 +307,6 @@ class CsgmvState:
                     peft_path[mod_name] = module
                 elif isinstance(module, Aux):
                     peft_path[mod_name] = module
-            if experts and tier is not None:
-                raise NotImplementedError(
-                    "csgmv's host tier (max_resident_adapters) does not hold MoE expert LoRA (target_parameters on "
-                    f"{next(iter(experts))}): enable csgmv without max_resident_adapters for this model"
-                )
             for module in peft_path.values():
                 if not is_patched(module):
                     patch_peft_path(module, self.executor)
@@ -332,7 +333,7 @@ class CsgmvState:
             if tier is not None:
                 # Every adapter's place in its page; those without a slot wait in host memory, and residents whose
                 # weights wait there (admitted now) come in from it.
-                tier.lay_out(self._tiered(found.values()), names, self.registry, self.kernel_reason)
+                tier.lay_out(self._tiered(found.values()), names, self.registry, self.kernel_reason, experts.values())
                 if len(names) > self.max_resident:  # (while every adapter has a slot, none can leave: no host memory)
                     tier.reserve(names)
                 hosted = [n for n in names if n not in self.registry.index]
@@ -342,7 +343,7 @@ class CsgmvState:
                     if name is not None and tier.hosted(name):
                         tier.bring_in(name, slot, _dora_scale, self.dora_refused)
                 if hosted:
-                    host_copies_done(self._tiered(found.values()))
+                    host_copies_done([*self._tiered(found.values()), *experts.values()])
             for layer in found.values():
                 self.stack_layer(layer, force or layer in restack)
         for old, new in ((self.layers, found), (self.peft_path, peft_path), (self.experts, experts)):
@@ -468,12 +469,27 @@ class CsgmvState:
         record = wrapper._csgmv_record
         refused = {n for w in wrappers.values() for n in w.lora_A if _experts_reason(w, n) is not None}
         slotted = [None if n in refused else n for n in names]
+        tier = self.tier is not None
+        if tier:
+            # The host tier: a slot for each adapter that can be resident (no more: the stacks are on the device),
+            # and every stack sized for every adapter (rank, dtype), so that any of them can come into any slot.
+            held = {n for w in wrappers.values() for n in w.lora_A}
+            slotted += [None] * (min(self.max_resident, len(held)) - len(slotted))
         stacks = {}
         for param, w in wrappers.items():
-            dtypes = {w.lora_A[n].weight.dtype for n in slotted if n is not None and n in w.lora_A}
+            chosen = [n for n in (w.lora_A if tier else slotted) if n in w.lora_A and n not in refused]
+            dtypes = {w.lora_A[n].weight.dtype for n in chosen}
             dtype = self.dtype or (max(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else None)
+            rank = max((w.r[n] for n in chosen), default=None) if tier else None
+            device = _experts_device(w) if tier else None
             with torch.no_grad():  # (PEFT's weights of the stack's rank become views into it: stored once)
-                stacks[param] = stack_from_peft(w, slotted, dtype, share=True)
+                stacks[param] = stack_from_peft(w, slotted, dtype, share=True, rank=rank, device=device)
+            if tier:  # a resident's weights that are copies go where the stack is (from host memory, if there)
+                for n in slotted:
+                    if n is not None and n in w.lora_A:
+                        for p in (w.lora_A[n].weight, w.lora_B[n].weight):
+                            if p.device != stacks[param].a.device:
+                                p.data = p.data.to(stacks[param].a.device, copy=True)
         # Weights the old stacks shared and the new ones do not (a wider adapter came) own their memory again.
         keep = {id(p) for stack in stacks.values() for p in stack.shared}
         for stack in (record.experts or {}).values():
@@ -539,6 +555,13 @@ class CsgmvState:
             for layer in self._tiered(self.layers.values()):
                 for name in layer_adapters(layer):
                     move_adapter(layer, name, layer._csgmv_record.stack.device)
+            for wrapper in self.experts.values():  # (expert weights in host memory: memory of their own there)
+                for w in _experts_parts(wrapper)[1].values():
+                    device = _experts_device(w)
+                    for name in w.lora_A:
+                        for p in (*w.lora_A[name].parameters(), *w.lora_B[name].parameters()):
+                            if p.device != device or self.tier.host.holds(p):
+                                p.data = p.data.to(device, copy=True)
         for module in [*self.layers.values(), *self.peft_path.values(), *self.experts.values()]:
             unpatch_layer(module)
         self.layers, self.peft_path, self.experts = {}, {}, {}

@@ -9,6 +9,12 @@ its page, after which each layer's slot only records where it is and PEFT's para
 it out is one copy back, and PEFT's parameters are re-pointed at the region. What the pages do not hold (DoRA
 magnitudes, ``lora_B`` biases, weights of another dtype than their stack's, adapters PEFT's path serves in a kernel
 layer) moves on its own, parameter by parameter, into a second region.
+
+MoE expert LoRA (experts layers, :mod:`peft_csgmv.moe`): an experts layer's stacks have a slot per slot of the
+registry (as many as may be resident), sized for every adapter's rank; an adapter's expert weights (PEFT's ``lora_A`` /
+``lora_B`` of each expert parameter, :class:`ExpertsPart`) wait in a third region of its host memory, packed, and a
+bring-in copies each into its slot of the stack (:meth:`~peft_csgmv.moe.MoeStack.set_slot`: PEFT's weights of the
+stack's rank become views of the slot again), an eviction copies them back out and clears the slot.
 """
 
 from __future__ import annotations
@@ -38,6 +44,37 @@ from .slots import (
 )
 
 
+class ExpertsPart(NamedTuple):
+    """One adapter's LoRA on one expert parameter of an experts layer."""
+
+    layer: nn.Module  # the experts layer (its record's ``experts``: the stacks, rebuilt at restacks, read at each move)
+    param: str  # "gate_up_proj" / "down_proj"
+    wrapper: nn.Module  # PEFT's ParamWrapper of that parameter (the adapter's scaling is read from it at each move)
+    a: torch.Tensor  # PEFT's lora_A.weight (r·E, K)
+    b: torch.Tensor  # PEFT's lora_B.weight (N, r·E)
+
+
+def experts_parts(experts_layers, name: str) -> tuple[list[ExpertsPart], list[tuple[torch.Tensor, torch.device]]]:
+    """Adapter ``name``'s :class:`ExpertsPart` s in ``experts_layers``, and the weights of it that those layers
+    leave to PEFT's path (``peft_rows``: refused there), which move parameter by parameter, with their device."""
+    from .moe import param_wrappers
+
+    parts, rest = [], []
+    for layer in experts_layers:
+        record = layer._csgmv_record
+        for param, w in param_wrappers(layer)[1].items():
+            if name not in w.lora_A:
+                continue
+            a, b = w.lora_A[name].weight, w.lora_B[name].weight
+            stack = (record.experts or {}).get(param)
+            if name in record.peft_rows or stack is None:
+                device = w.get_param().device
+                rest += [(p, device) for m in (w.lora_A[name], w.lora_B[name]) for p in m.parameters()]
+            else:
+                parts.append(ExpertsPart(layer, param, w, a, b))
+    return parts, rest
+
+
 @dataclass
 class Placement:
     """Where one adapter's kernel-layer weights go: its :class:`~peft_csgmv.slots.SlotRecord` per kernel layer that
@@ -57,6 +94,7 @@ class Placement:
     stack_list: list[LoraStack] = field(default_factory=list)  # the stacks of its parts, in order
     stacks: frozenset = frozenset()  # the same, as a set
     columns: dict[DevicePages, PageColumns] = field(default_factory=dict)  # its parts as table columns (lay_out)
+    experts: list[ExpertsPart] = field(default_factory=list)  # its expert LoRA, a part per experts parameter
 
     def all_parts(self) -> Iterator[tuple[LoraStack, SlotRecord]]:
         """Every part with its stack, group by group."""
@@ -119,6 +157,8 @@ class HostTier:
         self.placements: dict[str, Placement] = {}
         # (pages, slot) -> the event after that page's last copy out (:meth:`to_host`), until a copy in waits for it
         self.page_out: dict[tuple[DevicePages, int], torch.cuda.Event] = {}
+        self.experts_layers: list[nn.Module] = []  # the model's experts layers (MoE expert LoRA), as of lay_out
+        self.experts_dirty: set = set()  # experts stacks whose slot vectors changed on the host since their upload
 
     # -- a call's adapters made resident ---------------------------------------------------------------------------
 
@@ -170,7 +210,7 @@ class HostTier:
                     self.lru.pop(victim)
                 registry.add(name)
                 self.lru[name] = None
-            out = copies_out(layers) if held else []
+            out = copies_out([*layers, *self.experts_layers]) if held else []
             stacks = {layer._csgmv_record.stack for layer in layers}
             for stack in stacks:
                 stack.ensure_capacity(registry.capacity)
@@ -184,6 +224,7 @@ class HostTier:
                 empty_slot(slot, left)
         for stack in stacks:
             stack.refresh()
+        self.upload_experts()
         return out
 
     def _abandon(self, missing: list[str], layers: list) -> None:
@@ -197,6 +238,11 @@ class HostTier:
                 continue
             self.to_host(name)  # from wherever each weight got to: its page, its host region, the device
             empty_slot(slot, [layer._csgmv_record.stack for layer in layers])
+            for layer in self.experts_layers:
+                for stack in (layer._csgmv_record.experts or {}).values():
+                    if slot < stack.num_slots:
+                        self.experts_dirty.add(stack)
+                        stack.clear_slot(slot)
             for layer in layers:
                 if name in layer._csgmv_record.peft_rows:
                     set_peft_rows(layer, layer._csgmv_record.peft_rows - {name})
@@ -204,7 +250,8 @@ class HostTier:
             self.lru.pop(name, None)
         for layer in layers:
             layer._csgmv_record.stack.refresh()
-        host_copies_done(layers)
+        self.upload_experts()
+        host_copies_done([*layers, *self.experts_layers])
         self.page_out.clear()
 
     # -- pages and placements ----------------------------------------------------------------------------------------
@@ -216,16 +263,21 @@ class HostTier:
             pages = self.pages[key] = DevicePages(device, dtype)
         return pages
 
-    def lay_out(self, layers, names, registry, kernel_reason) -> None:
+    def lay_out(self, layers, names, registry, kernel_reason, experts_layers=()) -> None:
         """Every adapter's placement, pages to fit them (one per slot), each layer's held ranks (its launch shape
         then stays put as adapters come and go), and each resident's places reserved in its slot's page. A resident
         whose places moved (its weights replaced by others of another shape) gets memory of
         its own first, so that the restack that follows copies it into its new places whole. Each adapter's table
         columns and, where the adapters have one or two layouts, every slot's page views for them are made here, so
-        that a call's moves only use them."""
+        that a call's moves only use them. ``experts_layers``: the model's experts layers (their stacks built
+        already, a slot per slot that may be resident): each adapter's :class:`ExpertsPart` s."""
         layers = list(layers)
         self.page_out.clear()  # (the caller waited for every copy out: host_copies_done)
+        self.experts_layers = list(experts_layers)
         self.placements = {name: placement_of(layers, name, kernel_reason) for name in names}
+        for name, placement in self.placements.items():
+            placement.experts, rest = experts_parts(self.experts_layers, name)
+            placement.rest += rest
         live = {layer._csgmv_record.stack.pages for layer in layers}
         self.pages = {key: pages for key, pages in self.pages.items() if pages in live}
         need: dict[DevicePages, int] = {}
@@ -297,6 +349,12 @@ class HostTier:
             by_dtype.setdefault(p.dtype, []).append(p)
         for dtype, params in by_dtype.items():
             wanted.append((params, dtype, sum(p.numel() for p in params), "rest"))
+        by_dtype = {}
+        for part in placement.experts:
+            by_dtype.setdefault(part.a.dtype, []).append(part.a)
+            by_dtype.setdefault(part.b.dtype, []).append(part.b)
+        for dtype, params in by_dtype.items():
+            wanted.append((params, dtype, sum(p.numel() for p in params), "experts"))
         return wanted
 
     def hosted(self, name: str) -> bool:
@@ -359,6 +417,10 @@ class HostTier:
             pages.place(slot, placement.part_stacks[pages], parts, scalings, placement.columns[pages])
         for layer, stack, bias in placement.dora:
             stack.set_extras(slot, dora_scale(layer, name), bias)
+        for part in placement.experts:  # (its expert weights, from their host region into the stacks' slot)
+            stack = part.layer._csgmv_record.experts[part.param]
+            self.experts_dirty.add(stack)
+            stack.set_slot(slot, part.a, part.b, part.wrapper.scaling[name])
         for layer in placement.peft_layers:
             set_peft_rows(layer, layer._csgmv_record.peft_rows | {name})
             if layer.use_dora.get(name, False):
@@ -371,6 +433,7 @@ class HostTier:
         here the stacks only let go of its parameters (which now view host memory)."""
         placement = self.placements[name]
         self.to_host(name, slot)
+        self.clear_experts(name, slot)
         stacks = placement.stack_list
         if empty:
             empty_slot(slot, stacks)
@@ -380,6 +443,21 @@ class HostTier:
         for layer in placement.peft_layers:
             set_peft_rows(layer, layer._csgmv_record.peft_rows - {name})
         return stacks
+
+    def clear_experts(self, name: str, slot: int) -> None:
+        """Slot ``slot`` emptied in the experts stacks where adapter ``name`` has a part (its weights moved out
+        already: :meth:`to_host`)."""
+        for part in self.placements[name].experts:
+            stack = part.layer._csgmv_record.experts.get(part.param)
+            if stack is not None and slot < stack.num_slots:
+                self.experts_dirty.add(stack)
+                stack.clear_slot(slot)
+
+    def upload_experts(self) -> None:
+        """The experts stacks' slot vectors that moves changed, uploaded (once per stack and call)."""
+        dirty, self.experts_dirty = self.experts_dirty, set()
+        for stack in dirty:
+            stack.upload()
 
     def refill(self, name: str, slot: int, held: list[LoraStack]) -> None:
         """Before adapter ``name`` comes into slot ``slot``, which ``held`` (stacks :meth:`evict` left as they were)
@@ -437,10 +515,17 @@ def out_stream(device: torch.device) -> "torch.cuda.Stream":
 def _copy_streams(layers) -> Iterator["torch.cuda.Stream"]:
     """The streams that copy adapter weights to host memory for ``layers`` on CUDA: each device's current stream
     (the weights that move parameter by parameter) and its copy-out stream (the pages)."""
-    for device in {layer._csgmv_record.stack.device for layer in layers}:
+    for device in {_record_device(layer._csgmv_record) for layer in layers}:
         if streamed(device):
             yield torch.cuda.current_stream(device)
             yield out_stream(device)
+
+
+def _record_device(record) -> torch.device:
+    """Where a kernel layer's stack is, or an experts layer's stacks."""
+    if record.stack is not None:
+        return record.stack.device
+    return next(iter(record.experts.values())).a.device if record.experts else torch.device("cpu")
 
 
 def copies_out(layers) -> list:
@@ -841,6 +926,11 @@ class HostArena:
         """Adapter ``name`` was deleted: its regions go to the next adapter of the same size."""
         for key in [k for k in self.regions if k[0] == name]:
             self._give_back(key)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` views the arena's memory."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(slab.untyped_storage().data_ptr() == ptr for slab in self.slabs)
 
     @property
     def nbytes(self) -> int:

@@ -67,9 +67,9 @@ def names_for(rows: int, adapters=tuple(ADAPTERS)) -> list[str]:
     return [cycle[i % len(cycle)] for i in range(rows)]
 
 
-def close(actual, expected, what):
+def close(actual, expected, what, dtype=None):
     assert actual.shape == expected.shape and torch.isfinite(actual).all(), what
-    assert_close(actual, expected, what=what, scale=max(1.0, expected.abs().max().item()))
+    assert_close(actual, expected, dtype=dtype, what=what, scale=max(1.0, expected.abs().max().item()))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -166,15 +166,6 @@ def test_disable_csgmv_gives_peft_its_forward_and_refusal_back():
     assert all(type(m) is ParamWrapper and "_csgmv_record" not in m.__dict__ for m in wrappers)
     with torch.no_grad(), pytest.raises(ValueError, match="mixed"):
         pm(ids, adapter_names=names)
-
-
-def test_host_tier_is_refused_with_experts_layers():
-    pm = moe_peft("qwen3_moe", {k: ADAPTERS[k] for k in ("a0", "a1")})
-    with pytest.raises(NotImplementedError, match="max_resident_adapters"):
-        enable_csgmv(pm, max_resident_adapters=1)
-    from peft.tuners.lora.layer import ParamWrapper
-
-    assert all(type(m) is ParamWrapper for m in pm.modules() if isinstance(m, ParamWrapper))
 
 
 def test_static_cache_generate_is_refused_before_anything_runs():
