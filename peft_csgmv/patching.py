@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterator
 from torch import nn
 
 from .executor import Executor, executor_of
-from .layers import KERNEL_LAYERS, experts_forward, kernel_forward, layer_keys, peft_path_forward
+from .layers import EXPERTS_LAYERS, KERNEL_LAYERS, experts_forward, kernel_forward, layer_keys, peft_path_forward
 from .tier import adapter_params
 
 if TYPE_CHECKING:
@@ -220,6 +220,8 @@ def patch_peft_path(module: nn.Module, executor: Executor) -> None:
 def patch_experts(wrapper: nn.Module, executor: Executor) -> None:
     """Give an experts layer (the outer PEFT ``ParamWrapper`` of a MoE experts module) csgmv's forward (see
     :func:`_patch`; :func:`unpatch_layer` undoes it). Its stacks go in its record's ``experts``."""
+    wrapper._csgmv_key = key = next(layer_keys)
+    EXPERTS_LAYERS[key] = wrapper
     _patch(wrapper, experts_forward, executor)
 
 

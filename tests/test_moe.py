@@ -67,9 +67,9 @@ def names_for(rows: int, adapters=tuple(ADAPTERS)) -> list[str]:
     return [cycle[i % len(cycle)] for i in range(rows)]
 
 
-def close(actual, expected, what):
+def close(actual, expected, what, dtype=None):
     assert actual.shape == expected.shape and torch.isfinite(actual).all(), what
-    assert_close(actual, expected, what=what, scale=max(1.0, expected.abs().max().item()))
+    assert_close(actual, expected, dtype=dtype, what=what, scale=max(1.0, expected.abs().max().item()))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -175,15 +175,6 @@ def test_host_tier_is_refused_with_experts_layers():
     from peft.tuners.lora.layer import ParamWrapper
 
     assert all(type(m) is ParamWrapper for m in pm.modules() if isinstance(m, ParamWrapper))
-
-
-def test_static_cache_generate_is_refused_before_anything_runs():
-    """The compiled path does not serve experts layers yet: a static-cache generate with ids fails at once, loudly."""
-    pm = moe_peft("qwen3_moe", {k: ADAPTERS[k] for k in ("a0", "a1")})
-    enable_csgmv(pm, backend="torch")
-    with pytest.raises(NotImplementedError, match="eagerly only"):
-        pm.generate(input_ids=prompts(3, 4), adapter_ids=names_for(3, ("a0", "a1")), cache_implementation="static",
-                    **greedy_kwargs(2))  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
