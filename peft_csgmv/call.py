@@ -180,12 +180,6 @@ def open_call(model, args: tuple, kwargs: dict, generate: bool) -> Executor | No
         )
         return None
     validate(state, model, ids, arg, args, kwargs, generate)
-    if generate and state.experts and _generation_setting(model, args, kwargs, "cache_implementation") == "static":
-        raise NotImplementedError(
-            "csgmv runs MoE expert LoRA (target_parameters) eagerly only: generate with adapter ids and "
-            "cache_implementation='static' (a compiled decode step) is not supported for this model yet; use the "
-            "default dynamic cache"
-        )
     names = tuple(BASE if i in BASE_NAMES else i for i in ids)
     offsets = _alora_offsets(model, names, args, kwargs, generate)  # may raise PEFT's own error: before any move
     keep = _row_keep(state, names, offsets, arg)

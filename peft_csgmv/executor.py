@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .mapping import Mapping, PlanCache, StaticPlan
+from .mapping import Mapping, PlanCache, StaticMoePlan, StaticPlan
 from .options import Options
 from .slots import bump_routes
 
@@ -68,6 +68,13 @@ def static_plan_attr(executor: int, n: int, rows: int, tokens_per_row: int, devi
     return executor_of(executor).register_static(n, rows, tokens_per_row, torch.device(device))
 
 
+@torch._dynamo.assume_constant_result
+def static_moe_attr(executor: int, n: int, num_tokens: int, top_k: int, experts: int, slots: int, device: str) -> str:
+    """The executor attribute holding the :class:`StaticMoePlan` of a compiled experts layer's shape (made, and filled
+    for the call in progress, on first use): as :func:`static_plan_attr`, a constant of the graph."""
+    return executor_of(executor).register_static_moe(n, num_tokens, top_k, experts, slots, torch.device(device))
+
+
 class Executor:
     """Runs the LoRA of every patched layer of one model for the call in progress (see the module docstring)."""
 
@@ -107,6 +114,7 @@ class Executor:
         self.stash: dict = {}
         self.plans = PlanCache()  # the plans of earlier calls, for later calls with the same ids
         self.statics: list[StaticPlan] = []
+        self.moe_statics: list[StaticMoePlan] = []
         self._triton: dict = {}
         self._outer: list = []  # the calls a nested call interrupted (a model called again inside a call)
         self.handle = handle = next(_ids)
@@ -238,6 +246,9 @@ class Executor:
         for static in self.statics:
             if static.n == len(mapping.row_slots):
                 static.fill(mapping.row_slots, mapping.row_keep)
+        for moe_static in self.moe_statics:
+            if moe_static.n == len(mapping.row_slots):
+                moe_static.fill(mapping)
         self.mapping, self.active, self.num_ids = mapping, True, len(mapping.row_slots)
         # Until the groups are learned, the call's eager layers tell its mapping what they read (Mapping.observe),
         # which hands each run of siblings here as it ends.
@@ -287,5 +298,24 @@ class Executor:
             static.fill(self.mapping.row_slots, self.mapping.row_keep)
         self.statics.append(static)
         name = f"_static_{len(self.statics) - 1}"
+        setattr(self, name, static)
+        return name
+
+    def register_static_moe(
+        self, n: int, num_tokens: int, top_k: int, experts: int, slots: int, device: torch.device
+    ) -> str:
+        """The attribute of the :class:`StaticMoePlan` of this shape (see :func:`static_moe_attr`)."""
+        key = (n, num_tokens, top_k, experts, slots, device)
+        for i, static in enumerate(self.moe_statics):
+            if static.key == key:
+                return f"_static_moe_{i}"
+        if self.mapping is not None and self.mapping.token_slots is not None:
+            raise NotImplementedError("csgmv serves packed continuous-batching steps eagerly, not in compiled code")
+        with torch.inference_mode(False):  # every later call rewrites its buffer in place
+            static = StaticMoePlan(n, num_tokens, top_k, experts, slots, device)
+        if self.mapping is not None:
+            static.fill(self.mapping)  # (raises where the tokens are no whole multiple of the ids)
+        self.moe_statics.append(static)
+        name = f"_static_moe_{len(self.moe_statics) - 1}"
         setattr(self, name, static)
         return name

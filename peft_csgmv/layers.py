@@ -28,9 +28,9 @@ from torch import nn
 
 from . import kernels, ops
 from . import slots as _slots
-from .executor import _LIVE, Executor, executor_of, static_plan_attr, use_triton
+from .executor import _LIVE, Executor, executor_of, static_moe_attr, static_plan_attr, use_triton
 from .mapping import PlanRun
-from .moe import moe_lora_forward
+from .moe import experts_products, moe_lora_forward
 from .moe_plan import MoePlan
 from .slots import stack_by_handle
 
@@ -490,13 +490,15 @@ def experts_forward(
     if not ex.active or state.get("_disable_adapters", False) or "adapter_names" in kwargs:
         return self._csgmv_orig_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     if torch.compiler.is_compiling():
-        raise NotImplementedError(
-            "csgmv runs MoE expert LoRA (target_parameters) eagerly only: a compiled call with adapter ids (torch."
-            "compile, cache_implementation='static') reached an experts layer; call without compiling"
-        )
+        return _compiled_experts(self, ex, hidden_states, top_k_index, top_k_weights, args, kwargs)
     if ex.owner != _get_ident():  # another thread's call is in progress: not this one's
         return self._csgmv_orig_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     mapping = ex.mapping
+    if mapping.learn is not None:
+        # (while the sibling groups are learned: this layer reads another tensor, so the run of kernel layers before
+        # it, the block's attention projections, ends here and is grouped in this call, not as the call ends: a
+        # static-cache generate's compiled decode then sees the groups from its first step on)
+        mapping.observe(self, hidden_states)
     record = state["_csgmv_record"]
     num_tokens = hidden_states.shape[0]
     stacks = record.experts
@@ -519,3 +521,79 @@ def experts_forward(
     plan = MoePlan.from_groups(groups, top_k_index, experts.num_experts, num_slots)
     backend = "triton" if ex.triton_on(device) else "torch"
     return moe_lora_forward(experts, hidden_states, top_k_index, top_k_weights, None, stacks, backend, plan=plan)
+
+
+# Every patched experts layer by its ``_csgmv_key`` (weakly): how :func:`compiled_experts_route` finds it.
+EXPERTS_LAYERS: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+@torch._dynamo.assume_constant_result
+def compiled_experts_route(key: int, epoch: int, n: int, num_tokens: int, top_k: int, device: torch.device):
+    """How compiled code runs experts layer ``key`` on ``num_tokens`` tokens of ``top_k`` experts each on ``device``
+    (``n`` ids in the call), decided when the graph is traced, outside it (a constant of the graph, as
+    :func:`compiled_route` is for kernel layers; ``epoch``, :data:`~peft_csgmv.slots.ROUTE_EPOCH`, advances whenever
+    the layer is restacked or the backend switched). ``None``: PEFT's path (the stacks are not on ``device``);
+    ``()``: the experts module itself (no stack). Else ``(static MoE plan attribute, experts, slots, gate/up stack
+    handle, down stack handle, triton)``, a handle ``-1`` for a parameter without a stack."""
+    layer = EXPERTS_LAYERS.get(key)
+    record = None if layer is None else layer.__dict__.get("_csgmv_record")
+    if record is None:
+        return None
+    stacks = record.experts or {}
+    if not stacks:
+        return ()
+    if any(stack.a.device != device for stack in stacks.values()):
+        return None
+    ex = executor_of(layer.__dict__["_csgmv_exec"])
+    num_experts, num_slots = record.experts_module.num_experts, record.experts_slots
+    attr = static_moe_attr(ex.handle, n, num_tokens, top_k, num_experts, num_slots, str(device))
+    handles = tuple(stacks[p].handle if p in stacks else -1 for p in _EXPERT_PARAMS)
+    # (on CUDA the kernels always, as compiled_launch decides: the torch reference reads the plan on the host)
+    return (attr, num_experts, num_slots, *handles, device.type == "cuda" or ex.triton_on(device))
+
+
+def _compiled_experts(layer: nn.Module, ex: Executor, hidden_states, top_k_index, top_k_weights, args, kwargs):
+    """A patched experts layer inside compiled code (``torch.compile``, transformers' static-cache decode) during a
+    call with ids. The layer's plan is built in the graph from the router's ``top_k_index`` and the call's token groups,
+    which :class:`~peft_csgmv.mapping.StaticMoePlan` holds at a fixed address (rewritten for each call's ids before the
+    graph runs: new ids do not recompile); the base products and each expert parameter's LoRA are the
+    ``peft_csgmv::moe_linear`` / ``peft_csgmv::moe_lora`` ops (:mod:`peft_csgmv.ops`), whose stacks go by handle.
+    Every token goes through the layer's own products, base tokens included (a call without adapter tokens too: the
+    graph does not depend on the ids). As eager code: arguments csgmv does not know, stacks elsewhere than the input,
+    and an adapter the layer cannot serve (PEFT's path: its result or its error; the last reads the call's names, a
+    guard per call)."""
+    state = layer.__dict__
+    record = state["_csgmv_record"]
+    route = None
+    if not (args or kwargs):
+        route = compiled_experts_route(
+            state["_csgmv_key"], _slots.ROUTE_EPOCH, ex.num_ids, hidden_states.shape[0], top_k_index.shape[1],
+            hidden_states.device,
+        )  # fmt: skip
+    peft_rows = record.peft_rows
+    if route is None or (peft_rows and not peft_rows.isdisjoint(ex.mapping.name_set)):
+        names = ex.mapping.names_for(hidden_states.shape[0])
+        return layer._csgmv_orig_forward(hidden_states, top_k_index, top_k_weights, *args, adapter_names=names,
+                                         **kwargs)  # fmt: skip
+    experts = record.experts_module
+    if not route:
+        return experts(hidden_states, top_k_index, top_k_weights)
+    attr, num_experts, num_slots, gate_up, down, triton = route
+    static = getattr(ex, attr)
+    plan = MoePlan.from_groups(
+        static.groups, top_k_index, num_experts, num_slots, static.chunk, tables=static.tables
+    )  # fmt: skip
+    top_k = top_k_index.shape[1]
+    handles = {"gate_up_proj": gate_up, "down_proj": down}
+
+    def lora(param: str, x: torch.Tensor, y: torch.Tensor, x_rows: str) -> torch.Tensor:
+        handle = handles[param]
+        if handle < 0:
+            return y
+        return ops.moe_lora(
+            x, y, plan.permutation, plan.expert_offsets, plan.seg_start, plan.seg_end, plan.seg_slot, plan.seg_expert,
+            top_k, plan.chunk_size, handle, 0 if x_rows == "token" else 2, triton,
+        )  # fmt: skip
+
+    return experts_products(experts, hidden_states, top_k_index, top_k_weights, plan, ops.moe_linear, lora)

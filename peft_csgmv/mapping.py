@@ -299,6 +299,42 @@ class StaticPlan:
         write_buffer(self.buf, host)
 
 
+class StaticMoePlan:
+    """What a compiled experts layer (MoE expert LoRA) reads to build its plan, at fixed device addresses: ``n`` ids,
+    ``num_tokens`` tokens (the step's rows × tokens, flattened, as the experts see them), ``top_k`` experts per token,
+    ``num_experts`` experts, ``num_slots`` slots.
+
+    ``groups`` ``(T,)`` int64 holds each token's group slot (its slot, ``num_slots`` for a base token:
+    :meth:`Mapping.token_groups_for`'s), rewritten for each call's ids by :meth:`fill` (one host-to-device copy, as
+    :class:`StaticPlan`'s); ``tables`` are the plan's constant tensors (:func:`~peft_csgmv.moe_plan.plan_tables`). The
+    layer builds its :class:`~peft_csgmv.moe_plan.MoePlan` from them and the router's ``top_k_index`` with tensor ops
+    inside the graph (:meth:`~peft_csgmv.moe_plan.MoePlan.from_groups`): the router's choice is device data, so the
+    plan is the graph's own work, and the ids reach it through ``groups`` alone (no recompile when they change)."""
+
+    def __init__(
+        self, n: int, num_tokens: int, top_k: int, num_experts: int, num_slots: int, device: torch.device
+    ) -> None:
+        from .moe_plan import max_segments as moe_max_segments
+        from .moe_plan import moe_chunk_size, plan_tables
+
+        self.n, self.num_tokens, self.num_slots, self.device = n, num_tokens, num_slots, device
+        self.key = (n, num_tokens, top_k, num_experts, num_slots, device)
+        num_pairs = num_tokens * top_k
+        # (the chunk an eager layer's plan takes by default: MoePlan.from_groups without used_slots)
+        self.chunk = moe_chunk_size(num_pairs, num_experts * num_slots)
+        segments = moe_max_segments(num_pairs, num_experts, num_slots, self.chunk)
+        self.groups = torch.full((num_tokens,), num_slots, dtype=torch.int64, device=device)
+        self.tables = plan_tables(device, num_experts, num_slots, segments, self.chunk)
+        for t in (self.groups, *self.tables):
+            torch._dynamo.mark_static_address(t)  # a CUDA graph reads them in place: each call's fill is seen
+
+    def fill(self, mapping: "Mapping") -> None:
+        """Rewrite :attr:`groups` for ``mapping``'s call."""
+        slots = mapping.token_slots_for(self.num_tokens)
+        host = torch.tensor([self.num_slots if s < 0 else s for s in slots], dtype=torch.int64)
+        write_buffer(self.groups, host)
+
+
 class PackedPlan:
     """The plan of a packed step of ``num_tokens`` tokens (continuous batching) at fixed device addresses, rewritten
     for each step of that many tokens (:meth:`fill`): its launches bind once and stay bound while the step's

@@ -20,7 +20,9 @@ and clamped activation) with each token's own adapter, inside the experts' compu
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import itertools
+import weakref
+from typing import Callable, Sequence
 
 import torch
 
@@ -45,6 +47,10 @@ class MoeStack:
         slot_shared: slot -> PEFT's ``lora_A`` / ``lora_B`` weight parameters of its adapter where they are views into
             ``a`` / ``b`` (adapters of rank ``R``, of the stack's dtype: stored once); :attr:`shared` lists them all,
             :meth:`release_shared` gives them their own memory.
+        handle: how compiled code's ``peft_csgmv::moe_lora`` op finds the stack (:func:`moe_stack_by_handle`): its
+            tensors are read when the op runs, not graph inputs. A stack's tensors are never replaced (a restack makes
+            a new stack, with a new handle, and advances :data:`~peft_csgmv.slots.ROUTE_EPOCH`, so compiled graphs
+            trace again); the host tier's moves write its slots in place, which the op reads at its next run.
     """
 
     a: torch.Tensor
@@ -54,6 +60,10 @@ class MoeStack:
     ranks_host: tuple[int, ...]
     scalings_host: tuple[float, ...] = ()
     slot_shared: dict = dataclasses.field(default_factory=dict)
+    handle: int = dataclasses.field(default_factory=lambda: next(_handles), compare=False)
+
+    def __post_init__(self) -> None:
+        _STACKS[self.handle] = self
 
     @property
     def num_slots(self) -> int:
@@ -134,6 +144,15 @@ class MoeStack:
                                     (self.scalings, self.scalings_host, torch.float32)):  # fmt: skip
             src = torch.tensor(host, dtype=dtype)
             vector.copy_(src.pin_memory() if vector.is_cuda else src, non_blocking=True)
+
+
+_handles = itertools.count()
+_STACKS: "weakref.WeakValueDictionary[int, MoeStack]" = weakref.WeakValueDictionary()
+
+
+def moe_stack_by_handle(handle: int) -> MoeStack:
+    """The live :class:`MoeStack` with this :attr:`MoeStack.handle`."""
+    return _STACKS[handle]
 
 
 def _views(p: torch.Tensor, stack: MoeStack) -> bool:
@@ -231,31 +250,70 @@ def _sm80(device: torch.device) -> bool:
     return ok
 
 
-def _expert_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias, experts: torch.Tensor, offsets: torch.Tensor, is_transposed: bool
+def grouped_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`expert_linear` takes torch's grouped product for these tensors (CUDA, 16-bit weights, capability
+    8.0 or above; the CPU too where :data:`GROUPED_ON_CPU` says)."""
+    if _GROUPED is None:
+        return False
+    if x.is_cuda:
+        return weight.dtype in (torch.bfloat16, torch.float16) and _sm80(x.device)
+    return GROUPED_ON_CPU
+
+
+_GROUPED = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def expert_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias,
+    experts: torch.Tensor | None,
+    offsets: torch.Tensor,
+    is_transposed: bool,
 ) -> torch.Tensor:
     """Each row's product with its expert's weight (``(E, out, in)``, or ``(E, in, out)`` transposed) plus bias, the
     rows sorted expert-major (``offsets``: :attr:`MoePlan.expert_offsets`, where each expert's rows end; ``experts``:
-    each row's expert). One grouped product where torch has one for these tensors (CUDA, 16-bit; no host sync), else
-    a product per expert with rows (its offsets read on the host, as transformers' eager experts loop does). Never
-    each row's weight gathered: that is rows × the weight's bytes."""
+    each row's expert, read for the bias only). One grouped product where torch has one for these tensors
+    (:func:`grouped_fits`; no host sync), else a product per expert with rows (its offsets read on the host, as
+    transformers' eager experts loop does); while a CUDA graph is captured (where nothing may read the device on the
+    host), each row's product with its expert's weight gathered, as transformers' ``batched_mm`` does for decode.
+    Outside a capture never each row's weight gathered: that is rows × the weight's bytes. Compiled code runs it
+    inside the ``peft_csgmv::moe_linear`` op (:mod:`peft_csgmv.ops`), eager code as it is."""
     w = weight if is_transposed else weight.transpose(-1, -2)  # (E, in, out)
-    grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if grouped is not None and GROUPED_ON_CPU and not x.is_cuda:
-        out = grouped(x.to(w.dtype), w, offs=offsets)
-    elif grouped is not None and x.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and _sm80(x.device):
-        out = grouped(x.to(w.dtype), w, offs=offsets)
+    if grouped_fits(x, w):
+        out = _GROUPED(x.to(w.dtype), w, offs=offsets)
     else:
-        out = x.new_empty((x.shape[0], w.shape[-1]), dtype=torch.promote_types(x.dtype, w.dtype))
-        start = 0
-        for e, end in enumerate(offsets.tolist()):
-            if end > start:
-                torch.matmul(x[start:end].to(out.dtype), w[e].to(out.dtype), out=out[start:end])
-            start = end
-        out[start:] = 0  # (rows routed to no expert of this module: none without expert parallelism)
+        dtype = torch.promote_types(x.dtype, w.dtype)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            out = gathered_linear(x.to(dtype), w.to(dtype), offsets)
+        else:
+            out = x.new_empty((x.shape[0], w.shape[-1]), dtype=dtype)
+            start = 0
+            for e, end in enumerate(offsets.tolist()):
+                if end > start:
+                    torch.matmul(x[start:end].to(out.dtype), w[e].to(out.dtype), out=out[start:end])
+                start = end
+            out[start:] = 0  # (rows routed to no expert of this module: none without expert parallelism)
     if bias is not None:
         out = out + bias[experts]
     return out
+
+
+def gathered_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each row of ``x`` ``(P, in)`` (sorted expert-major, ``offsets`` where each expert's rows end) times its
+    expert's ``w`` ``(E, in, out)``, the weight gathered per row (no host read: a CUDA graph's capture); rows past the
+    last expert's (routed to no expert of this module) are zeros."""
+    rows = torch.arange(x.shape[0], dtype=offsets.dtype, device=x.device)
+    row_expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=w.shape[0] - 1)
+    out = torch.bmm(x.unsqueeze(1), w[row_expert]).squeeze(1)
+    return torch.where((rows < offsets[-1]).unsqueeze(1), out, 0)
+
+
+def expert_linear_shape(x: torch.Tensor, weight: torch.Tensor, is_transposed: bool) -> tuple[tuple, torch.dtype]:
+    """The shape and dtype of :func:`expert_linear`'s output (the op's fake implementation)."""
+    w = weight if is_transposed else weight.transpose(-1, -2)
+    dtype = w.dtype if grouped_fits(x, w) else torch.promote_types(x.dtype, w.dtype)
+    return (x.shape[0], w.shape[-1]), dtype
 
 
 def _lora(x, stack: MoeStack | None, plan: MoePlan, y: torch.Tensor, x_rows: str, backend: str, t=None):
@@ -273,6 +331,47 @@ def _lora(x, stack: MoeStack | None, plan: MoePlan, y: torch.Tensor, x_rows: str
     t = moe_shrink_reference(x, stack.a, stack.ranks_host, plan, x_rows=x_rows)
     moe_expand_reference(t, stack.b, stack.ranks_host, stack.scalings_host, plan, y, y_rows="sorted")
     return None
+
+
+def stack_lora(stack: MoeStack, x: torch.Tensor, y: torch.Tensor, plan: MoePlan, x_rows: str, triton: bool) -> None:
+    """``y`` (rows in sorted order) += each pair's LoRA of ``stack`` on ``x`` (rows by ``x_rows``), in place: the
+    kernels (``triton``) or their torch reference. Compiled code's ``peft_csgmv::moe_lora`` op runs it on a copy."""
+    _lora(x, stack, plan, y, x_rows, "triton" if triton else "torch")
+
+
+def experts_products(
+    experts: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    plan: MoePlan,
+    linear: Callable,
+    lora: Callable,
+) -> torch.Tensor:
+    """The experts' output over ``plan``'s sorted pairs (the steps of :func:`moe_lora_forward`), with the base products
+    and the LoRA given: ``linear(x, weight, bias, experts, offsets, is_transposed)`` as :func:`expert_linear`;
+    ``lora(parameter name, x, y, x_rows)`` returns ``y`` (sorted rows) plus the parameter's LoRA on ``x`` (in place or
+    not). Eager code passes :func:`expert_linear` and the kernels in place; compiled code the custom ops
+    (:func:`peft_csgmv.layers.experts_forward`). Every step is a tensor op: no host sync, shapes fixed by the plan's."""
+    num_tokens, top_k = top_k_index.shape
+    perm = plan.permutation  # (P,) int32, each sorted position's pair (torch indexes with it as it is)
+    transposed = getattr(experts, "is_transposed", False)
+    if getattr(experts, "has_bias", False):
+        expert_ids = top_k_index.reshape(-1)[perm]  # (P,) each sorted pair's expert (for its bias)
+        gate_up_bias, down_bias = experts.gate_up_proj_bias, experts.down_proj_bias
+    else:
+        expert_ids = gate_up_bias = down_bias = None
+    offsets = plan.expert_offsets
+    gate_up = linear(hidden_states[perm // top_k], experts.gate_up_proj, gate_up_bias, expert_ids, offsets, transposed)
+    gate_up = lora("gate_up_proj", hidden_states, gate_up, "token")  # (P, 2·I), sorted order
+    act = experts._apply_gate(gate_up)  # (P, I)
+    out = linear(act, experts.down_proj, down_bias, expert_ids, offsets, transposed)  # (P, hidden)
+    out = lora("down_proj", act, out, "sorted")
+    # Back to pair order, each pair weighted by its routing weight, summed over each token's experts.
+    by_pair = torch.empty_like(out)
+    by_pair[perm] = out
+    weighted = by_pair.view(num_tokens, top_k, -1) * top_k_weights.to(out.dtype).unsqueeze(-1)
+    return weighted.sum(dim=1).to(hidden_states.dtype)
 
 
 def moe_lora_forward(
@@ -307,28 +406,13 @@ def moe_lora_forward(
     """
     if not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
         raise NotImplementedError("the prototype covers gated experts without a post-expert norm")
-    num_tokens, top_k = top_k_index.shape
     if plan is None:
         num_slots = next(iter(stacks.values())).num_slots if stacks else 1
         plan = MoePlan.build(token_slot, top_k_index, experts.num_experts, num_slots, chunk_size=chunk_size)
-    perm = plan.permutation  # (P,) int32, each sorted position's pair (torch indexes with it as it is)
-    transposed = getattr(experts, "is_transposed", False)
-    if getattr(experts, "has_bias", False):
-        expert_ids = top_k_index.reshape(-1)[perm]  # (P,) each sorted pair's expert (for its bias)
-        gate_up_bias, down_bias = experts.gate_up_proj_bias, experts.down_proj_bias
-    else:
-        expert_ids = gate_up_bias = down_bias = None
-    offsets = plan.expert_offsets
-    gate_up = _expert_linear(
-        hidden_states[perm // top_k], experts.gate_up_proj, gate_up_bias, expert_ids, offsets, transposed
-    )  # (P, 2·I), sorted order
-    # (one shrink output buffer for both products: the down shrink runs after the gate/up expand has read it)
-    t = _lora(hidden_states, stacks.get("gate_up_proj"), plan, gate_up, "token", backend)
-    act = experts._apply_gate(gate_up)  # (P, I)
-    out = _expert_linear(act, experts.down_proj, down_bias, expert_ids, offsets, transposed)  # (P, hidden)
-    _lora(act, stacks.get("down_proj"), plan, out, "sorted", backend, t)
-    # Back to pair order, each pair weighted by its routing weight, summed over each token's experts.
-    by_pair = torch.empty_like(out)
-    by_pair[perm] = out
-    weighted = by_pair.view(num_tokens, top_k, -1) * top_k_weights.to(out.dtype).unsqueeze(-1)
-    return weighted.sum(dim=1).to(hidden_states.dtype)
+    buffer = [None]  # (one shrink output buffer for both products: the down shrink runs after the gate/up expand)
+
+    def lora(param: str, x: torch.Tensor, y: torch.Tensor, x_rows: str) -> torch.Tensor:
+        buffer[0] = _lora(x, stacks.get(param), plan, y, x_rows, backend, buffer[0])
+        return y
+
+    return experts_products(experts, hidden_states, top_k_index, top_k_weights, plan, expert_linear, lora)

@@ -161,11 +161,14 @@ class MoePlan:
         num_slots: int,
         chunk_size: int | None = None,
         used_slots: int | None = None,
+        tables: tuple | None = None,
     ) -> "MoePlan":
         """:meth:`build` from each token's *group slot*: ``token_group`` ``(T,)`` int64 on ``top_k_index``'s device,
         the token's slot, or ``num_slots`` for a base token (:func:`token_groups`; a call makes it once for all its
         MoE layers). Not checked (a layer's fast path). ``used_slots``: how many slots the tokens use, for the default
-        chunk (``num_slots`` when not known on the host).
+        chunk (``num_slots`` when not known on the host). ``tables``: :func:`plan_tables` of these shapes, where the
+        caller holds them (compiled code: a :class:`~peft_csgmv.mapping.StaticMoePlan`'s, at fixed addresses);
+        else from a cache.
 
         About twenty device ops, no host sync: the group key of each pair (one ``add``; a ``clamp`` and a
         ``remainder`` send unrouted pairs to the last group), one stable sort, one ``searchsorted`` of the sorted keys
@@ -179,9 +182,9 @@ class MoePlan:
         elif chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         num_segments = max_segments(num_pairs, num_experts, num_slots, chunk_size)
-        bounds, group_slot, group_expert, seg_index, seg_offsets = _tables(
-            top_k_index.device, num_experts, num_slots, num_segments, chunk_size
-        )
+        if tables is None:
+            tables = _tables(top_k_index.device, num_experts, num_slots, num_segments, chunk_size)
+        bounds, group_slot, group_expert, seg_index, seg_offsets = tables
         adapter_groups = num_experts * num_slots
         width = num_slots + 1
 
@@ -235,6 +238,11 @@ def token_groups(token_slot: torch.Tensor, num_slots: int) -> torch.Tensor:
     ``(T,)`` int64 on ``token_slot``'s device (two device ops; a call makes it once for all its MoE layers)."""
     slots = token_slot.to(torch.int64)
     return torch.where(slots < 0, num_slots, slots)
+
+
+def plan_tables(device: torch.device, num_experts: int, num_slots: int, num_segments: int, chunk_size: int) -> tuple:
+    """The constant tensors a plan of these shapes reads (see :func:`_tables`), made once per shape and device."""
+    return _tables(device, num_experts, num_slots, num_segments, chunk_size)
 
 
 @functools.lru_cache(maxsize=256)

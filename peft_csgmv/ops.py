@@ -48,6 +48,8 @@ from . import kernels
 from .kernels.ahead import compile_elsewhere
 from .kernels.group import expand_group, group_splits, shrink_group
 from .kernels.launch import recording, without_pdl
+from .moe import expert_linear, expert_linear_shape, moe_stack_by_handle, stack_lora
+from .moe_plan import MoePlan
 from .options import env, interpreting
 from .plan import BatchPlan
 from .slots import stack_by_handle
@@ -312,6 +314,76 @@ def _lora_group_linear_fake(x, weights, biases, permutation, seg_indptr, seg_slo
     return ys + [x.new_empty((*lead, w.shape[0]), dtype=torch.float32) for w in weights]
 
 
+def _moe_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    experts: Optional[torch.Tensor],
+    offsets: torch.Tensor,
+    transposed: bool,
+) -> torch.Tensor:
+    """An experts layer's base product in compiled code: :func:`~peft_csgmv.moe.expert_linear` (``x`` ``(P, in)`` rows
+    sorted expert-major, ``weight`` ``(E, out, in)`` or ``(E, in, out)`` transposed, ``bias`` ``(E, out)`` or
+    ``None``, ``experts`` ``(P,)`` each row's expert (for the bias), ``offsets`` ``(E,)`` where each expert's rows
+    end). An op because its product per expert reads the offsets on the host where torch has no grouped product for
+    the tensors (as eager code does; a CUDA graph's capture takes the gathered form instead, which reads nothing)."""
+    return expert_linear(x, weight, bias, experts, offsets, transposed)
+
+
+def _moe_linear_fake(x, weight, bias, experts, offsets, transposed) -> torch.Tensor:
+    shape, dtype = expert_linear_shape(x, weight, transposed)
+    return x.new_empty(shape, dtype=dtype)
+
+
+_MOE_ROWS = ("token", "pair", "sorted")
+
+
+def _moe_lora(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    permutation: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_end: torch.Tensor,
+    seg_slot: torch.Tensor,
+    seg_expert: torch.Tensor,
+    top_k: int,
+    chunk: int,
+    stack: int,
+    x_rows: int,
+    triton: bool,
+) -> torch.Tensor:
+    """An experts layer's LoRA of one expert parameter in compiled code: ``y`` ``(P, N)`` (rows in the plan's sorted
+    order) plus each pair's LoRA of the :class:`~peft_csgmv.moe.MoeStack` of handle ``stack`` on ``x`` (rows by
+    ``x_rows``: 0 token ``(T, K)``, 2 sorted ``(P, K)``), out of place (``y`` untouched). The plan's tensors are a
+    :class:`~peft_csgmv.moe_plan.MoePlan`'s, built in the graph (``top_k``, ``chunk``: its shapes); ``triton``: the
+    kernels (else their torch reference, CPU). Semantics: :mod:`peft_csgmv.kernels.moe`."""
+    s = moe_stack_by_handle(stack)
+    num_slots, num_experts = s.a.shape[:2]
+    plan = MoePlan(
+        num_tokens=permutation.shape[0] // top_k,
+        top_k=top_k,
+        num_experts=num_experts,
+        num_slots=num_slots,
+        chunk_size=chunk,
+        num_segments=seg_slot.shape[0],
+        permutation=permutation,
+        expert_offsets=expert_offsets,
+        seg_start=seg_start,
+        seg_end=seg_end,
+        seg_slot=seg_slot,
+        seg_expert=seg_expert,
+    )
+    out = y.clone(memory_format=torch.contiguous_format)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        stack_lora(s, x, out, plan, _MOE_ROWS[x_rows], triton)
+    return out
+
+
+def _moe_lora_fake(x, y, *args, **kwargs) -> torch.Tensor:
+    return y.new_empty(y.shape)
+
+
 # Registered straight with the dispatcher (a ``torch.library.Library`` schema, one implementation for every device,
 # a fake one for tracing), as vLLM's ``direct_register_custom_op`` registers its kernels: ``torch.library.custom_op``
 # wraps each call in Python layers of its own (an autograd wrapper, a dynamo-disabled wrapper, an aliasing check of the
@@ -344,6 +416,17 @@ _SCHEMAS = {
         "int[] stacks, int[] versions, int chunk, bool triton) -> Tensor[]",
         _lora_group_linear,
         _lora_group_linear_fake,
+    ),
+    "moe_linear": (
+        "(Tensor x, Tensor weight, Tensor? bias, Tensor? experts, Tensor offsets, bool transposed) -> Tensor",
+        _moe_linear,
+        _moe_linear_fake,
+    ),
+    "moe_lora": (
+        "(Tensor x, Tensor y, Tensor permutation, Tensor expert_offsets, Tensor seg_start, Tensor seg_end, "
+        "Tensor seg_slot, Tensor seg_expert, int top_k, int chunk, int stack, int x_rows, bool triton) -> Tensor",
+        _moe_lora,
+        _moe_lora_fake,
     ),
 }
 
@@ -495,9 +578,13 @@ def _with_ahead(impl, fake):
     return run, traced
 
 
+# Ops that launch no Triton kernel: nothing to compile ahead (a scratch run would allocate an experts' weight).
+_NOT_AHEAD = frozenset(("moe_linear",))
+
+
 def _register() -> None:
     for name, (schema, impl, fake) in _SCHEMAS.items():
-        run, traced = _with_ahead(impl, fake)
+        run, traced = (impl, fake) if name in _NOT_AHEAD else _with_ahead(impl, fake)
         _LIB.define(name + schema)
         _LIB.impl(name, run, "CompositeExplicitAutograd")
         torch.library.register_fake(f"peft_csgmv::{name}", traced, lib=_LIB)
@@ -511,3 +598,5 @@ lora = lora_overload = torch.ops.peft_csgmv.lora.default
 lora_linear = lora_linear_overload = torch.ops.peft_csgmv.lora_linear.default
 lora_group = torch.ops.peft_csgmv.lora_group.default
 lora_group_linear = torch.ops.peft_csgmv.lora_group_linear.default
+moe_linear = torch.ops.peft_csgmv.moe_linear.default
+moe_lora = torch.ops.peft_csgmv.moe_lora.default

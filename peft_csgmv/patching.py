@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterator
 from torch import nn
 
 from .executor import Executor, executor_of
-from .layers import KERNEL_LAYERS, experts_forward, kernel_forward, layer_keys, peft_path_forward
+from .layers import EXPERTS_LAYERS, KERNEL_LAYERS, experts_forward, kernel_forward, layer_keys, peft_path_forward
 from .tier import adapter_params
 
 if TYPE_CHECKING:
@@ -225,6 +225,8 @@ def patch_experts(wrapper: nn.Module, executor: Executor) -> None:
     memory; a no-op where they are on the device)."""
     from .moe import param_wrappers
 
+    wrapper._csgmv_key = key = next(layer_keys)
+    EXPERTS_LAYERS[key] = wrapper
     _patch(wrapper, experts_forward, executor)
     for w in param_wrappers(wrapper)[1].values():
         if "get_delta_weight" not in w.__dict__:

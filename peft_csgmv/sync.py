@@ -33,6 +33,7 @@ from .patching import (
 from .slots import (
     LoraStack,
     SlotRegistry,
+    bump_routes,
     layer_adapter,
     layer_adapters,
     module_param,
@@ -499,6 +500,7 @@ class CsgmvState:
         record.experts_slots = len(slotted)
         record.experts_scalings = {param: dict(w.scaling) for param, w in wrappers.items()}
         record.peft_rows = frozenset(refused)
+        bump_routes()  # (compiled code found the old stacks by handle: its graphs trace again)
 
     def stack_dtype(self, layer: nn.Module) -> torch.dtype:
         """The dtype of a layer's stack: ``enable_csgmv``'s ``dtype`` where given, else the adapters' own (PEFT's

@@ -168,15 +168,6 @@ def test_disable_csgmv_gives_peft_its_forward_and_refusal_back():
         pm(ids, adapter_names=names)
 
 
-def test_static_cache_generate_is_refused_before_anything_runs():
-    """The compiled path does not serve experts layers yet: a static-cache generate with ids fails at once, loudly."""
-    pm = moe_peft("qwen3_moe", {k: ADAPTERS[k] for k in ("a0", "a1")})
-    enable_csgmv(pm, backend="torch")
-    with pytest.raises(NotImplementedError, match="eagerly only"):
-        pm.generate(input_ids=prompts(3, 4), adapter_ids=names_for(3, ("a0", "a1")), cache_implementation="static",
-                    **greedy_kwargs(2))  # fmt: skip
-
-
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_continuous_batching_gives_each_request_its_expert_adapter(arch):
     """transformers' continuous batching over expert LoRA: each packed step's tokens take their requests' adapters in
