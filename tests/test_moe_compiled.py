@@ -158,3 +158,23 @@ def test_static_cache_beam_search_matches_peft_per_adapter():
     got = pm.generate(input_ids=ids, adapter_ids=_ids(names), cache_implementation="static",
                       compile_config=compile_config(), **kw)  # fmt: skip
     assert torch.equal(got, want)
+
+
+def test_static_cache_generate_with_the_host_tier():
+    """The compiled path with ``max_resident_adapters=2`` over three adapters: id lists that move adapters in and out
+    between calls (the host tier writes the experts stacks' slots in place, which the compiled ops read when they
+    run) give stock PEFT's tokens per row, and a list over other adapters of the same shape compiles nothing new."""
+    pm = moe_peft("qwen3_moe")
+    ids = prompts(3, 4, seed=3)
+    kw = greedy_kwargs(4)
+    lists = [["a0", BASE, "a1"], ["a2", "a0", BASE], ["a1", "a2", BASE]]
+    expected = [per_adapter(pm, names, lambda: pm.generate(input_ids=ids, **kw)) for names in lists]
+    assert_generations_differ(expected[0])
+    enable_csgmv(pm, backend="torch", max_resident_adapters=2)
+    compiled = []
+    for names, want in zip(lists, expected):
+        got = pm.generate(input_ids=ids, adapter_ids=_ids(names), cache_implementation="static",
+                          compile_config=compile_config(), **kw)  # fmt: skip
+        assert torch.equal(got, stitch(want, names)), f"ids {names}: other tokens than stock PEFT's"
+        compiled.append(graphs())
+    assert compiled[2] == compiled[1], f"graphs after each call: {compiled}: moving adapters recompiled"
