@@ -343,8 +343,8 @@ AUTO_STATIC_BATCH_SIZE = 64  # the static-cache batches' rows per generate call 
 def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
     """Why a run that asked for neither continuous batching nor static batches takes static-cache batches (``None``:
     continuous batching): ``rows`` to do on a GPU, each of --max-new-tokens (no line with a limit of its own: uneven
-    answers are continuous batching's case), past :data:`STATIC_PAYS_TOKENS`, on a model whose calls with ids can
-    take the static cache."""
+    answers are continuous batching's case), past :data:`STATIC_PAYS_TOKENS`, on a model transformers compiles in
+    full and without MoE expert LoRA (whose compiled path has not yet run on a GPU)."""
     from .model import csgmv_stats
 
     asked = args.static_batches or args.continuous_batching or args.cache_implementation is not None
