@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -106,6 +107,7 @@ def batch_row(base: str, adapters: dict[str, str], requests: list[dict], device:
     finally:
         manager.stop(block=True)
     del model, manager
+    gc.collect()  # (the server sizes its cache from the free memory: this process's model and cache go first)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return dict(row="generate_batch (all requests at once)", tokens=tokens, seconds=seconds), texts
