@@ -57,8 +57,9 @@ def main(argv=None) -> int:
         "--runs",
         "--caches",
         default="continuous,dynamic,static",
-        help="the runs, in order: continuous (--continuous-batching), dynamic (--static-batches), static "
-        "(--static-batches --cache-implementation static), default (no batching flag: the command's choice)",
+        help="the runs, in order: continuous (--continuous-batching), uncapped (the same with --batch-size 1024, "
+        "transformers' own cap of requests per step), dynamic (--static-batches), static (--static-batches "
+        "--cache-implementation static), default (no batching flag: the command's choice)",
     )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
         flags = {
             "default": [],
             "continuous": ["--continuous-batching"],
+            "uncapped": ["--continuous-batching", "--batch-size", "1024"],  # (transformers' own default)
             "dynamic": static + ["--cache-implementation", "dynamic"],
             "static": static + ["--cache-implementation", "static"],
         }

@@ -32,6 +32,8 @@
 #   cligoal  the batch command on uneven work, 1B, 1024 rows, prompts of ~32-1024 tokens, each line its own
 #            max_new_tokens of 16-512: continuous batching, then static-cache batches (~9 min; one run per call if
 #            need be: --runs continuous / --runs static) -> cli_1b_uneven.json
+#   clicap   the batch command, 1B, 2048 rows: continuous batching with its cap of requests per step, then with
+#            transformers' own (1024), then static-cache batches (~6 min) -> cli_1b_cap.json
 #   serve    the server (peft-csgmv serve), 1B, 256 requests from 64 streaming clients, against generate_batch on the
 #            same requests (needs wheels/serve: benchmarks/serve_wheels.sh; carry wheels; ~5 min) -> serve_1b.json
 #   cbtier   continuous batching over 1000 adapters (copies of 32), 1B, 96 requests (answers 16-256): all resident, then
@@ -152,6 +154,10 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 benchmarks/bench_serve.py --model 1b --requests 256 --clients 64 --out "$OUT/serve_1b.json" 2>&1 \
         | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/serve_1b.log"
       grep "^|" "$OUT/serve_1b.log" || tail -25 "$OUT/serve_1b.log" ;;
+    clicap)
+      python3 benchmarks/bench_cli.py --runs continuous,uncapped,static --out "$OUT/cli_1b_cap.json" 2>&1 \
+        | grep --line-buffered -v -i warn > "$OUT/cli_1b_cap.log"
+      grep -E "^\|" "$OUT/cli_1b_cap.log" || tail -25 "$OUT/cli_1b_cap.log" ;;
     cbtier)
       python3 benchmarks/bench_continuous.py --model 1b --requests 96 --new-max 256 --adapters 1000 \
         --max-resident-adapters 64 --rows csgmv,tier --out "$OUT/continuous_1b_tier.json" 2>&1 \

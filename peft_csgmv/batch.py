@@ -578,6 +578,14 @@ def generate_rows(
 # -- continuous batching ----------------------------------------------------------------------------------------------
 
 CPU_MAX_BATCH_TOKENS = 256  # a step's tokens on a CPU, where transformers' 8192 only makes the step's buffers large
+# Requests per step at most on a GPU where transformers' paged attention runs on SDPA or eager attention (no flash
+# attention kernels): there each step attends with one dense mask over every running request's cached tokens, so a
+# step's attention grows with the square of the requests running (transformers' default allows 1024). With that
+# default, one H100 run (1B layout, 64 new tokens) gave 1687 tok/s over 512 rows and 1184 over 2048: with every
+# request running at once, steps of about 0.3 s and 0.9 s, where the model's own work is tens of milliseconds. This
+# cap keeps a step's mask at about 1/16 of the 512-row run's; the cap itself is not yet measured (bench_cli.py runs
+# `uncapped` beside it).
+DENSE_MASK_MAX_REQUESTS = 128
 PAGE_SIZE = 256  # tokens per block of transformers' paged cache (its default ``page_size``)
 
 
@@ -606,9 +614,10 @@ class Continuous:
     max_requests: int | None = None
     seed: int | None = None
 
-    def config(self, device: torch.device, needs: list[int]):
+    def config(self, device: torch.device, needs: list[int], model=None):
         """transformers' ``ContinuousBatchingConfig`` for requests of ``needs`` tokens each (prompt and new tokens),
-        on ``device``."""
+        on ``device``, for ``model`` (where given: on a GPU without flash attention, at most
+        :data:`DENSE_MASK_MAX_REQUESTS` requests per step unless ``max_requests`` says otherwise)."""
         from transformers import ContinuousBatchingConfig
 
         known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
@@ -619,11 +628,14 @@ class Continuous:
         if num_blocks is None and self.cache_memory is None and device.type == "cpu" and needs:
             held = min(len(needs), max_batch_tokens, self.max_requests or len(needs))
             num_blocks = sum(sorted((math.ceil(n / PAGE_SIZE) for n in needs), reverse=True)[:held])
+        max_requests = self.max_requests
+        if max_requests is None and device.type == "cuda" and model is not None and dense_mask_attention(model):
+            max_requests = DENSE_MASK_MAX_REQUESTS
         wanted = dict(
             num_blocks=num_blocks,
             max_batch_tokens=max_batch_tokens,
             max_memory_percent=self.cache_memory,
-            max_requests_per_batch=self.max_requests,
+            max_requests_per_batch=max_requests,
             seed=self.seed,
             page_size=PAGE_SIZE,
             # No prefix sharing: transformers keys a cached block by its tokens alone, and would hand a request the
@@ -633,6 +645,14 @@ class Continuous:
             disable_nccl_graph_mixing=False,
         )
         return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if v is not None and k in known})
+
+
+def dense_mask_attention(model) -> bool:
+    """Whether transformers' paged attention for ``model`` builds a dense mask over the step's cached tokens (its
+    SDPA and eager implementations do; flash attention kernels take the requests' lengths instead)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    impl = str(getattr(base.config, "_attn_implementation", None) or "sdpa")
+    return impl.split("|")[-1] in ("sdpa", "eager")
 
 
 def _generation_config(model, tokenizer, **generate_kwargs):
@@ -728,7 +748,7 @@ def generate_continuous(
     gen = _generation_config(model, tokenizer, **generate_kwargs)
     if gen.eos_token_id is None:
         gen.eos_token_id = -1  # (no end-of-sequence token: every request runs max_new_tokens, as generate() does)
-    config = continuous.config(_input_device(model), needs)
+    config = continuous.config(_input_device(model), needs, model)
     new_tokens_total, written, started = 0, 0, time.perf_counter()
     bar = tqdm(total=len(rows), unit="row", disable=not progress, dynamic_ncols=True)
     manager, running = None, False

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .batch import CPU_MAX_BATCH_TOKENS
+from .batch import CPU_MAX_BATCH_TOKENS, DENSE_MASK_MAX_REQUESTS
 from .identity import settings_path
 
 
@@ -564,7 +564,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         type=positive,
         default=None,
         help=f"static batches: rows per generate call (default: {DEFAULT_BATCH_SIZE}); continuous batching: requests "
-        "per step at most (default: as many as --max-batch-tokens holds)",
+        f"per step at most (default: {DENSE_MASK_MAX_REQUESTS} on a GPU whose attention is SDPA or eager, where a "
+        "step's attention grows with the square of its requests; else as many as --max-batch-tokens holds)",
     )
     p_gen.add_argument(
         "--max-batch-tokens",

@@ -412,7 +412,7 @@ class Engine:
             pad_token_id=self.tokenizer.pad_token_id, max_new_tokens=16,
         )  # fmt: skip
         sizing = Continuous(max_batch_tokens=self.max_batch_tokens, num_blocks=self.num_blocks)
-        cb_config = sizing.config(_input_device(self.model), [])  # (the batch command's: no prefix sharing)
+        cb_config = sizing.config(_input_device(self.model), [], self.model)  # (the batch command's sizing)
         cb_config.per_request_processors = True
         manager = self.model.init_continuous_batching(
             generation_config=generation_config, continuous_batching_config=cb_config

@@ -432,6 +432,27 @@ def test_sizing_defaults_and_flags():
     assert config.allow_block_sharing is False, "a cached prompt block belongs to the adapter that computed it"
 
 
+def test_requests_per_step_capped_where_attention_takes_a_dense_mask():
+    """On a GPU whose paged attention is SDPA or eager (one dense mask over the step's cached tokens), at most
+    DENSE_MASK_MAX_REQUESTS requests per step unless --batch-size says otherwise; with flash attention, on a CPU, or
+    without the model, transformers' own default."""
+    from types import SimpleNamespace
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+
+    def model(impl):
+        return SimpleNamespace(config=SimpleNamespace(_attn_implementation=impl))
+
+    cap = batch.DENSE_MASK_MAX_REQUESTS
+    for impl in ("sdpa", "eager", "paged|sdpa", None):
+        assert batch.Continuous().config(gpu, [10], model(impl)).max_requests_per_batch == cap, impl
+    assert batch.Continuous(max_requests=700).config(gpu, [10], model("sdpa")).max_requests_per_batch == 700
+    for impl in ("flash_attention_2", "paged|flash_attention_3", "kernels-community/flash-attn"):
+        assert batch.Continuous().config(gpu, [10], model(impl)).max_requests_per_batch is None, impl
+    assert batch.Continuous().config(cpu, [10], model("sdpa")).max_requests_per_batch is None
+    assert batch.Continuous().config(gpu, [10]).max_requests_per_batch is None
+
+
 def _errors(err):
     lines = [line for line in err.splitlines() if "error:" in line]
     assert lines and all(line.startswith("peft-csgmv generate: error: ") for line in lines), err
