@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -75,6 +76,12 @@ class Mapping:
         self.runs: dict = {}  # (rows, tokens_per_row, device) -> PlanRun: this call's plans, by shape
         self.unforeseen = 0  # plans of shapes the driver did not prepare, made when a layer first read them
         self._token_slots: dict = {}  # (num_tokens, device[, slots]) -> token_slots_for's (token_groups_for's) answer
+
+    @functools.cached_property
+    def slot_set(self) -> frozenset:
+        """The distinct slots of the call's rows (or of the step's tokens), -1 included where there are base ones: what
+        an experts layer asks before each forward (``MoeStack.serves``), made once per call."""
+        return frozenset(self.token_slots if self.token_slots is not None else self.row_slots)
 
     def prepare(self, rows: int, tokens_per_row: int, device: torch.device) -> "PlanRun":
         """Make the plan of a layer input of ``rows × tokens_per_row`` tokens on ``device`` (from the cache when an

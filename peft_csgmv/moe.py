@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -94,10 +94,11 @@ class MoeStack:
             if id(p) not in keep and _views(p, self):
                 p.data = p.data.clone()
 
-    def serves(self, row_slots: Sequence[int], token_slots: Sequence[int] | None = None) -> bool:
-        """Whether some slot of a call's rows (or of a packed step's tokens) adapts this parameter."""
+    def serves(self, slots: Iterable[int]) -> bool:
+        """Whether one of ``slots`` (a call's distinct slots, :attr:`~peft_csgmv.mapping.Mapping.slot_set`) adapts
+        this parameter."""
         ranks = self.ranks_host
-        return any(0 <= s < len(ranks) and ranks[s] for s in set(token_slots if token_slots is not None else row_slots))
+        return any(0 <= s < len(ranks) and ranks[s] for s in slots)
 
     # -- the host tier's moves (peft_csgmv.tier): one slot at a time, host bookkeeping, then one upload -------------
 
