@@ -135,7 +135,7 @@ static: --static-batches runs padded batches of --batch-size rows through genera
         what continuous batching lacks (beam search, repetition penalty, minimum lengths, stop strings, ...).
 sizing: continuous batching's paged KV cache and its steps: --max-batch-tokens (tokens per step), --num-blocks
         (cache blocks of 256 tokens) or --cache-memory (a share of the free GPU memory), --batch-size (requests
-        per step at most, where given).
+        per step at most; 128 by default on a GPU whose attention is SDPA or eager).
 speed:  --static-batches --cache-implementation static runs transformers' compiled decode (CUDA), one compile per
         batch shape: prompts are padded to a power of two and the last batch filled, so a run compiles a few
         shapes. A run on a GPU with rows x --max-new-tokens of 65536 or more (and none of the options above that
@@ -273,8 +273,7 @@ def check_generate_args(args) -> list[str]:
         if problem:
             problems.append(problem)
 
-    sizing = {"--max-batch-tokens": args.max_batch_tokens, "--num-blocks": args.num_blocks,
-              "--cache-memory": args.cache_memory}  # fmt: skip
+    sizing = _sizing(args)
     if args.continuous_batching and (args.static_batches or args.cache_implementation == "static"):
         flag = "--static-batches" if args.static_batches else "--cache-implementation static"
         problems.append(f"--continuous-batching and {flag}: give one of them")
@@ -290,6 +289,12 @@ def check_generate_args(args) -> list[str]:
         if problem:
             problems.append(problem)
     return problems
+
+
+def _sizing(args) -> dict:
+    """The flags that size continuous batching, by name, as given (``None``: not given)."""
+    return {"--max-batch-tokens": args.max_batch_tokens, "--num-blocks": args.num_blocks,
+            "--cache-memory": args.cache_memory}  # fmt: skip
 
 
 def _device_problem(name: str) -> str | None:
@@ -348,7 +353,7 @@ def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
     from .model import csgmv_stats
 
     asked = args.static_batches or args.continuous_batching or args.cache_implementation is not None
-    sized = any(v is not None for v in (args.max_batch_tokens, args.num_blocks, args.cache_memory))
+    sized = any(v is not None for v in _sizing(args).values())
     if asked or sized or device.type not in AUTO_STATIC_DEVICES or any(r.max_new_tokens for r in rows):
         return None
     if len(rows) * args.max_new_tokens < STATIC_PAYS_TOKENS:

@@ -195,10 +195,9 @@ class Router:
             adapter = name(candidate.request_id)
             waited = self.rounds - self.since.setdefault(candidate.request_id, self.rounds)
             ready = adapter is None or adapter in allowed or adapter in resident or waited >= PATIENCE
-            (first if ready else later).append(candidate)
+            (first if ready else later).append((candidate, adapter))
         admitted = []
-        for candidate in first + later:
-            adapter = name(candidate.request_id)
+        for candidate, adapter in first + later:
             if adapter is not None and adapter not in allowed:
                 if len(allowed) >= state.max_resident:
                     continue

@@ -525,22 +525,15 @@ class CsgmvState:
         ]
         dtype = self.stack_dtype(layer)
         if where is not None:
-            host = torch.device("cpu")
-            return LoraStack(
-                in_features=layer.in_features,
-                out_features=layer.out_features,
-                capacity=max(self.registry.capacity, 1),
-                dtype=dtype,
-                device=host,
-                embedding=_is_embedding(layer),
-                reserve=sum(LoraStack.slot_elements(r, layer.in_features, layer.out_features) for r in slotted),
-                runs_on=None if where == host else where,
-            )
-        device = weights_device(layer)
-        if self.tier is not None and device.type == "cpu":  # the layer's first adapter may wait in host memory
-            weight = getattr(layer.get_base_layer(), "weight", None)
-            if weight is not None and weight.device.type not in ("cpu", "meta"):
-                device = weight.device
+            device = torch.device("cpu")
+            placed = dict(runs_on=None if where == device else where)
+        else:
+            device = weights_device(layer)
+            if self.tier is not None and device.type == "cpu":  # the layer's first adapter may wait in host memory
+                weight = getattr(layer.get_base_layer(), "weight", None)
+                if weight is not None and weight.device.type not in ("cpu", "meta"):
+                    device = weight.device
+            placed = dict(pages=None if self.tier is None else self.tier.pages_for(device, dtype))
         return LoraStack(
             in_features=layer.in_features,
             out_features=layer.out_features,
@@ -549,7 +542,7 @@ class CsgmvState:
             device=device,
             embedding=_is_embedding(layer),
             reserve=sum(LoraStack.slot_elements(r, layer.in_features, layer.out_features) for r in slotted),
-            pages=None if self.tier is None else self.tier.pages_for(device, dtype),
+            **placed,
         )
 
     def release(self) -> None:
