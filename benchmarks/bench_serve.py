@@ -10,9 +10,10 @@ each with one of the adapters (in turn) and its own ``max_tokens`` in ``--new-mi
 in both rows (the server's ``temperature: 0`` is top-k 1 over transformers' per-request processors; ``generate_batch``
 runs the same settings).
 
-1. ``generate_batch``: the checkout loaded as the server loads it (``peft_csgmv.batch.load_model``, csgmv enabled), all
-   requests given at once, with the server's continuous-batching sizing; tok/s = generated tokens over its wall time.
-   The model is then freed.
+1. ``generate_batch``: the checkout loaded as the server loads it (``peft_csgmv.batch.load_model``, csgmv enabled), with
+   the server's continuous-batching sizing, twice: all requests given at once, then fed as the clients feed the server
+   (``--clients`` requests in flight, the next added as one ends: the same concurrency without HTTP, so the server's
+   own cost shows apart from the concurrency); tok/s = generated tokens over its wall time. The model is then freed.
 2. The server: ``python -m peft_csgmv serve`` in a process of its own, ``--clients`` asynchronous clients (httpx)
    taking the requests from one queue, each streaming ``/v1/completions`` (``"model"``: the request's adapter) and
    starting its next request as one ends. tok/s = completion tokens (from each stream's usage) over the time from the
@@ -65,8 +66,12 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))] if values else float("nan")
 
 
-def batch_row(base: str, adapters: dict[str, str], requests: list[dict], device: str, dtype: str) -> tuple[dict, list]:
-    """``generate_batch`` over every request at once, with the server's sizing and greedy decoding."""
+def batch_rows(
+    base: str, adapters: dict[str, str], requests: list[dict], device: str, dtype: str, clients: int
+) -> list[tuple[dict, list]]:
+    """``generate_batch`` with the server's sizing and greedy decoding, twice on one loaded model: every request given
+    at once, then fed as the clients feed the server (the first ``clients`` requests, then one more as each ends), so
+    that the server's own cost shows apart from how many requests it has in flight."""
     from transformers import GenerationConfig
 
     from peft_csgmv import serve
@@ -80,37 +85,53 @@ def batch_row(base: str, adapters: dict[str, str], requests: list[dict], device:
     gen = GenerationConfig(do_sample=True, top_k=1, temperature=1.0, max_new_tokens=longest,
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     config = sizing.config(_input_device(model), [len(p) + r["max_tokens"] for p, r in zip(inputs, requests)])
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
-    manager.start()
-    texts: list = [None] * len(requests)
-    try:
-        for i, (ids, r) in enumerate(zip(inputs[:4], requests[:4])):  # (warm-up, untimed)
-            manager.add_request(ids, request_id=f"warm{i}", max_new_tokens=4, adapter_id=r["adapter"])
-        for _ in range(min(4, len(requests))):
-            manager.get_result(timeout=600)
-        start = time.perf_counter()
-        for i, (ids, r) in enumerate(zip(inputs, requests)):
-            manager.add_request(ids, request_id=f"r{i}", max_new_tokens=r["max_tokens"], adapter_id=r["adapter"])
-        tokens, done = 0, 0
-        while done < len(requests):
-            result = manager.get_result(timeout=600)
-            if result is None:
-                raise RuntimeError("generate_batch: no result for 600 s")
-            if not result.is_finished() or not result.request_id.startswith("r"):
-                continue
-            if result.error is not None:
-                raise RuntimeError(f"{result.request_id}: {result.error}")
-            done += 1
-            tokens += len(result.generated_tokens)
-            texts[int(result.request_id[1:])] = tokenizer.decode(result.generated_tokens, skip_special_tokens=True)
-        seconds = time.perf_counter() - start
-    finally:
-        manager.stop(block=True)
-    del model, manager
+    out = []
+    for label, in_flight in (("generate_batch (all requests at once)", len(requests)),
+                             (f"generate_batch, at most {clients} requests in flight (fed as the clients do)",
+                              clients)):  # fmt: skip
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
+        manager.start()
+        texts: list = [None] * len(requests)
+        try:
+            for i, (ids, r) in enumerate(zip(inputs[:4], requests[:4])):  # (warm-up, untimed)
+                manager.add_request(ids, request_id=f"warm{i}", max_new_tokens=4, adapter_id=r["adapter"])
+            for _ in range(min(4, len(requests))):
+                manager.get_result(timeout=600)
+            start = time.perf_counter()
+            fed = 0
+
+            def feed(upto: int, manager=manager) -> None:
+                nonlocal fed
+                while fed < min(upto, len(requests)):
+                    r = requests[fed]
+                    manager.add_request(inputs[fed], request_id=f"r{fed}", max_new_tokens=r["max_tokens"],
+                                        adapter_id=r["adapter"])  # fmt: skip
+                    fed += 1
+
+            feed(in_flight)
+            tokens, done = 0, 0
+            while done < len(requests):
+                result = manager.get_result(timeout=600)
+                if result is None:
+                    raise RuntimeError("generate_batch: no result for 600 s")
+                if not result.is_finished() or not result.request_id.startswith("r"):
+                    continue
+                if result.error is not None:
+                    raise RuntimeError(f"{result.request_id}: {result.error}")
+                done += 1
+                feed(done + in_flight)
+                tokens += len(result.generated_tokens)
+                texts[int(result.request_id[1:])] = tokenizer.decode(result.generated_tokens, skip_special_tokens=True)
+            seconds = time.perf_counter() - start
+        finally:
+            manager.stop(block=True)
+        out.append((dict(row=label, tokens=tokens, seconds=seconds), texts))
+        del manager
+    del model
     gc.collect()  # (the server sizes its cache from the free memory: this process's model and cache go first)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return dict(row="generate_batch (all requests at once)", tokens=tokens, seconds=seconds), texts
+    return out
 
 
 async def drive(url: str, requests: list[dict], clients: int) -> tuple[list[dict], float]:
@@ -199,9 +220,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         base, adapters = save_checkout(folder, args.model, "cuda:0" if device == "cuda" else device)
         adapters = {name: adapters[name] for name in sorted({r["adapter"] for r in requests})}
-        row, batch_texts = batch_row(base, adapters, requests, device, dtype)
-        rows.append(row)
-        print(f"{row['row']}: {row['tokens']} tokens in {row['seconds']:.1f} s", flush=True)
+        batches = batch_rows(base, adapters, requests, device, dtype, args.clients)
+        for row, texts in batches:
+            rows.append(row)
+            print(f"{row['row']}: {row['tokens']} tokens in {row['seconds']:.1f} s", flush=True)
+        batch_texts = batches[0][1]
+        rows[1]["same_as_batch"] = sum(a == b for a, b in zip(batches[1][1], batch_texts)) / len(requests)
 
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -235,15 +259,18 @@ def main(argv=None) -> int:
     print()
     print(
         f"| {args.model}, {args.requests} requests, {args.adapters} adapters, new {args.new_min}-{args.new_max} | "
-        "tok/s | × generate_batch | TTFT p50 / p99 ms | per token p50 / p99 ms | complete | same as generate_batch |"
+        "tok/s | × generate_batch | × generate_batch fed alike | TTFT p50 / p99 ms | per token p50 / p99 ms | complete "
+        "| same as generate_batch |"
     )
-    print("|---|---|---|---|---|---|---|")
-    first = rows[0]["tok_s"]
+    print("|---|---|---|---|---|---|---|---|")
+    first, alike = rows[0]["tok_s"], rows[1]["tok_s"]
     for r in rows:
         lat = (f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f} | {r['per_token_ms_p50']:.1f} / "
-               f"{r['per_token_ms_p99']:.1f} | {r['complete']} of {args.requests} | {r['same_as_batch'] * 100:.1f}%"
-               if "complete" in r else "- | - | - | -")  # fmt: skip
-        print(f"| {r['row']} | {r['tok_s']:.0f} | {r['tok_s'] / first:.2f} | {lat} |")
+               f"{r['per_token_ms_p99']:.1f} | {r['complete']} of {args.requests}"
+               if "complete" in r else "- | - | -")  # fmt: skip
+        same = f"{r['same_as_batch'] * 100:.1f}%" if "same_as_batch" in r else "-"
+        ratios = f"{r['tok_s'] / first:.2f} | {r['tok_s'] / alike:.2f}"
+        print(f"| {r['row']} | {r['tok_s']:.0f} | {ratios} | {lat} | {same} |")
     if args.out:
         write_results(args.out, run_meta(torch.device(device), args=vars(args)), rows=rows)
     return 0

@@ -30,7 +30,18 @@ import torch
 
 from peft_csgmv import disable_csgmv, enable_csgmv
 from peft_csgmv._compat import cache_kwarg, deferred_stop_check
-from peft_csgmv.bench import TARGETS, add_adapters, build_model, clock_up, device_and_dtype, run_meta, write_results
+from peft_csgmv.bench import (
+    EXPERT_PARAMETERS,
+    MOE_TARGETS,
+    TARGETS,
+    add_adapters,
+    build_model,
+    clock_up,
+    device_and_dtype,
+    is_moe,
+    run_meta,
+    write_results,
+)
 from peft_csgmv.kernels.launch import pdl
 
 from common import developer_switches
@@ -40,9 +51,19 @@ DEFERRED = "base model, stop check deferred (as csgmv's calls)"
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="1b", help="a built-in Llama size of peft_csgmv.bench (tiny, 1b, 8b)")
+    p.add_argument(
+        "--model",
+        default="1b",
+        help="a built-in layout of peft_csgmv.bench (tiny, 1b, 8b; the MoE layouts qwen3-30b-a3b, gpt-oss-20b, whose "
+        "adapters also take the experts' 3D parameters)",
+    )
+    p.add_argument("--layers", type=int, default=None, help="cut the layout to this many decoder layers")
     p.add_argument("--config", default=None, help="any causal-LM config.json (or folder) instead of --model")
-    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated LoRA target modules")
+    p.add_argument(
+        "--targets",
+        default=None,
+        help="comma-separated LoRA target modules (default: the 7 projections; the attention's 4 for a MoE layout)",
+    )
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--batch", type=int, default=32)
@@ -111,7 +132,9 @@ def main(argv=None) -> int:
 
     torch._dynamo.config.recompile_limit = 64  # the rows' graphs share one compiled callable
     device, dtype = device_and_dtype(args.device)
-    model = build_model(args.model, device, dtype, args.config)
+    model = build_model(args.model, device, dtype, args.config, args.layers)
+    moe = is_moe(config=model.config)
+    targets = args.targets.split(",") if args.targets else MOE_TARGETS if moe else TARGETS
     g = torch.Generator(device="cpu").manual_seed(1)
     input_ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
     mask = torch.ones_like(input_ids)
@@ -169,7 +192,9 @@ def main(argv=None) -> int:
     # transformers defers with a cache the caller passes only where that cache can be cropped (not 5.17's StaticCache).
     with deferred_stop_check():
         measure(DEFERRED, model)
-    pm = add_adapters(model, args.adapters, [args.rank], device, targets=args.targets.split(","))
+    pm = add_adapters(
+        model, args.adapters, [args.rank], device, targets=targets, target_parameters=EXPERT_PARAMETERS if moe else None
+    )
     pm.set_adapter("a0")
     if not args.lean:
         measure("PEFT one adapter", pm)

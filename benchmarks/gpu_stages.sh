@@ -20,7 +20,8 @@
 #            -> memory_1b_cold.json, memory_1b_cold.log, tier_host.log
 #   offload  a model accelerate offloads on one GPU: the offload tests (gpu-marked ones included), then 8B with half
 #            its layers offloaded to the CPU: base, PEFT one adapter, csgmv 32 distinct and one adapter, csgmv with the
-#            offloaded stacks kept on the GPU (~5 min) -> gpu_offload.log, offload_8b.json, offload_8b.log
+#            offloaded stacks kept on the GPU; three alternating rounds (~5 min) -> gpu_offload.log, offload_8b.json,
+#            offload_8b.log
 #   multi    two GPUs (the nvidia-h200-x2 kind): 8B with device_map over both vs one; data-parallel generate -> multi_gpu.json
 #   fp32     end to end with PEFT's default fp32 adapters, 1B and 8B (PEFT one adapter vs csgmv) -> e2e_{1b,8b}_fp32.json
 #   beside   GPU time of compiled 1B/8B blocks, the LoRA after vs beside the base product (~2 min) -> beside.json
@@ -35,7 +36,8 @@
 #   clicap   the batch command, 1B, 2048 rows: continuous batching with its cap of requests per step, then with
 #            transformers' own (1024), then static-cache batches (~6 min) -> cli_1b_cap.json
 #   serve    the server (peft-csgmv serve), 1B, 256 requests from 64 streaming clients, against generate_batch on the
-#            same requests (needs wheels/serve: benchmarks/serve_wheels.sh; carry wheels; ~5 min) -> serve_1b.json
+#            same requests, all at once and fed at the clients' concurrency (needs wheels/serve:
+#            benchmarks/serve_wheels.sh; carry wheels; ~6 min) -> serve_1b.json
 #   cbtier   continuous batching over 1000 adapters (copies of 32), 1B, 96 requests (answers 16-256): all resident, then
 #            max_resident_adapters=64 (~5 min) -> continuous_1b_tier.json
 #   peer     PEFT's own mixed-batch tests through csgmv's Triton kernels, fp32 then bf16 models (needs
@@ -61,6 +63,8 @@
 #   gbeside8b  static cache 8B full, groups beside (10 MiB floor) against the default (~5 min) -> static_8b_gbeside.*
 #   compile  compile time, 1B: base model and csgmv alternated over 3 rounds, each row a process of its own with empty
 #            caches (~9 min on a slow machine; read the rows that are not the machine's first process) -> compile_1b.*
+#   smoe     static cache (compiled), MoE expert LoRA, qwen3-30b-a3b then gpt-oss-20b cut to 16 layers: base model,
+#            PEFT one adapter, csgmv 8/32 distinct (~9 min; one layout per call if need be) -> static_moe_{qwen3,gptoss}.json
 #   moe      end to end, MoE expert LoRA (r=16 on attention and experts), batch 32, prompt 256: qwen3-30b-a3b and
 #            gpt-oss-20b cut to 16 layers; base model, PEFT one adapter (rebuilds the experts' weights each forward: 2
 #            repeats), csgmv 1/8/32 distinct; 2 rounds (~3-4 min each, ~8 min; a row out of memory reads NaN)
@@ -140,6 +144,13 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         python3 benchmarks/bench_e2e.py --model $m --layers 16 --repeats 3 --peft-one-repeats 2 --rounds 2 \
           --out "$OUT/e2e_moe_$tag.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/e2e_moe_$tag.log"
         grep "^| $m" "$OUT/e2e_moe_$tag.log" || tail -25 "$OUT/e2e_moe_$tag.log"
+      done ;;
+    smoe)
+      for pair in qwen3:qwen3-30b-a3b gptoss:gpt-oss-20b; do
+        tag=${pair%%:*} m=${pair#*:}
+        python3 benchmarks/bench_static.py --model $m --layers 16 --distinct 8,32 --new-tokens 32 --repeats 2 \
+          --out "$OUT/static_moe_$tag.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/static_moe_$tag.log"
+        grep "^| $m" "$OUT/static_moe_$tag.log" || tail -25 "$OUT/static_moe_$tag.log"
       done ;;
     cli)
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
