@@ -8,7 +8,8 @@ Eager decode at batch 32 is host-bound: each torch op costs a dispatch (and, on 
 kernel a launch, so the count per MoE layer is what to drive down. Runs on the CPU (the count is the same as on a
 GPU): the Triton launches are counted and skipped (their outputs are not needed for a count), and the base experts'
 products take the grouped product the CUDA path takes (``torch.nn.functional.grouped_mm``, which torch also runs on
-the CPU), not the CPU path's product per expert. Ops are counted with a ``TorchDispatchMode`` between the experts
+the CPU), not the CPU path's product per expert, and the plans the CUDA path's one launch (counted; their arrays come
+from the torch path, uncounted). Ops are counted with a ``TorchDispatchMode`` between the experts
 layer's forward pre-hook and its forward hook; views (no kernel on a GPU) are counted apart.
 """
 
@@ -60,14 +61,29 @@ def main(argv=None) -> int:
     p.add_argument("--trace", action="store_true", help="print every op as it is dispatched")
     args = p.parse_args(argv)
 
-    from peft_csgmv import moe
+    from peft_csgmv import moe, moe_plan
 
     moe.GROUPED_ON_CPU = True  # count the CUDA path's grouped base products
+    moe_plan.FUSED_ON_CPU = True  # and its plans in one launch
     launches = collections.Counter()
+    filled = [0.0]  # seconds the plans' stand-in arrays took in the current forward (not timed)
 
     def counted(self, grid, a, c, o=()):
         if counter.on:
             launches[self.kernel.fn.__name__] += 1
+        if self.kernel.fn.__name__ == "_moe_plan_kernel":  # (the plan's arrays, which the products read: the torch
+            on, counter.on, moe_plan.FUSED_ON_CPU = counter.on, False, False  # path's, uncounted and untimed)
+            filled[0] -= time.perf_counter()
+            try:
+                group, index, perm, offsets, segments = a[:5]
+                num_experts, num_slots, chunk = a[10:13]
+                plan = moe_plan.MoePlan.from_groups(group, index, num_experts, num_slots, chunk)
+                perm.copy_(plan.permutation)
+                offsets.copy_(plan.expert_offsets)
+                segments.copy_(torch.cat([plan.seg_start, plan.seg_end, plan.seg_slot, plan.seg_expert]))
+            finally:
+                counter.on, moe_plan.FUSED_ON_CPU = on, True
+                filled[0] += time.perf_counter()
 
     launch.Launcher.__call__ = counted
     counter = Counter()
@@ -87,10 +103,11 @@ def main(argv=None) -> int:
     def pre(module, inputs):
         counter.on = True
         calls[0] += 1
+        filled[0] = 0.0
         spent.append(-time.perf_counter())
 
     def post(module, inputs, output):
-        spent[-1] += time.perf_counter()
+        spent[-1] += time.perf_counter() - filled[0]
         counter.on = False
 
     for m in experts:

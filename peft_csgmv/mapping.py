@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .plan import BatchPlan, aligned_parts, aligned_tail, chunk_size_for
+from .plan import BatchPlan, aligned_parts, aligned_tail, chunk_size_for, upload
 
 if TYPE_CHECKING:
     from .slots import LoraStack
@@ -179,7 +179,7 @@ class Mapping:
             slots = tuple(
                 -1 if slot < 0 or j < per - k else slot for slot, k in zip(self.row_slots, keep) for j in range(per)
             )
-        out = slots if device is None else torch.tensor(slots, dtype=torch.int32, device=device)
+        out = slots if device is None else upload(torch.tensor(slots, dtype=torch.int32), device)
         self._token_slots[key] = out
         return out
 
@@ -192,7 +192,7 @@ class Mapping:
         if cached is None:
             slots = self.token_slots_for(num_tokens)
             groups = [num_slots if s < 0 else s for s in slots]
-            cached = self._token_slots[key] = torch.tensor(groups, dtype=torch.int64, device=device)
+            cached = self._token_slots[key] = upload(torch.tensor(groups, dtype=torch.int64), device)
         return cached
 
     def names_for(self, rows: int) -> list[str]:

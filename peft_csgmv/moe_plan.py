@@ -170,7 +170,9 @@ class MoePlan:
         caller holds them (compiled code: a :class:`~peft_csgmv.mapping.StaticMoePlan`'s, at fixed addresses);
         else from a cache.
 
-        About twenty device ops, no host sync: the group key of each pair (one ``add``; a ``clamp`` and a
+        On CUDA, eagerly, for a step of at most :data:`~peft_csgmv.kernels.moe_plan.MAX_PAIRS` routed pairs (decode):
+        one Triton launch (:func:`~peft_csgmv.kernels.moe_plan.moe_plan_arrays`), the same arrays. Else about twenty
+        device ops, no host sync: the group key of each pair (one ``add``; a ``clamp`` and a
         ``remainder`` send unrouted pairs to the last group), one stable sort, one ``searchsorted`` of the sorted keys
         for every expert's end and every adapter group's start and end, the segments each adapter group needs and
         their running sum, one ``searchsorted`` for each segment's group, and gathers of the group's rows (the
@@ -182,35 +184,17 @@ class MoePlan:
         elif chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         num_segments = max_segments(num_pairs, num_experts, num_slots, chunk_size)
-        if tables is None:
-            tables = _tables(top_k_index.device, num_experts, num_slots, num_segments, chunk_size)
-        bounds, group_slot, group_expert, seg_index, seg_offsets = tables
-        adapter_groups = num_experts * num_slots
-        width = num_slots + 1
+        if tables is None and _fused(top_k_index.device, num_pairs, num_experts, num_slots):
+            from .kernels.moe_plan import moe_plan_arrays
 
-        # Group key of each pair: expert * (S + 1) + slot, base pairs in their expert's last group (slot S); pairs
-        # routed to no expert of the layer (expert < 0 or >= E) in one group after every expert's, E * (S + 1):
-        # clamped to -1 or E * (S + 1), and -1 taken modulo E * (S + 1) + 1.
-        key = torch.add(token_group.view(num_tokens, 1), top_k_index, alpha=width).view(num_pairs)
-        key = key.clamp_(-1, num_experts * width).remainder_(num_experts * width + 1)
-        sorted_key, permutation = torch.sort(key, stable=True)
-        # Sorted positions where each expert's pairs end, and where each adapter group's start and end (each group
-        # (e, s) is g = e * S + s; one more, empty, group past them: the segments past the live ones point at it).
-        found = torch.searchsorted(sorted_key, bounds, out_int32=True)
-        expert_offsets = found[:num_experts]
-        starts = found[num_experts : num_experts + adapter_groups + 1]
-        ends = found[num_experts + adapter_groups + 1 :]
-        group_segments = (ends - starts + (chunk_size - 1)) // chunk_size
-        segments_end = torch.cumsum(group_segments, 0, dtype=torch.int32)  # segments of groups 0..g
-        # Group g's segment s covers sorted positions first[g] + s * chunk up to one chunk more, cut to the group's end.
-        first = torch.sub(starts, segments_end - group_segments, alpha=chunk_size)
-        table = torch.stack([first, ends, group_slot, group_expert])  # (4, E·S + 1)
-
-        # Segment s belongs to the first group whose segments end past s; the segments past the last live one to the
-        # empty group (start and end 0: first[g] + s * chunk >= 0 there, and is cut to 0).
-        group = torch.searchsorted(segments_end[:adapter_groups], seg_index, right=True, out_int32=True)
-        rows = table[:, group]  # (4, M): first, end, slot, expert of each segment's group
-        start_end = torch.minimum(rows[:1] + seg_offsets, rows[1:2])  # (2, M)
+            permutation, expert_offsets, segments = moe_plan_arrays(
+                token_group, top_k_index, num_experts, num_slots, chunk_size, num_segments
+            )
+            seg_start, seg_end, seg_slot, seg_expert = segments.unbind(0)
+        else:
+            permutation, expert_offsets, seg_start, seg_end, seg_slot, seg_expert = _plan_ops(
+                token_group, top_k_index, num_experts, num_slots, chunk_size, num_segments, tables
+            )
         return cls(
             num_tokens=num_tokens,
             top_k=top_k,
@@ -218,12 +202,12 @@ class MoePlan:
             num_slots=num_slots,
             chunk_size=chunk_size,
             num_segments=num_segments,
-            permutation=permutation.to(torch.int32),
+            permutation=permutation,
             expert_offsets=expert_offsets,
-            seg_start=start_end[0],
-            seg_end=start_end[1],
-            seg_slot=rows[2],
-            seg_expert=rows[3],
+            seg_start=seg_start,
+            seg_end=seg_end,
+            seg_slot=seg_slot,
+            seg_expert=seg_expert,
         )
 
     def segments(self) -> list[tuple[int, int, int, int]]:
@@ -231,6 +215,58 @@ class MoePlan:
         tests and debugging, not for the kernels' path)."""
         rows = zip(self.seg_slot.tolist(), self.seg_expert.tolist(), self.seg_start.tolist(), self.seg_end.tolist())
         return [(slot, expert, start, end) for slot, expert, start, end in rows if end > start]
+
+
+def _plan_ops(token_group, top_k_index, num_experts: int, num_slots: int, chunk: int, segments: int, tables) -> tuple:
+    """:meth:`MoePlan.from_groups`'s arrays by torch ops (see its docstring): permutation, expert offsets, segment
+    starts, ends, slots and experts."""
+    num_tokens, top_k = top_k_index.shape
+    num_pairs = num_tokens * top_k
+    if tables is None:
+        tables = _tables(top_k_index.device, num_experts, num_slots, segments, chunk)
+    bounds, group_slot, group_expert, seg_index, seg_offsets = tables
+    adapter_groups = num_experts * num_slots
+    width = num_slots + 1
+
+    # Group key of each pair: expert * (S + 1) + slot, base pairs in their expert's last group (slot S); pairs
+    # routed to no expert of the layer (expert < 0 or >= E) in one group after every expert's, E * (S + 1):
+    # clamped to -1 or E * (S + 1), and -1 taken modulo E * (S + 1) + 1.
+    key = torch.add(token_group.view(num_tokens, 1), top_k_index, alpha=width).reshape(num_pairs)
+    key = key.clamp_(-1, num_experts * width).remainder_(num_experts * width + 1)
+    sorted_key, permutation = torch.sort(key, stable=True)
+    # Sorted positions where each expert's pairs end, and where each adapter group's start and end (each group
+    # (e, s) is g = e * S + s; one more, empty, group past them: the segments past the live ones point at it).
+    found = torch.searchsorted(sorted_key, bounds, out_int32=True)
+    expert_offsets = found[:num_experts]
+    starts = found[num_experts : num_experts + adapter_groups + 1]
+    ends = found[num_experts + adapter_groups + 1 :]
+    group_segments = (ends - starts + (chunk - 1)) // chunk
+    segments_end = torch.cumsum(group_segments, 0, dtype=torch.int32)  # segments of groups 0..g
+    # Group g's segment s covers sorted positions first[g] + s * chunk up to one chunk more, cut to the group's end.
+    first = torch.sub(starts, segments_end - group_segments, alpha=chunk)
+    table = torch.stack([first, ends, group_slot, group_expert])  # (4, E·S + 1)
+
+    # Segment s belongs to the first group whose segments end past s; the segments past the last live one to the
+    # empty group (start and end 0: first[g] + s * chunk >= 0 there, and is cut to 0).
+    group = torch.searchsorted(segments_end[:adapter_groups], seg_index, right=True, out_int32=True)
+    rows = table[:, group]  # (4, M): first, end, slot, expert of each segment's group
+    start_end = torch.minimum(rows[:1] + seg_offsets, rows[1:2])  # (2, M)
+    return permutation.to(torch.int32), expert_offsets, start_end[0], start_end[1], rows[2], rows[3]
+
+
+# Whether :meth:`MoePlan.from_groups` takes the one-launch path on the CPU too (under the Triton interpreter: tests,
+# benchmarks/count_moe_ops.py); on CUDA it always does where the step fits.
+FUSED_ON_CPU = False
+
+
+def _fused(device: torch.device, num_pairs: int, num_experts: int, num_slots: int) -> bool:
+    """Whether a plan of these shapes on ``device`` is built in one launch (eager code only: compiled code traces
+    the torch ops, which its compiler fuses)."""
+    if not (device.type == "cuda" or FUSED_ON_CPU) or torch.compiler.is_compiling():
+        return False
+    from .kernels.moe_plan import fits
+
+    return fits(num_pairs, num_experts, num_slots)
 
 
 def token_groups(token_slot: torch.Tensor, num_slots: int) -> torch.Tensor:

@@ -87,6 +87,14 @@ def aligned_tail(num_tokens: int, seg_indptr: list[int], seg_slot: list[int]) ->
     return [0] * (indptr_at - num_tokens) + seg_indptr + [0] * (slot_at - indptr_at - len(seg_indptr)) + seg_slot
 
 
+def upload(host: torch.Tensor, device) -> torch.Tensor:
+    """``host`` on ``device`` without waiting for it: on CUDA one copy from pinned memory queued on the current stream
+    (a copy from pageable memory would wait for every kernel queued before it)."""
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class BatchPlan:
     """Token grouping shared by every patched layer that sees the same ``(rows, tokens_per_row)`` shape.
@@ -244,11 +252,7 @@ class BatchPlan:
         else:
             host = torch.tensor(perm + tail, dtype=torch.int32)
 
-        device = torch.device(device)
-        if device.type == "cuda":
-            dev = host.pin_memory().to(device, non_blocking=True)
-        else:
-            dev = host.to(device)
+        dev = upload(host, device)
         return cls(
             rows=rows,
             tokens_per_row=tokens_per_row,

@@ -7,6 +7,8 @@ import random
 import pytest
 import torch
 
+from peft_csgmv import moe_plan
+from peft_csgmv.kernels.moe_plan import MAX_PAIRS, fits, moe_plan_arrays
 from peft_csgmv.moe_plan import MAX_CHUNK_SIZE, MoePlan, max_segments, moe_chunk_size, token_groups
 from peft_csgmv.plan import MIN_CHUNK_SIZE
 
@@ -113,8 +115,16 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["torch-ops", "one-launch"])
+def build_path(request, monkeypatch):
+    """Both ways a plan is built: torch ops, and the one Triton launch CUDA's eager steps take (here under the
+    interpreter), which must give the same arrays."""
+    monkeypatch.setattr(moe_plan, "FUSED_ON_CPU", request.param == "one-launch")
+    return request.param
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_plan_properties(case):
+def test_plan_properties(case, build_path):
     seed, tokens, top_k, experts, slots, base, unrouted, chunk = CASES[case]
     token_slot, index = random_routing(seed, tokens, top_k, experts, slots, base, unrouted)
     plan = MoePlan.build(token_slot, index, experts, slots, chunk_size=chunk)
@@ -191,7 +201,7 @@ def _old_style_reference(token_slot, index, experts, slots, chunk):
 
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("chunk", [1, 2, 5, None])
-def test_plan_arrays_exactly_with_far_sentinels(index_dtype, chunk):
+def test_plan_arrays_exactly_with_far_sentinels(index_dtype, chunk, build_path):
     """Every array of the plan, exactly, against a host reference: routings with expert-parallel sentinels far out of
     range (-7, E + 5, as well as -1 and E), int32 or int64 router indices, chunks of 1, 2, 5 and the default; the
     group slots made from a tensor (the layers' path, :meth:`MoePlan.from_groups`) give the same plan."""
@@ -215,3 +225,56 @@ def test_plan_arrays_exactly_with_far_sentinels(index_dtype, chunk):
     again = MoePlan.from_groups(groups, index, experts, slots, chunk_size=plan.chunk_size)
     for name in ("permutation", "expert_offsets", "seg_start", "seg_end", "seg_slot", "seg_expert"):
         assert torch.equal(getattr(again, name), getattr(plan, name)), name
+
+
+def _arrays(plan: MoePlan) -> list:
+    return [t.tolist() for t in (plan.permutation, plan.expert_offsets, plan.seg_start, plan.seg_end, plan.seg_slot,
+                                 plan.seg_expert)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(32, 8, 128, 32), (64, 4, 32, 9), (7, 2, 5, 3), (1, 1, 1, 1), (MAX_PAIRS // 8, 8, 16, 4)],
+    ids=["qwen3-decode", "gpt-oss-decode", "small", "one-pair", "most-pairs"],
+)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "every-other-row", "last-columns"])
+def test_one_launch_equals_torch_ops(shape, layout, monkeypatch):
+    """The one-launch plan equals the torch ops' entry for entry, on decode-sized routings (Qwen3-30B-A3B's and
+    gpt-oss-20b's expert counts with 32 and 9 slots), the largest step it takes, base tokens and sentinels included,
+    with the router's index read through any strides: a transposed copy, every other row of a taller one
+    (``[::2]``), the last ``top_k`` columns of a wider one (``[:, -top_k:]``)."""
+    tokens, top_k, experts, slots = shape
+    g = torch.Generator().manual_seed(tokens * 31 + experts)
+    token_slot = torch.randint(-1, slots, (tokens,), generator=g)
+    index = torch.stack([torch.randperm(experts + 2, generator=g)[:top_k] - 1 for _ in range(tokens)])
+    if layout == "transposed":
+        index = index.t().contiguous().t()
+    elif layout == "every-other-row":
+        index = torch.stack([index, torch.full_like(index, 3)], 1).reshape(2 * tokens, top_k)[::2]
+    elif layout == "last-columns":
+        index = torch.cat([torch.full_like(index, -5), index], 1)[:, -top_k:]
+    groups = token_groups(token_slot, slots)
+    assert fits(tokens * top_k, experts, slots)
+    monkeypatch.setattr(moe_plan, "FUSED_ON_CPU", False)
+    want = MoePlan.from_groups(groups, index, experts, slots)
+    monkeypatch.setattr(moe_plan, "FUSED_ON_CPU", True)
+    got = MoePlan.from_groups(groups, index, experts, slots)
+    assert _arrays(got) == _arrays(want)
+    assert all(t.dtype == torch.int32 for t in (got.permutation, got.seg_start, got.seg_slot))
+    # (the direct call, with a chunk of one pair: the most segments)
+    chunk1 = MoePlan.from_groups(groups, index, experts, slots, chunk_size=1)
+    perm, offsets, segments = moe_plan_arrays(groups, index, experts, slots, 1, chunk1.num_segments)
+    monkeypatch.setattr(moe_plan, "FUSED_ON_CPU", False)
+    want1 = MoePlan.from_groups(groups, index, experts, slots, chunk_size=1)
+    assert [perm.tolist(), offsets.tolist(), *segments.tolist()] == _arrays(want1)
+
+
+def test_steps_past_one_launch_take_torch_ops(monkeypatch):
+    """A step with more routed pairs than one program holds (a prefill), or more sort keys, is built by torch ops."""
+    assert not fits(MAX_PAIRS + 1, 8, 2) and not fits(4, 128, 200) and fits(MAX_PAIRS, 8, 2)
+    monkeypatch.setattr(moe_plan, "FUSED_ON_CPU", True)
+    launched = []
+    monkeypatch.setattr("peft_csgmv.kernels.moe_plan.moe_plan_arrays", lambda *a: launched.append(a))
+    index = torch.randint(0, 8, (MAX_PAIRS // 2 + 1, 2))
+    plan = MoePlan.from_groups(torch.zeros(index.shape[0], dtype=torch.int64), index, 8, 2)
+    assert not launched and plan.permutation.shape == (index.numel(),)
