@@ -44,6 +44,9 @@ STOCK = object()
 # With the host tier, waiting requests whose adapters hold a slot start before those whose adapters would have to be
 # brought in, but no request waits longer than this many steps for that preference (it then starts in its turn).
 PATIENCE = 16
+# Whether adapters are brought in ahead (Router.admit) on the CPU too, where their copies are done at once (tests); on
+# a GPU they always are.
+AHEAD_ON_CPU = False
 
 
 def continuous_batching_available() -> bool:
@@ -171,7 +174,13 @@ class Router:
         step's token budget in it): first the requests that need no adapter brought in (the base model, an adapter
         that holds a slot) and those that have waited :data:`PATIENCE` rounds, then the others, each group in its
         arrival order. A request whose adapter does not fit holds no place, and its adapter is the next admitted as
-        soon as one fits."""
+        soon as one fits.
+
+        On a GPU, while requests run, a waiting request whose adapter is not in a slot does not start: its adapter is
+        brought in ahead (:meth:`~peft_csgmv.sync.CsgmvState.bring_in_ahead`, copied on a stream of its own beside
+        the running steps, into slots the running requests do not use), and the request starts in a later step, once
+        the copy is done (or once it has waited :data:`PATIENCE` rounds: that step then waits for the copy on the
+        device). With nothing running, such a request starts at once and its step brings its adapter in."""
         model = self.model_ref()
         state = None if model is None else model.__dict__.get("_csgmv")
         if state is None or state.max_resident is None:
@@ -186,9 +195,12 @@ class Router:
                 return stock
             return found
 
-        allowed = {name(rid) for rid in list(scheduler.active_requests)} - {None}
+        running = list(scheduler.active_requests)
+        allowed = {name(rid) for rid in running} - {None}
         with state.executor.lock:  # (another thread's call may be moving adapters)
-            resident = set(state.registry.index)
+            resident = {n for n in state.registry.index if state.tier.ready(n)}
+            arriving = set(state.tier.ahead) - resident  # (brought in ahead, copies still on their way)
+        ahead = AHEAD_ON_CPU or any(device.type == "cuda" for device in state.devices)
         self.rounds += 1
         first, later = [], []
         for candidate in candidates:
@@ -196,13 +208,22 @@ class Router:
             waited = self.rounds - self.since.setdefault(candidate.request_id, self.rounds)
             ready = adapter is None or adapter in allowed or adapter in resident or waited >= PATIENCE
             (first if ready else later).append((candidate, adapter))
-        admitted = []
+        admitted, wanted = [], []
+        late = {id(candidate) for candidate, _ in later}
         for candidate, adapter in first + later:
             if adapter is not None and adapter not in allowed:
+                if ahead and adapter not in resident and (running or admitted) and id(candidate) in late:
+                    wanted.append(adapter)  # (it starts once its adapter is in: brought in ahead below)
+                    continue
                 if len(allowed) >= state.max_resident:
                     continue
                 allowed.add(adapter)
             admitted.append(candidate)
+        room = state.max_resident - len(allowed | arriving)
+        wanted = [a for a in dict.fromkeys(wanted) if a not in arriving][: max(0, room)]
+        if wanted:
+            with state.executor.lock:
+                state.bring_in_ahead(wanted, keep=allowed | arriving)
         return admitted
 
     def step(self, processor, own_step, model) -> None:

@@ -277,9 +277,10 @@ class CsgmvState:
             names = list(model.peft_config)
             tier = self.tier
             for gone in [n for n in self.registry.index if n not in names]:
-                self.registry.remove(gone)
                 if tier is not None:
+                    tier.settle([gone])  # (a copy in still on its way lands before its slot is given again)
                     tier.lru.pop(gone, None)
+                self.registry.remove(gone)
             if tier is not None:
                 for gone in {key[0] for key in tier.host.regions} - set(names):
                     tier.host.forget(gone)
@@ -584,13 +585,29 @@ class CsgmvState:
             return []
         before = list(self.registry.names)
         out = self.tier.make_resident(needed, self._tiered(self.layers.values()), _dora_scale, self.dora_refused)
+        self._restack_offloaded(before)
+        return out
+
+    def bring_in_ahead(self, names, keep) -> list[str]:
+        """Bring adapters ``names`` into slots ahead of the step that needs them, beside the running steps, keeping
+        ``keep`` (host tier only; :meth:`~peft_csgmv.tier.HostTier.bring_in_ahead`); the names brought in."""
+        if self.tier is None:
+            return []
+        before = list(self.registry.names)
+        layers = self._tiered(self.layers.values())
+        brought = self.tier.bring_in_ahead(names, keep, layers, _dora_scale, self.dora_refused)
+        self._restack_offloaded(before)
+        return brought
+
+    def _restack_offloaded(self, before: list) -> None:
+        """After adapters moved: the stacks of offloaded layers (out of the tier) hold the adapters of the slots as
+        they are now."""
         offloaded = [layer for layer in self.layers.values() if layer._csgmv_record.offload is not None]
         if offloaded and (self.registry.names != before or self.offload_stale):
             self.offload_stale = True  # (until every offloaded stack holds its slots' adapters: a failure retries)
             for layer in offloaded:
                 self.stack_layer(layer)
             self.offload_stale = False
-        return out
 
     @property
     def resident(self) -> list[str]:

@@ -159,6 +159,10 @@ class HostTier:
         self.page_out: dict[tuple[DevicePages, int], torch.cuda.Event] = {}
         self.experts_layers: list[nn.Module] = []  # the model's experts layers (MoE expert LoRA), as of lay_out
         self.experts_dirty: set = set()  # experts stacks whose slot vectors changed on the host since their upload
+        # Adapters brought in ahead (:meth:`bring_in_ahead`) whose page copies may still run on a copy-in stream:
+        # name -> [(device, event after its copies)], until the current stream waits for them (:meth:`settle`).
+        self.ahead: dict[str, list] = {}
+        self.ahead_out: list = []  # the copies out of the residents they evicted, for the next call to wait for
 
     # -- a call's adapters made resident ---------------------------------------------------------------------------
 
@@ -177,12 +181,13 @@ class HostTier:
         again). ``needed`` fits: :meth:`check_fits` ran first. ``layers``: the model's kernel layers. Returns the events
         of the copies out still in flight (:func:`copies_out`), which the caller settles before host code may read the
         weights that went out (as its call ends)."""
+        self.settle(needed)
         missing = [n for n in needed if n not in self.registry.index]
-        out = []
+        out, self.ahead_out = self.ahead_out, []
         if missing:
             with no_gc_pauses():
                 try:
-                    out = self._bring_in(missing, needed, layers, dora_scale, dora_refused)
+                    out += self._bring_in(missing, needed, layers, dora_scale, dora_refused)
                 except BaseException:
                     self._abandon(missing, layers)
                     raise
@@ -190,11 +195,57 @@ class HostTier:
             self.lru.move_to_end(name)
         return out
 
-    def _bring_in(self, missing: list[str], needed, layers: list, dora_scale, dora_refused) -> list:
-        """:meth:`make_resident`'s moves: evict the least recently used residents that are not needed, then bring
-        ``missing`` into their slots; the events of the copies out."""
+    def bring_in_ahead(self, names, keep, layers: list, dora_scale, dora_refused) -> list[str]:
+        """Bring adapters ``names`` into slots before a step needs them (continuous batching: the adapters of
+        requests still waiting), evicting none of ``keep`` (the running requests' adapters) or of the adapters already
+        on their way. As :meth:`make_resident` does, but each page's copy runs on the device's copy-in stream
+        (:func:`in_stream`), after the work queued so far on the current one and beside the steps queued after it:
+        the running batch does not wait for it. Each adapter is :meth:`ready` once its copies are done; every use
+        (:meth:`make_resident`) and every move out (:meth:`to_host`) first makes the current stream wait for them
+        (:meth:`settle`). On the CPU the copies are done when this returns. The names brought in."""
+        missing = [n for n in dict.fromkeys(names) if n not in self.registry.index]
+        if not missing:
+            return []
+        needed = {*keep, *self.ahead, *missing}
+        with no_gc_pauses():
+            try:
+                self.ahead_out += self._bring_in(missing, needed, layers, dora_scale, dora_refused, ahead=True)
+            except BaseException:
+                self._abandon(missing, layers)
+                raise
+        events = []
+        for device in {pages.device for pages in self.pages.values()}:
+            if streamed(device):
+                event = torch.cuda.Event()
+                event.record(in_stream(device))
+                events.append((device, event))
+        for name in missing:
+            if events:
+                self.ahead[name] = events
+        return missing
+
+    def ready(self, name: str) -> bool:
+        """Whether adapter ``name``'s slot holds its weights on the device now (not still on their way from
+        :meth:`bring_in_ahead`; asks the device without waiting for it)."""
+        events = self.ahead.get(name)
+        return events is None or all(event.query() for _, event in events)
+
+    def settle(self, names) -> None:
+        """The current stream waits (on the device, not the host) for the copies in of ``names`` brought in ahead,
+        before any work queued after this reads or moves their slots."""
+        if not self.ahead:
+            return
+        for name in names:
+            for device, event in self.ahead.pop(name, ()):
+                torch.cuda.current_stream(device).wait_event(event)
+
+    def _bring_in(self, missing: list[str], needed, layers: list, dora_scale, dora_refused, ahead=False) -> list:
+        """:meth:`make_resident`'s moves: evict the least recently used residents that are not needed (adapters
+        still on their way from :meth:`bring_in_ahead` last), then bring ``missing`` into their slots (``ahead``: on
+        the copy-in stream); the events of the copies out."""
         registry = self.registry
-        victims = [n for n in self.lru if n not in needed]
+        victims = [n for n in self.lru if n not in needed and n not in self.ahead]
+        victims += [n for n in self.lru if n not in needed and n in self.ahead]
         # Slots whose adapter left, by the stacks that still describe it: a slot's next adapter writes the same
         # fields in the stacks it has a part in, so the slot is emptied only in the others (most often none).
         held: dict[int, list[LoraStack]] = {}
@@ -202,6 +253,7 @@ class HostTier:
             for name in missing:
                 if len(registry.index) >= self.capacity:
                     victim = victims.pop(0)
+                    self.settle([victim])
                     slot = registry.index[victim]
                     # Its weights leave the slot as they are (edits included), copied out first: a copy that fails
                     # leaves the adapter resident and shared as it was.
@@ -218,7 +270,7 @@ class HostTier:
                 slot = registry.index[name]
                 if slot in held:
                     self.refill(name, slot, held.pop(slot))
-                self.bring_in(name, slot, dora_scale, dora_refused)
+                self.bring_in(name, slot, dora_scale, dora_refused, ahead)
         finally:  # (slots left unfilled: emptied in full, as an eviction does)
             for slot, left in held.items():
                 empty_slot(slot, left)
@@ -367,6 +419,7 @@ class HostTier:
         device's copy-out stream (:func:`out_stream`), after the work queued so far on the current one, so that it
         runs beside the copies in of the adapters that come in (each waits for the copy out of its slot's page:
         :meth:`bring_in`)."""
+        self.settle([name])  # (a copy in from bring_in_ahead still on its way lands first)
         for pages, region, params, views in self.regions(name):
             if slot is not None and pages is not None:
                 page = pages.page(slot, region.numel())
@@ -398,23 +451,34 @@ class HostTier:
             self.regions(name)
         self.host.expect(0)
 
-    def bring_in(self, name: str, slot: int, dora_scale, dora_refused: set) -> None:
+    def bring_in(self, name: str, slot: int, dora_scale, dora_refused: set, ahead: bool = False) -> None:
         """Adapter ``name`` from its host regions into slot ``slot``: one copy per group of pages, the rest of its
-        parameters to their layers' devices, then each layer's slot set at its place in the page."""
+        parameters to their layers' devices, then each layer's slot set at its place in the page. ``ahead``: the
+        page copies on the device's copy-in stream (:meth:`bring_in_ahead`; the pages exist already, so nothing is
+        allocated there), the rest on the current one."""
         placement = self.placements[name]
+        sides = {}  # pages -> the copy-in stream their copies take (ahead, on CUDA)
         for pages, region, _, _ in self.regions(name):
             if pages is not None:
                 page = pages.page(slot, region.numel())
+                side = None
+                if ahead and streamed(page.device):
+                    side = sides[pages] = in_stream(page.device)
+                    side.wait_stream(torch.cuda.current_stream(page.device))  # (the slot's last readers first)
                 out = self.page_out.pop((pages, slot), None)
                 if out is not None:  # the page's copy out to its last adapter's region first
-                    torch.cuda.current_stream(page.device).wait_event(out)
-                page.copy_(region, non_blocking=True)
+                    (side or torch.cuda.current_stream(page.device)).wait_event(out)
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    page.copy_(region, non_blocking=True)
         for p, device in placement.rest:
             if p.device != device:
                 p.data = p.data.to(device, copy=True, non_blocking=True)
         for pages, parts in placement.parts.items():
             scalings = [layer.scaling[name] for layer in placement.layers[pages]]
-            pages.place(slot, placement.part_stacks[pages], parts, scalings, placement.columns[pages])
+            pages.place(slot, placement.part_stacks[pages], parts, scalings, placement.columns[pages], sides.get(pages))
+        if placement.dora:
+            for side in sides.values():  # (DoRA's scale reads the weights: their copies in first)
+                torch.cuda.current_stream(side.device).wait_stream(side)
         for layer, stack, bias in placement.dora:
             stack.set_extras(slot, dora_scale(layer, name), bias)
         for part in placement.experts:  # (its expert weights, from their host region into the stacks' slot)
@@ -509,6 +573,13 @@ def streamed(device: torch.device) -> bool:
 @functools.cache
 def out_stream(device: torch.device) -> "torch.cuda.Stream":
     """The stream that copies device pages out to host memory on CUDA ``device`` (one per device)."""
+    return torch.cuda.Stream(device)
+
+
+@functools.cache
+def in_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stream that copies the pages of adapters brought in ahead into their slots on CUDA ``device``
+    (:meth:`HostTier.bring_in_ahead`; one per device)."""
     return torch.cuda.Stream(device)
 
 
@@ -726,7 +797,13 @@ class DevicePages:
         return PageColumns(span, rows, ranks, rel, b_rel, layout)
 
     def place(
-        self, slot: int, stacks: "list[LoraStack]", parts: "list[SlotRecord]", scalings, columns: PageColumns
+        self,
+        slot: int,
+        stacks: "list[LoraStack]",
+        parts: "list[SlotRecord]",
+        scalings,
+        columns: PageColumns,
+        stream: "torch.cuda.Stream | None" = None,
     ) -> None:
         """The host tier's bring-in: an adapter's ``parts`` in this group (one per layer, each of the stack at its
         place in ``stacks``, PEFT's scaling of each in ``scalings``; ``columns``: theirs, :meth:`columns`) set as slot
@@ -737,7 +814,9 @@ class DevicePages:
 
         This runs for each layer of every adapter brought in, so the slot's ranks, scalings and offsets in every
         layer are written as one column per table, into the mirrors the stacks' host lists view; one pass over the
-        layers with plain writes is left, no method call per layer: re-pointing PEFT's two weights is most of it."""
+        layers with plain writes is left, no method call per layer: re-pointing PEFT's two weights is most of it.
+        ``stream``: where the page's own copy ran (a copy in ahead, :meth:`HostTier.bring_in_ahead`): the weights
+        copied into the page here follow it there, after it (they write where it wrote)."""
         if slot >= self.width:
             for stack in stacks:
                 stack.ensure_capacity(slot + 1)
@@ -767,8 +846,9 @@ class DevicePages:
             if part.share:
                 a.data, b.data = dst_a, dst_b
             else:
-                dst_a.copy_(a.detach(), non_blocking=True)
-                dst_b.copy_(b.detach(), non_blocking=True)
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    dst_a.copy_(a.detach(), non_blocking=True)
+                    dst_b.copy_(b.detach(), non_blocking=True)
             if part.bias is not None or stack.mag is not None or stack.lora_bias is not None:
                 stack.set_extras(slot, None, part.bias)
 

@@ -198,18 +198,10 @@ def test_host_tier_starts_only_requests_whose_adapters_fit():
 
     model = add_adapters(model, specs)
     model.get_base_model().generation_config.eos_token_id = None
-    enable_csgmv(model, backend="torch", max_resident_adapters=2)
     prompts = PROMPTS + [[1, 7, 7, 7], [3, 4, 5, 6, 7, 8]]
     ids = ["a0", "a1", "a2", None, "a2", "a0", "a1"]
     gen, cbc = _configs()
-    try:
-        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
-        got = [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
-        assert len(csgmv_stats(model)["resident"]) <= 2
-    finally:
-        disable_csgmv(model)
-    want = [_alone(model, p, a, 5) for p, a in zip(prompts, ids)]
-    assert len({tuple(w) for w in want}) > 3, "the adapters change nothing: the test would prove nothing"
+    got, want = _tiered_batch(model, prompts, ids, gen, cbc, 5)
     assert got == want
 
 
@@ -249,6 +241,94 @@ def test_host_tier_starts_requests_of_resident_adapters_first(monkeypatch):
     assert len({tuple(w) for w in want}) > 4, "the adapters change nothing: the test would prove nothing"
     assert outputs[default] == want and outputs[0] == want
     assert moves[default] < moves[0], moves
+
+
+def _tiered_batch(model, prompts, ids, gen, cbc, new_tokens: int) -> tuple[list, list]:
+    """``generate_batch`` over ``prompts`` / ``ids`` with ``max_resident_adapters=2`` (never more resident), and the
+    alone-runs: ``(got, want)``."""
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    try:
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
+        got = [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+        assert len(csgmv_stats(model)["resident"]) <= 2
+    finally:
+        disable_csgmv(model)
+    want = [_alone(model, p, a, new_tokens) for p, a in zip(prompts, ids)]
+    assert len({tuple(w) for w in want}) > 3, "the adapters change nothing: the test would prove nothing"
+    return got, want
+
+
+def _ahead_run(monkeypatch, ids, slow_queries: int = 0):
+    """``generate_batch`` over ``ids`` with ``max_resident_adapters=2`` and adapters brought in ahead (on the CPU,
+    as a GPU does): each bring-in as ``(name, ahead)``, the adapters of each step, and the tokens, beside the
+    alone-runs. ``slow_queries``: an adapter brought in ahead reads as not ready for that many admission rounds (a
+    copy still on its way), and no step may use it before unless it has nothing else to run."""
+    from helpers import add_adapters, tiny_model
+
+    from peft_csgmv import continuous
+    from peft_csgmv.tier import HostTier
+
+    model, targets = tiny_model("llama")
+    model = add_adapters(model, {f"a{i}": dict(r=4, lora_alpha=8, target_modules=targets) for i in range(4)})
+    model.get_base_model().generation_config.eos_token_id = None
+    monkeypatch.setattr(continuous, "AHEAD_ON_CPU", True)
+    monkeypatch.setattr(continuous, "PATIENCE", 1000)
+    brought, steps, copying = [], [], {}
+    real_bring_in, real_ahead, real_open = HostTier.bring_in, HostTier.bring_in_ahead, continuous.open_step
+
+    def bring_in(self, name, slot, dora_scale, dora_refused, ahead=False):
+        brought.append((name, ahead))
+        return real_bring_in(self, name, slot, dora_scale, dora_refused, ahead)
+
+    def bring_in_ahead(self, *args, **kwargs):
+        names = real_ahead(self, *args, **kwargs)
+        copying.update(dict.fromkeys(names, slow_queries))
+        return names
+
+    def ready(self, name):
+        left = copying.get(name, 0)
+        copying[name] = max(0, left - 1)
+        return left == 0
+
+    def open_step(model, state, scheduled, names):
+        used = {n for n in names if n is not None}
+        # (only a step that had nothing else to run starts a request whose adapter is on its way: it then waits for
+        # the copy on the device)
+        if any(copying.get(n, 0) for n in used):
+            assert len(used) == 1 and None not in names, f"a busy step used an adapter on its way: {used}, {copying}"
+        steps.append(used)
+        return real_open(model, state, scheduled, names)
+
+    monkeypatch.setattr(HostTier, "bring_in", bring_in)
+    monkeypatch.setattr(HostTier, "bring_in_ahead", bring_in_ahead)
+    monkeypatch.setattr(HostTier, "ready", ready)
+    monkeypatch.setattr(continuous, "open_step", open_step)
+    gen, cbc = _configs(new_tokens=4, max_batch_tokens=8)
+    prompts = [[3 + i, 5, 7 + i % 3, 9] for i in range(len(ids))]
+    got, want = _tiered_batch(model, prompts, ids, gen, cbc, 4)
+    return brought, steps, got, want
+
+
+def test_host_tier_brings_waiting_requests_adapters_in_ahead(monkeypatch):
+    """``max_resident_adapters=2``, four adapters, a step budget that runs about two requests at a time: while
+    requests run, a waiting request whose adapter has no slot does not start; its adapter is brought in ahead (on a
+    GPU: copied on a stream of its own beside the running steps) and the request starts in a later step. Every
+    request's tokens are its alone-run's."""
+    ids = ["a0", "a1", "a2", "a3", "a0", "a2", "a1", "a3"]
+    brought, steps, got, want = _ahead_run(monkeypatch, ids)
+    assert got == want
+    assert any(ahead for _, ahead in brought), brought
+    assert all(len(used) <= 2 for used in steps)
+
+
+def test_a_request_waits_while_its_adapter_is_on_its_way(monkeypatch):
+    """An adapter brought in ahead whose copy is still on its way (here: reads as not ready for three rounds) is used
+    by no step that has other requests to run; its requests start once it is ready (or in a step that would otherwise
+    have nothing to do), the running ones go on meanwhile, and every request's tokens are its alone-run's."""
+    ids = ["a0", "a1", "a2", "a3", "a1", "a2"]
+    brought, steps, got, want = _ahead_run(monkeypatch, ids, slow_queries=3)
+    assert got == want
+    assert any(ahead for _, ahead in brought), brought
 
 
 def test_a_prompt_cached_under_one_adapter_is_not_reused_under_another(enabled):

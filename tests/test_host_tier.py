@@ -226,6 +226,28 @@ class _Streams:
         self.log: list[tuple] = []
         self.current = self.active = _Stream(self, "current")
         self.made: list = []
+        self.done: set = set()  # the events that read as completed
+
+    @classmethod
+    def install(cls, monkeypatch) -> "_Streams":
+        """Stand-ins in CUDA's place for the host tier (its streams made anew: call ``clear`` when done)."""
+        from peft_csgmv import tier as tier_module
+
+        streams = cls()
+        monkeypatch.setattr(tier_module, "streamed", lambda device: True)
+        monkeypatch.setattr(torch.cuda, "Event", streams.event)
+        monkeypatch.setattr(torch.cuda, "Stream", streams.stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", streams.current_stream)
+        monkeypatch.setattr(torch.cuda, "stream", streams.on)
+        streams.clear()
+        return streams
+
+    @staticmethod
+    def clear() -> None:
+        from peft_csgmv import tier as tier_module
+
+        tier_module.out_stream.cache_clear()
+        tier_module.in_stream.cache_clear()
 
     def event(self):
         return _Event(self)
@@ -281,6 +303,49 @@ class _Event:
     def synchronize(self):
         self.streams.log.append(("event_sync", self.id))
 
+    def query(self):
+        self.streams.log.append(("query", self.id))
+        return self.id in self.streams.done
+
+
+def test_an_adapter_brought_in_ahead_copies_beside_the_running_work(monkeypatch):
+    """``bring_in_ahead`` (continuous batching's, for a waiting request's adapter), as on CUDA with stand-in streams:
+    the resident it evicts leaves on the copy-out stream; its page copy runs on a copy-in stream of its own, once
+    that stream waited for the current one (whose queued work may still read the slot), and an event marks it; the
+    adapter reads as not ready until that event completes (asked, never waited for); the first call that uses it
+    makes the current stream wait for the event before its layers run. Nothing waits on the host, and the logits are
+    stock PEFT's."""
+
+    model, _ = tiny_model("llama")
+    specs = {name: dict(r=4 + 2 * i, lora_alpha=8, target_modules=ALL_LINEAR) for i, name in enumerate(ADAPTERS)}
+    model = add_adapters(model, specs)
+    input_ids, mask = (t.cpu() for t in make_batch(4, 6))
+    outs = per_adapter(model, [*ADAPTERS, BASE], lambda: model(input_ids, attention_mask=mask).logits)
+    enable_csgmv(model, backend="torch", max_resident_adapters=2)
+    streams = _Streams.install(monkeypatch)
+    state = model._csgmv
+    try:
+        assert state.bring_in_ahead(["a2"], keep={"a0"}) == ["a2"]
+        assert csgmv_stats(model)["resident"] == ["a0", "a2"]
+        log = streams.log
+        copy_out, copy_in = (stream.name for stream in streams.made)
+        on_in = log.index(("on", copy_in))
+        assert ("wait_stream", copy_in, "current") in log[:on_in], "the copy in did not wait for the current stream"
+        assert log.index(("on", copy_out)) < on_in, "the evicted adapter's page left after the new one came"
+        marks = [step[2] for step in log if step[:2] == ("record", copy_in)]
+        assert len(marks) == 1 and log.index(("record", copy_in, marks[0])) > max(
+            i for i, step in enumerate(log) if step == ("off", copy_in)
+        )
+        assert not state.tier.ready("a2") and ("query", marks[0]) in log
+        assert not any(step[0] in ("sync", "event_sync") for step in log), "the host waited"
+        streams.log.clear()
+        _call(model, input_ids, mask, outs, ["a2", BASE, "a0", "a2"])
+        assert ("wait_event", "current", marks[0]) in streams.log, "the call did not wait for the copy in"
+        assert "a2" not in state.tier.ahead and state.tier.ready("a2")
+        streams.done.add(marks[0])
+    finally:
+        _Streams.clear()
+
 
 def test_moves_order_their_copies_through_streams_and_events(monkeypatch):
     """The host tier's asynchronous moves, as on CUDA (stand-in streams and events log each step): each page leaves on
@@ -288,7 +353,6 @@ def test_moves_order_their_copies_through_streams_and_events(monkeypatch):
     adapter that takes the page waits for that page's event on the current stream before its copy in; the call
     never waits for a whole stream, and it waits for events recorded after all its copies out before it returns.
     Logits stay stock PEFT's throughout."""
-    from peft_csgmv import tier as tier_module
 
     model, _ = tiny_model("llama")
     specs = {name: dict(r=4 + 2 * i, lora_alpha=8, target_modules=ALL_LINEAR) for i, name in enumerate(ADAPTERS)}
@@ -296,13 +360,7 @@ def test_moves_order_their_copies_through_streams_and_events(monkeypatch):
     input_ids, mask = (t.cpu() for t in make_batch(4, 6))
     outs = per_adapter(model, [*ADAPTERS, BASE], lambda: model(input_ids, attention_mask=mask).logits)
     enable_csgmv(model, backend="torch", max_resident_adapters=2)
-    streams = _Streams()
-    monkeypatch.setattr(tier_module, "streamed", lambda device: True)
-    monkeypatch.setattr(torch.cuda, "Event", streams.event)
-    monkeypatch.setattr(torch.cuda, "Stream", streams.stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", streams.current_stream)
-    monkeypatch.setattr(torch.cuda, "stream", streams.on)
-    tier_module.out_stream.cache_clear()
+    streams = _Streams.install(monkeypatch)
     try:
         # (residents a0, a1 after enabling; then each call's missing adapters evict the least recently used)
         for names, moves in (
@@ -328,7 +386,7 @@ def test_moves_order_their_copies_through_streams_and_events(monkeypatch):
             awaited = {step[1] for step in log if step[0] == "event_sync"}
             assert finals and finals <= awaited, "the call returned before its copies out were awaited"
     finally:
-        tier_module.out_stream.cache_clear()
+        _Streams.clear()
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
@@ -581,7 +639,7 @@ def test_failed_bring_in_leaves_no_stale_slot(where, monkeypatch):
         calls.append(1)
         if len(calls) == nth:
             if where == "place":  # part way through the group's layers
-                pages, slot, stacks, parts, scalings, _ = args
+                pages, slot, stacks, parts, scalings, *_ = args
                 real(pages, slot, stacks[:4], parts[:4], scalings[:4], pages.columns(stacks[:4], parts[:4]))
             raise RuntimeError("out of memory (injected)")
         return real(*args, **kwargs)
