@@ -29,6 +29,7 @@ request that was given an adapter is transformers' own step, as stock PEFT runs 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -165,9 +166,11 @@ class Router:
             scheduler.__dict__["clear_cancelled_requests"] = functools.partial(_clear_cancelled, self, cancelled)
         waiting = getattr(scheduler, "_get_waiting_candidates", None)
         if waiting is not None:
-            scheduler.__dict__["_get_waiting_candidates"] = functools.partial(_waiting, self, scheduler, waiting)
+            scheduler.__dict__["_get_waiting_candidates"] = functools.partial(
+                _waiting, self, processor, scheduler, waiting
+            )
 
-    def admit(self, scheduler, candidates: list) -> list:
+    def admit(self, scheduler, candidates: list, processor=None) -> list:
         """With the host tier (``max_resident_adapters=N``): the waiting requests a step may start, so that the
         adapters of the running requests and of those it starts are at most N (a step needs all of its adapters in
         slots at once); the others wait for running requests to finish. The order (transformers' scheduler gives the
@@ -222,7 +225,7 @@ class Router:
         room = state.max_resident - len(allowed | arriving)
         wanted = [a for a in dict.fromkeys(wanted) if a not in arriving][: max(0, room)]
         if wanted:
-            with state.executor.lock:
+            with state.executor.lock, on_stream(compute_stream(processor)):
                 state.bring_in_ahead(wanted, keep=allowed | arriving)
         return admitted
 
@@ -241,7 +244,10 @@ class Router:
             if STOCK in names:  # (beside requests with an adapter given: the model's active adapter, as PEFT's)
                 active = stock_adapter(peft_model, state)
                 names = [active if name is STOCK else name for name in names]
-            open_step(peft_model, state, scheduled, names)
+            # (on the step's compute stream: the plans' uploads and the adapters' copies in come before its kernels
+            # in stream order, and wait for what they must, where the default stream would race them)
+            with on_stream(compute_stream(processor)):
+                open_step(peft_model, state, scheduled, names)
             executor = state.executor
             try:
                 own_step(model)
@@ -416,8 +422,21 @@ def _generation_step(router: Router, processor, own_step, model) -> None:
     router.step(processor, own_step, model)
 
 
-def _waiting(router: Router, scheduler, own):
-    return router.admit(scheduler, own())
+def _waiting(router: Router, processor, scheduler, own):
+    return router.admit(scheduler, own(), processor)
+
+
+def compute_stream(processor):
+    """The stream transformers runs a step's forward on (its batch processor's compute stream: a stream of its own
+    on CUDA, not ordered with the default stream), or ``None``."""
+    return getattr(getattr(processor, "inputs_and_outputs", None), "compute_stream", None)
+
+
+def on_stream(stream):
+    """Within: ``stream`` is the current stream (nothing where it is ``None``)."""
+    import torch
+
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _clear_cancelled(router: Router, own, *args, **kwargs):

@@ -331,6 +331,43 @@ def test_a_request_waits_while_its_adapter_is_on_its_way(monkeypatch):
     assert any(ahead for _, ahead in brought), brought
 
 
+def test_a_step_is_prepared_on_the_stream_its_forward_runs_on(enabled, monkeypatch):
+    """transformers runs a step's forward on its batch processor's compute stream (on CUDA a stream of its own, not
+    ordered with the default one): the step's plan and its adapters' copies in are made on that stream (here a
+    stand-in, read from the processor), so that they come before the step's kernels."""
+    from peft_csgmv import continuous
+
+    model = enabled
+    inside, prepared = [], []
+    real_open, real_stream = continuous.open_step, continuous.compute_stream
+
+    class OnStream:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            inside.append(self.stream)
+
+        def __exit__(self, *exc):
+            inside.pop()
+
+    def stream_of(processor):
+        assert real_stream(processor) is None  # (the CPU has none: a stand-in takes its place)
+        return ("compute stream of", id(processor))
+
+    def open_step(*args):
+        prepared.append(inside[-1] if inside else None)
+        return real_open(*args)
+
+    monkeypatch.setattr(continuous, "compute_stream", stream_of)
+    monkeypatch.setattr(continuous, "on_stream", OnStream)
+    monkeypatch.setattr(continuous, "open_step", open_step)
+    gen, cbc = _configs()
+    out = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=cbc, adapter_ids=IDS)
+    assert len(out) == len(PROMPTS) and prepared
+    assert all(stream is not None and stream[0] == "compute stream of" for stream in prepared), prepared
+
+
 def test_a_prompt_cached_under_one_adapter_is_not_reused_under_another(enabled):
     """Two requests with the same 600-token prompt (more than one cache block) and different adapters, one after the
     other: the second's tokens are its own alone-run's (transformers shares cached prompt blocks by their tokens
