@@ -254,16 +254,21 @@ def _plan_ops(token_group, top_k_index, num_experts: int, num_slots: int, chunk:
     return permutation.to(torch.int32), expert_offsets, start_end[0], start_end[1], rows[2], rows[3]
 
 
-# Whether :meth:`MoePlan.from_groups` takes the one-launch path on the CPU too (under the Triton interpreter: tests,
-# benchmarks/count_moe_ops.py); on CUDA it always does where the step fits.
+# Whether :meth:`MoePlan.from_groups` takes the one-launch path on the CPU too, where the Triton interpreter runs it
+# (tests, benchmarks/count_moe_ops.py); on CUDA it always does where the step fits.
 FUSED_ON_CPU = False
 
 
 def _fused(device: torch.device, num_pairs: int, num_experts: int, num_slots: int) -> bool:
     """Whether a plan of these shapes on ``device`` is built in one launch (eager code only: compiled code traces
     the torch ops, which its compiler fuses)."""
-    if not (device.type == "cuda" or FUSED_ON_CPU) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return False
+    if device.type != "cuda":
+        from .options import interpreting
+
+        if not (FUSED_ON_CPU and interpreting()):
+            return False
     from .kernels.moe_plan import fits
 
     return fits(num_pairs, num_experts, num_slots)

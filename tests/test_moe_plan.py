@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from peft_csgmv import moe_plan
-from peft_csgmv.kernels.moe_plan import MAX_PAIRS, fits, moe_plan_arrays
+from peft_csgmv.kernels.moe_plan import MAX_PAIRS, fits
 from peft_csgmv.moe_plan import MAX_CHUNK_SIZE, MoePlan, max_segments, moe_chunk_size, token_groups
 from peft_csgmv.plan import MIN_CHUNK_SIZE
 
@@ -239,11 +239,12 @@ def _arrays(plan: MoePlan) -> list:
 )
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "every-other-row", "last-columns"])
 def test_one_launch_equals_torch_ops(shape, layout, monkeypatch):
-    """The one-launch plan equals the torch ops' entry for entry, on decode-sized routings (Qwen3-30B-A3B's and
-    gpt-oss-20b's expert counts with 32 and 9 slots), the largest step it takes, base tokens and sentinels included,
-    with the router's index read through any strides: a transposed copy, every other row of a taller one
-    (``[::2]``), the last ``top_k`` columns of a wider one (``[:, -top_k:]``)."""
+    """The one-launch plan (on CUDA, else under the Triton interpreter) equals the torch ops' entry for entry, on
+    decode-sized routings (Qwen3-30B-A3B's and gpt-oss-20b's expert counts with 32 and 9 slots), the largest step it
+    takes, base tokens and sentinels included, with the router's index read through any strides: a transposed copy,
+    every other row of a taller one (``[::2]``), the last ``top_k`` columns of a wider one (``[:, -top_k:]``)."""
     tokens, top_k, experts, slots = shape
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(tokens * 31 + experts)
     token_slot = torch.randint(-1, slots, (tokens,), generator=g)
     index = torch.stack([torch.randperm(experts + 2, generator=g)[:top_k] - 1 for _ in range(tokens)])
@@ -253,20 +254,23 @@ def test_one_launch_equals_torch_ops(shape, layout, monkeypatch):
         index = torch.stack([index, torch.full_like(index, 3)], 1).reshape(2 * tokens, top_k)[::2]
     elif layout == "last-columns":
         index = torch.cat([torch.full_like(index, -5), index], 1)[:, -top_k:]
-    groups = token_groups(token_slot, slots)
+    index = index.to(device)
+    groups = token_groups(token_slot.to(device), slots)
     assert fits(tokens * top_k, experts, slots)
-    monkeypatch.setattr(moe_plan, "FUSED_ON_CPU", False)
-    want = MoePlan.from_groups(groups, index, experts, slots)
     monkeypatch.setattr(moe_plan, "FUSED_ON_CPU", True)
-    got = MoePlan.from_groups(groups, index, experts, slots)
-    assert _arrays(got) == _arrays(want)
-    assert all(t.dtype == torch.int32 for t in (got.permutation, got.seg_start, got.seg_slot))
-    # (the direct call, with a chunk of one pair: the most segments)
-    chunk1 = MoePlan.from_groups(groups, index, experts, slots, chunk_size=1)
-    perm, offsets, segments = moe_plan_arrays(groups, index, experts, slots, 1, chunk1.num_segments)
-    monkeypatch.setattr(moe_plan, "FUSED_ON_CPU", False)
-    want1 = MoePlan.from_groups(groups, index, experts, slots, chunk_size=1)
-    assert [perm.tolist(), offsets.tolist(), *segments.tolist()] == _arrays(want1)
+    for chunk in (None, 1):
+        got = MoePlan.from_groups(groups, index, experts, slots, chunk_size=chunk)
+        # (the torch ops: a plan given its constant tables takes them, as compiled code's does)
+        tables = moe_plan.plan_tables(device, experts, slots, got.num_segments, got.chunk_size)
+        want = MoePlan.from_groups(groups, index, experts, slots, chunk_size=chunk, tables=tables)
+        assert _arrays(got) == _arrays(want), f"chunk {got.chunk_size}"
+        assert all(t.dtype == torch.int32 for t in (got.permutation, got.seg_start, got.seg_slot))
+    from peft_csgmv.kernels import moe_plan as one_launch
+
+    launched, real = [], one_launch.moe_plan_arrays
+    monkeypatch.setattr(one_launch, "moe_plan_arrays", lambda *a: launched.append(a) or real(*a))
+    MoePlan.from_groups(groups, index, experts, slots)
+    assert len(launched) == 1, "the layers' path (no tables) did not take the one launch"
 
 
 def test_steps_past_one_launch_take_torch_ops(monkeypatch):
