@@ -89,6 +89,12 @@ def main(argv=None) -> int:
     p.add_argument("--num-blocks", type=int, default=None, help="the paged cache's blocks (default: transformers')")
     p.add_argument("--max-resident-adapters", type=int, default=64, help="the tier row's max_resident_adapters")
     p.add_argument("--rows", default="base,base-default,peft,csgmv", help="of base, base-default, peft, csgmv, tier")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also each row's run under torch.profiler (host and GPU), its busiest ops printed after its figure (the "
+        "profiled run is slower: its time is not in the table)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None)
@@ -105,9 +111,28 @@ def main(argv=None) -> int:
     rows = args.rows.split(",")
     results = []
 
-    def record(name, seconds, tokens):
+    def record(name, seconds, tokens, target=None, adapters=None, config=None):
         results.append(dict(row=name, seconds=seconds, tokens=tokens, tok_s=tokens / seconds))
         print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s", flush=True)
+        if args.profile and target is not None:
+            profiled(name, target, adapters, config)
+
+    def profiled(name, target, adapters, config) -> None:
+        """The row's run again under torch.profiler (every thread: the manager's runs the steps): its ops by host
+        time and by device time."""
+        from torch._C._profiler import _ExperimentalConfig
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        # (the manager's own thread runs the steps; host syncs shown where CUDA has them)
+        config_all = _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
+        with profile(activities=activities, experimental_config=config_all) as prof:
+            seconds, tokens = run(target, requests, adapters, gen, ContinuousBatchingConfig(**config))
+        events = prof.key_averages()
+        print(f"-- {name}, profiled: {tokens} tokens in {seconds:.1f} s", flush=True)
+        print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+        if device.type == "cuda":
+            print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
 
     warm = requests[: min(8, len(requests))]
     for name, config in (("base", eager), ("base-default", sizes)):
@@ -116,6 +141,9 @@ def main(argv=None) -> int:
             record(
                 f"base model ({'no CUDA graphs, sync' if name == 'base' else 'transformers defaults'})",
                 *run(model, requests, None, gen, ContinuousBatchingConfig(**config)),
+                model,
+                None,
+                config,
             )
     peft_model = add_adapters(model, min(args.adapters, 32), [args.rank], device, targets=TARGETS)
     layers = lora_layers(peft_model)
@@ -133,7 +161,8 @@ def main(argv=None) -> int:
         print(f"{row}: enable_csgmv took {time.perf_counter() - start:.1f} s", flush=True)
         run(peft_model, warm, names, gen, ContinuousBatchingConfig(**eager))
         label = f"csgmv, {args.adapters} adapters" + (f", max_resident_adapters={limit}" if limit else "")
-        record(label, *run(peft_model, requests, names, gen, ContinuousBatchingConfig(**eager)))
+        timed = run(peft_model, requests, names, gen, ContinuousBatchingConfig(**eager))
+        record(label, *timed, peft_model, names, eager)
         disable_csgmv(peft_model)
 
     base = next((r["tok_s"] for r in results if r["row"].startswith("base model (no")), None)

@@ -63,6 +63,10 @@
 #   gbeside8b  static cache 8B full, groups beside (10 MiB floor) against the default (~5 min) -> static_8b_gbeside.*
 #   compile  compile time, 1B: base model and csgmv alternated over 3 rounds, each row a process of its own with empty
 #            caches (~9 min on a slow machine; read the rows that are not the machine's first process) -> compile_1b.*
+#   verify   the GPU tests of what changed last (the MoE plan in one launch, adapters brought in ahead, continuous
+#            batching's compute stream, offload, the server; installs the serve wheels; ~4 min) -> gpu_verify.log
+#   cbprof   continuous batching, 1B, 32 requests (answers 16-128), base model then csgmv 32 distinct, each run again
+#            under torch.profiler (every thread; host syncs shown): their busiest ops (~3 min) -> continuous_1b_prof.log
 #   smoe     static cache (compiled), MoE expert LoRA, qwen3-30b-a3b then gpt-oss-20b cut to 16 layers: base model,
 #            PEFT one adapter, csgmv 8/32 distinct (~9 min; one layout per call if need be) -> static_moe_{qwen3,gptoss}.json
 #   moe      end to end, MoE expert LoRA (r=16 on attention and experts), batch 32, prompt 256: qwen3-30b-a3b and
@@ -145,6 +149,16 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
           --out "$OUT/e2e_moe_$tag.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/e2e_moe_$tag.log"
         grep "^| $m" "$OUT/e2e_moe_$tag.log" || tail -25 "$OUT/e2e_moe_$tag.log"
       done ;;
+    verify)
+      if ls wheels/serve/*.whl > /dev/null 2>&1; then bash benchmarks/serve_wheels.sh install; fi
+      python3 -m pytest tests/test_moe_plan.py tests/test_moe.py tests/test_moe_kernels.py tests/test_host_tier.py \
+        tests/test_continuous.py tests/test_offload.py tests/test_serve.py -q -p no:cacheprovider -rf --tb=short \
+        > "$OUT/gpu_verify.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_verify.log" | tail -15 ;;
+    cbprof)
+      python3 benchmarks/bench_continuous.py --model 1b --requests 32 --new-max 128 --rows base,csgmv --profile \
+        2>&1 | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b_prof.log"
+      grep -E "tok/s|^--" "$OUT/continuous_1b_prof.log"; tail -60 "$OUT/continuous_1b_prof.log" | cut -c1-150 ;;
     smoe)
       for pair in qwen3:qwen3-30b-a3b gptoss:gpt-oss-20b; do
         tag=${pair%%:*} m=${pair#*:}
