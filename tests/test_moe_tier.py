@@ -340,8 +340,8 @@ def test_continuous_batching_admits_within_the_resident_adapters():
 
     real_admit = continuous.Router.admit
 
-    def admit(self, scheduler, candidates):
-        admitted = real_admit(self, scheduler, candidates)
+    def admit(self, scheduler, candidates, processor=None):
+        admitted = real_admit(self, scheduler, candidates, processor)
         running = {self.name_of(r) for r in list(scheduler.active_requests)}
         running |= {self.name_of(c.request_id) for c in admitted}
         most.append(len(running - {None, continuous.STOCK}))
