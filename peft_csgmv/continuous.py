@@ -18,7 +18,11 @@ the executor for the step's thread; the layers read it as they read any call's.
 With the host tier (``max_resident_adapters=N``), a step starts waiting requests only while the running requests'
 adapters and theirs number at most N (:meth:`Router.admit`), those whose adapters already hold a slot first (unless
 a request has waited :data:`PATIENCE` steps: then its place in line counts again); the step brings its adapters into
-slots as a call does.
+slots as a call does. On a GPU, while requests run, the adapters of waiting requests are brought in ahead instead, on
+a copy-in stream beside the running steps, and their requests start once the copies are done.
+
+A step's preparation (the mapping's plan, the adapters' copies in) runs on the stream transformers runs the step's
+forward on (:func:`compute_stream`), so it comes before the step's kernels in stream order.
 
 What runs: the eager step (continuous batching without CUDA graphs, synchronous batching: an enabled model's manager
 is made with both off, and a configuration that asks for them with adapters is refused). Adapters whose modules
