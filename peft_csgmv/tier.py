@@ -197,8 +197,8 @@ class HostTier:
 
     def bring_in_ahead(self, names, keep, layers: list, dora_scale, dora_refused) -> list[str]:
         """Bring adapters ``names`` into slots before a step needs them (continuous batching: the adapters of
-        requests still waiting), evicting none of ``keep`` (the running requests' adapters) or of the adapters already
-        on their way. As :meth:`make_resident` does, but each page's copy runs on the device's copy-in stream
+        requests still waiting), evicting none of ``keep`` (the running requests' adapters and those on their way:
+        the caller's). As :meth:`make_resident` does, but each page's copy runs on the device's copy-in stream
         (:func:`in_stream`), after the work queued so far on the current one and beside the steps queued after it:
         the running batch does not wait for it. Each adapter is :meth:`ready` once its copies are done; every use
         (:meth:`make_resident`) and every move out (:meth:`to_host`) first makes the current stream wait for them
@@ -206,7 +206,7 @@ class HostTier:
         missing = [n for n in dict.fromkeys(names) if n not in self.registry.index]
         if not missing:
             return []
-        needed = {*keep, *self.ahead, *missing}
+        needed = {*keep, *missing}  # (adapters brought in ahead before are evicted last, their copies settled first)
         with no_gc_pauses():
             try:
                 self.ahead_out += self._bring_in(missing, needed, layers, dora_scale, dora_refused, ahead=True)
