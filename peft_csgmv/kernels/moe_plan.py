@@ -35,7 +35,7 @@ from .launch import Launcher
 # are few against its products) and sort keys ``E * (S + 1) + 2`` (every pair's, and one past them) / adapter groups
 # ``E * S``, each rounded up to a power of two (one block each).
 MAX_PAIRS = 1024
-MAX_KEYS = 16384
+MAX_KEYS = 8192  # (a histogram of this many bins keeps bins / 32 counters per thread in registers)
 
 
 @triton.jit
@@ -140,7 +140,7 @@ _launch_moe_plan = Launcher(_moe_plan_kernel, num_tensors=6)
 
 def fits(num_pairs: int, num_experts: int, num_slots: int) -> bool:
     """Whether :func:`moe_plan_arrays` builds a plan of these shapes (else the torch path)."""
-    return 0 < num_pairs <= MAX_PAIRS and num_experts * (num_slots + 1) + 2 <= MAX_KEYS
+    return 0 < num_pairs <= MAX_PAIRS and max(64, num_experts * (num_slots + 1) + 2) <= MAX_KEYS
 
 
 def moe_plan_arrays(
@@ -157,7 +157,8 @@ def moe_plan_arrays(
     token_groups`); ``top_k_index``: ``(T, top_k)`` integer, any strides. The shapes must :func:`fit`."""
     num_tokens, top_k = top_k_index.shape
     num_pairs = num_tokens * top_k
-    block_keys = triton.next_power_of_2(num_experts * (num_slots + 1) + 2)  # (one key past every pair's)
+    # (one key past every pair's; at least 64 bins: a GPU histogram gives each thread of a warp a bin or more)
+    block_keys = max(64, triton.next_power_of_2(num_experts * (num_slots + 1) + 2))
     out = torch.empty(num_pairs + num_experts + 4 * num_segments + block_keys, dtype=torch.int32,
                       device=top_k_index.device)  # fmt: skip
     seg_at = num_pairs + num_experts
