@@ -548,6 +548,7 @@ class CsgmvState:
 
     def release(self) -> None:
         if self.max_resident is not None:  # PEFT holds every adapter on the device again
+            self.tier.settle(list(self.tier.ahead))  # (copies in still on their way land before the pages go)
             for layer in self._tiered(self.layers.values()):
                 for name in layer_adapters(layer):
                     move_adapter(layer, name, layer._csgmv_record.stack.device)

@@ -324,6 +324,7 @@ class HostTier:
         that a call's moves only use them. ``experts_layers``: the model's experts layers (their stacks built
         already, a slot per slot that may be resident): each adapter's :class:`ExpertsPart` s."""
         layers = list(layers)
+        self.settle(list(self.ahead))  # (copies in still on their way land before pages move or are laid out anew)
         self.page_out.clear()  # (the caller waited for every copy out: host_copies_done)
         self.experts_layers = list(experts_layers)
         self.placements = {name: placement_of(layers, name, kernel_reason) for name in names}
