@@ -341,15 +341,9 @@ def csgmv_stats(model) -> dict:
         expert_stack_bytes=_expert_stack_bytes(state),
         peft_path_modules=len(state.peft_path),
         peft_row_layers=sum(1 for layer in state.layers.values() if layer._csgmv_record.peft_rows),
-        offloaded_layers=sum(1 for layer in state.layers.values() if layer._csgmv_record.offload is not None),
-        offloaded_stack_bytes=sum(
-            layer._csgmv_record.stack.nbytes
-            for layer in state.layers.values()
-            if layer._csgmv_record.offload is not None
-        ),
-        stack_bytes=sum(
-            layer._csgmv_record.stack.nbytes for layer in state.layers.values() if layer._csgmv_record.offload is None
-        )
+        offloaded_layers=len(state.offloaded),
+        offloaded_stack_bytes=sum(layer._csgmv_record.stack.nbytes for layer in state.offloaded),
+        stack_bytes=sum(layer._csgmv_record.stack.nbytes for layer in state.tiered)
         + (0 if state.tier is None else sum(pages.nbytes for pages in state.tier.pages.values()))
         + _expert_stack_bytes(state),
         shared_bytes=sum(layer._csgmv_record.stack.shared_bytes for layer in state.layers.values())

@@ -215,6 +215,9 @@ class CsgmvState:
         # (its restack through a weak method: no cycle through the executor)
         self.executor = Executor(backend, WeakMethod(CsgmvState._restack, self), Options.from_env())
         self.layers: dict[str, nn.Module] = {}  # module name -> lora.Linear / lora.Embedding on the kernels
+        # Of them (as of the last sync): those the host tier holds, and those accelerate offloads (:meth:`_tiered`)
+        self.tiered: list[nn.Module] = []
+        self.offloaded: list[nn.Module] = []
         self.peft_path: dict[str, nn.Module] = {}  # module name -> module on PEFT's mixed-batch path
         # module name -> experts layer: the outer PEFT ParamWrapper of a MoE experts module, its stacks in its record
         self.experts: dict[str, nn.Module] = {}
@@ -353,6 +356,8 @@ class CsgmvState:
                 if new.get(mod_name) is not module and is_patched(module):
                     unpatch_layer(module)
         self.layers, self.peft_path, self.experts, self.known = found, peft_path, experts, frozenset(known)
+        self.tiered = self._tiered(found.values())
+        self.offloaded = [layer for layer in found.values() if layer._csgmv_record.offload is not None]
         if found or peft_path or experts:
             skip_parameter_walks(model, [*found, *peft_path, *experts])
         self.fingerprint = (list(model.peft_config), tuple(model.peft_config.values()))
@@ -549,7 +554,7 @@ class CsgmvState:
     def release(self) -> None:
         if self.max_resident is not None:  # PEFT holds every adapter on the device again
             self.tier.settle(list(self.tier.ahead))  # (copies in still on their way land before the pages go)
-            for layer in self._tiered(self.layers.values()):
+            for layer in self.tiered:
                 for name in layer_adapters(layer):
                     move_adapter(layer, name, layer._csgmv_record.stack.device)
             for wrapper in self.experts.values():  # (expert weights in host memory: memory of their own there)
@@ -562,6 +567,7 @@ class CsgmvState:
         for module in [*self.layers.values(), *self.peft_path.values(), *self.experts.values()]:
             unpatch_layer(module)
         self.layers, self.peft_path, self.experts = {}, {}, {}
+        self.tiered, self.offloaded = [], []
         self.executor.clear_plans()
         if self.static_cache is not None:
             self.static_cache.drop()
@@ -585,7 +591,7 @@ class CsgmvState:
         if self.tier is None:
             return []
         before = list(self.registry.names)
-        out = self.tier.make_resident(needed, self._tiered(self.layers.values()), _dora_scale, self.dora_refused)
+        out = self.tier.make_resident(needed, self.tiered, _dora_scale, self.dora_refused)
         self._restack_offloaded(before)
         return out
 
@@ -595,18 +601,16 @@ class CsgmvState:
         if self.tier is None:
             return []
         before = list(self.registry.names)
-        layers = self._tiered(self.layers.values())
-        brought = self.tier.bring_in_ahead(names, keep, layers, _dora_scale, self.dora_refused)
+        brought = self.tier.bring_in_ahead(names, keep, self.tiered, _dora_scale, self.dora_refused)
         self._restack_offloaded(before)
         return brought
 
     def _restack_offloaded(self, before: list) -> None:
         """After adapters moved: the stacks of offloaded layers (out of the tier) hold the adapters of the slots as
         they are now."""
-        offloaded = [layer for layer in self.layers.values() if layer._csgmv_record.offload is not None]
-        if offloaded and (self.registry.names != before or self.offload_stale):
+        if self.offloaded and (self.registry.names != before or self.offload_stale):
             self.offload_stale = True  # (until every offloaded stack holds its slots' adapters: a failure retries)
-            for layer in offloaded:
+            for layer in self.offloaded:
                 self.stack_layer(layer)
             self.offload_stale = False
 
@@ -641,7 +645,7 @@ class CsgmvState:
         place = self.place
         if place is None or place[0].device == place[1]:
             return
-        for layer in self._tiered(self.layers.values()):  # (offloaded layers: accelerate places their weights)
+        for layer in self.tiered:  # (offloaded layers: accelerate places their weights)
             stack, weight = layer._csgmv_record.stack, getattr(layer.get_base_layer(), "weight", None)
             if stack is not None and isinstance(weight, torch.Tensor) and weight.device.type != "meta":
                 if stack.device != weight.device:
