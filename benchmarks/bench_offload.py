@@ -29,6 +29,7 @@ import torch
 from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv
 from peft_csgmv.bench import (
     MODELS,
+    Timer,
     add_adapters,
     build_model,
     clock_up,
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
     from peft_csgmv._compat import cache_kwarg, output_cache
 
     device = torch.device("cuda:0")
+    timer = Timer(device)
     # Built on the GPU (fast random init), the layers to offload then moved to host memory before dispatching, so that
     # accelerate's weights map holds host tensors, as from_pretrained's offload does.
     model = build_model(args.model, device, torch.bfloat16, layers=args.layers)
@@ -89,33 +91,18 @@ def main(argv=None) -> int:
     def measure(label, **extra):
         clock_up(device)
         name = cache_kwarg(pm)
-        times = {"prefill": [], "decode": []}
-
-        def timed(kind, fn, before=None):
-            def once():
-                if before:
-                    before()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times[kind].append(start.elapsed_time(end))
-
-            once()  # (warm-up, not kept)
-            times[kind].clear()
-            for _ in range(args.repeats):
-                once()
-
+        times = {}
         with torch.no_grad():
-            timed("prefill", lambda: pm(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra))
+            times["prefill"] = timer.samples(
+                lambda: pm(input_ids=input_ids, attention_mask=mask, use_cache=False, **extra), args.repeats
+            )
             cache = output_cache(pm(input_ids=input_ids, attention_mask=mask, use_cache=True, **extra))
             torch.cuda.synchronize()
             resident = torch.cuda.memory_allocated() / MIB
             torch.cuda.reset_peak_memory_stats()
-            timed(
-                "decode",
+            times["decode"] = timer.samples(
                 lambda: pm(input_ids=step, attention_mask=step_mask, use_cache=True, **{name: cache}, **extra),
+                args.repeats,
                 before=lambda: crop_cache(cache, args.prompt),
             )
             peak = torch.cuda.max_memory_allocated() / MIB

@@ -72,6 +72,10 @@ class Timer:
         self.cuda = device.type == "cuda"
 
     def __call__(self, fn, repeats: int, warmup: int = 1, before=None) -> float:
+        return statistics.median(self.samples(fn, repeats, warmup, before))
+
+    def samples(self, fn, repeats: int, warmup: int = 1, before=None) -> list[float]:
+        """Each of ``repeats`` timings (ms) of ``fn`` after ``warmup`` untimed calls; ``before`` runs untimed first."""
         for _ in range(warmup):
             if before:
                 before()
@@ -91,7 +95,7 @@ class Timer:
                 t0 = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return times
 
 
 def clock_up(device: torch.device, seconds: float = 0.5) -> None:

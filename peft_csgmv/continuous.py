@@ -33,7 +33,6 @@ request that was given an adapter is transformers' own step, as stock PEFT runs 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import weakref
@@ -42,6 +41,7 @@ from typing import Any, Sequence
 from .mapping import Mapping
 from .patching import WeakMethod
 from .sync import BASE, BASE_NAMES, PEFT_DORA_ERROR, outside_inference_mode
+from .tier import on_stream
 
 CHILD = "__child#"  # transformers' id of a request's extra returned sequence: f"{parent}{CHILD}{i}"
 # A request added without ``adapter_id`` (or ``adapter_ids``): stock PEFT's, the model's active adapter.
@@ -434,13 +434,6 @@ def compute_stream(processor):
     """The stream transformers runs a step's forward on (its batch processor's compute stream: a stream of its own
     on CUDA, not ordered with the default stream), or ``None``."""
     return getattr(getattr(processor, "inputs_and_outputs", None), "compute_stream", None)
-
-
-def on_stream(stream):
-    """Within: ``stream`` is the current stream (nothing where it is ``None``)."""
-    import torch
-
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _clear_cancelled(router: Router, own, *args, **kwargs):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .plan import BatchPlan, aligned_parts, aligned_tail, chunk_size_for, upload
+from .plan import BatchPlan, aligned_parts, aligned_tail, chunk_size_for, upload, write_buffer
 
 if TYPE_CHECKING:
     from .slots import LoraStack
@@ -190,10 +190,13 @@ class Mapping:
         key = (num_tokens, device, num_slots)
         cached = self._token_slots.get(key)
         if cached is None:
-            slots = self.token_slots_for(num_tokens)
-            groups = [num_slots if s < 0 else s for s in slots]
-            cached = self._token_slots[key] = upload(torch.tensor(groups, dtype=torch.int64), device)
+            cached = self._token_slots[key] = upload(self.host_token_groups(num_tokens, num_slots), device)
         return cached
+
+    def host_token_groups(self, num_tokens: int, num_slots: int) -> torch.Tensor:
+        """:meth:`token_groups_for`'s tensor in host memory (what a compiled layer's fixed buffer is rewritten from:
+        :meth:`StaticMoePlan.fill`)."""
+        return torch.tensor([num_slots if s < 0 else s for s in self.token_slots_for(num_tokens)], dtype=torch.int64)
 
     def names_for(self, rows: int) -> list[str]:
         """PEFT's ``adapter_names`` for a module input of ``rows`` rows (each name repeated for its rows); the call's
@@ -254,15 +257,6 @@ def max_segments(rows: int, num_tokens: int, chunk: int) -> int:
     one per token. Runs: one per slot in use, the base tokens' included, so at most one per row, and one more where
     rows have more than one token (a row whose slot covers its last tokens only has base tokens too: aLoRA)."""
     return min(num_tokens, rows + (num_tokens > rows) + num_tokens // chunk)
-
-
-def write_buffer(buf: torch.Tensor, host: torch.Tensor) -> None:
-    """Rewrite a plan's device buffer in place from ``host`` (on CUDA one copy from pinned memory, queued on the
-    current stream: it runs after the kernels queued before it, which may still read the old contents)."""
-    if buf.device.type == "cuda":
-        buf.copy_(host.pin_memory(), non_blocking=True)
-    else:
-        buf.copy_(host)
 
 
 class StaticPlan:
@@ -337,9 +331,7 @@ class StaticMoePlan:
 
     def fill(self, mapping: "Mapping") -> None:
         """Rewrite :attr:`groups` for ``mapping``'s call."""
-        slots = mapping.token_slots_for(self.num_tokens)
-        host = torch.tensor([self.num_slots if s < 0 else s for s in slots], dtype=torch.int64)
-        write_buffer(self.groups, host)
+        write_buffer(self.groups, mapping.host_token_groups(self.num_tokens, self.num_slots))
 
 
 class PackedPlan:

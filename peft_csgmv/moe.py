@@ -29,6 +29,7 @@ import torch
 from .kernels.moe import moe_expand, moe_shrink
 from .kernels.moe_reference import moe_expand_reference, moe_shrink_reference
 from .moe_plan import MoePlan
+from .plan import write_buffer
 
 
 @dataclasses.dataclass(eq=False)
@@ -143,8 +144,7 @@ class MoeStack:
         """The device ranks and scalings from their host copies (one copy each, in stream order: no host sync)."""
         for vector, host, dtype in ((self.ranks, self.ranks_host, torch.int32),
                                     (self.scalings, self.scalings_host, torch.float32)):  # fmt: skip
-            src = torch.tensor(host, dtype=dtype)
-            vector.copy_(src.pin_memory() if vector.is_cuda else src, non_blocking=True)
+            write_buffer(vector, torch.tensor(host, dtype=dtype))
 
 
 _handles = itertools.count()

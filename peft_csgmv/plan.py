@@ -95,6 +95,16 @@ def upload(host: torch.Tensor, device) -> torch.Tensor:
     return host.to(device)
 
 
+def write_buffer(buf: torch.Tensor, host: torch.Tensor) -> None:
+    """Rewrite a device buffer (a plan's, a stack's per-slot vectors) in place from ``host`` (on CUDA one copy from
+    pinned memory, queued on the current stream: it runs after the kernels queued before it, which may still read the
+    old contents, and ``host`` may change at once)."""
+    if buf.device.type == "cuda":
+        buf.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        buf.copy_(host)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class BatchPlan:
     """Token grouping shared by every patched layer that sees the same ``(rows, tokens_per_row)`` shape.

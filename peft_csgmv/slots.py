@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from .kernels.pool import ALIGN, Pooled, rank_align
+from .plan import write_buffer
 
 if TYPE_CHECKING:
     from .tier import DevicePages
@@ -299,7 +300,7 @@ class LoraStack:
             return
         for name, dtype in VECTORS:
             dev, src = getattr(self, name), torch.tensor(getattr(self, name + "_host"), dtype=dtype)
-            dev.copy_(src.pin_memory() if dev.is_cuda else src, non_blocking=True)
+            write_buffer(dev, src)
 
     def _pooled(self) -> tuple[Pooled, Pooled]:
         views = self._views

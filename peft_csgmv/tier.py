@@ -31,6 +31,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from torch import nn
 
+from .plan import write_buffer
 from .slots import (
     MIRROR_TYPES,
     VECTORS,
@@ -469,7 +470,7 @@ class HostTier:
                 out = self.page_out.pop((pages, slot), None)
                 if out is not None:  # the page's copy out to its last adapter's region first
                     (side or torch.cuda.current_stream(page.device)).wait_event(out)
-                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                with on_stream(side):
                     page.copy_(region, non_blocking=True)
         for p, device in placement.rest:
             if p.device != device:
@@ -575,6 +576,11 @@ def streamed(device: torch.device) -> bool:
 def out_stream(device: torch.device) -> "torch.cuda.Stream":
     """The stream that copies device pages out to host memory on CUDA ``device`` (one per device)."""
     return torch.cuda.Stream(device)
+
+
+def on_stream(stream: "torch.cuda.Stream | None"):
+    """Within: ``stream`` is the current stream (nothing where it is ``None``)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 @functools.cache
@@ -772,7 +778,7 @@ class DevicePages:
                 mirror = self.mirror[name]
             # (a copy of the mirror, pinned: the next moves change the mirror while this copy may be in flight)
             src = mirror.to(dtype) if mirror.dtype != dtype else mirror
-            table.copy_(src.pin_memory() if table.is_cuda else src, non_blocking=True)
+            write_buffer(table, src)
             if not (full or fresh):
                 continue
             # Each stack's vector is its row of the table: made only where it is not already (a view per stack and
@@ -847,7 +853,7 @@ class DevicePages:
             if part.share:
                 a.data, b.data = dst_a, dst_b
             else:
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                with on_stream(stream):
                     dst_a.copy_(a.detach(), non_blocking=True)
                     dst_b.copy_(b.detach(), non_blocking=True)
             if part.bias is not None or stack.mag is not None or stack.lora_bias is not None:

@@ -8,7 +8,7 @@ them: every routed pair in one block, every key of the sort in another.
 
 What the program computes, with ``W = S + 1`` (``S`` slots, a base token in group slot ``S``) and ``E`` experts:
 
-1. each pair's key ``group * 1 + expert * W``, pairs routed to no expert of the layer sent to key ``E * W`` (as the
+1. each pair's key ``group + expert * W``, pairs routed to no expert of the layer sent to key ``E * W`` (as the
    torch path's clamp and remainder do);
 2. a histogram of the keys, and its exclusive running sum: ``below[k]``, how many pairs have a key under ``k`` (kept in
    a scratch buffer, read back by address);
