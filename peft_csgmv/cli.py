@@ -17,6 +17,13 @@ from .batch import CPU_MAX_BATCH_TOKENS, DENSE_MASK_MAX_REQUESTS
 from .identity import settings_path
 
 
+def say(message) -> None:
+    """One line to stderr in one write: the processes of a data-parallel run share it, and print's two writes (the
+    text, then the newline) let their lines run into each other."""
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -372,7 +379,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
 
     def fail(problems: list[str]) -> int:
         for problem in problems:
-            print(f"{prog}: error: {problem}", file=sys.stderr)
+            say(f"{prog}: error: {problem}")
         return 2
 
     problems = check_generate_args(args)
@@ -390,12 +397,12 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
     adapters = dict(args.adapter)
     parsed = batch.read_input(args.input, adapters, args.prompt_key, args.adapter_key)
     if not parsed.lines:
-        print("input has no lines: nothing to do", file=sys.stderr)
+        say("input has no lines: nothing to do")
         return 0
     if parsed.errors:
-        print(batch.InputError(parsed.errors), file=sys.stderr)
+        say(batch.InputError(parsed.errors))
         if args.on_error == "stop":
-            print("stopped before generating anything (use --on-error skip to skip bad lines)", file=sys.stderr)
+            say("stopped before generating anything (use --on-error skip to skip bad lines)")
             return 2
     # Hub values are looked up first: the run's settings fingerprint a hub adapter's files.
     problems = check_hub_args(args)
@@ -431,13 +438,12 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
         notes.append(f"{shard.world} processes, each on its own share of the lines")
     static_reason = None if args.static_batches else _static_reason(args)
     if first:
-        print(
+        say(
             f"{parsed.lines} lines: {len(todo)} to generate, {len(resume.done)} already done, "
-            f"{len(parsed.errors)} bad; {len(adapters)} adapters" + "".join(f"; {n}" for n in notes),
-            file=sys.stderr,
+            f"{len(parsed.errors)} bad; {len(adapters)} adapters" + "".join(f"; {n}" for n in notes)
         )
         if static_reason and todo:
-            print(f"static batches, not continuous batching: {static_reason}", file=sys.stderr)
+            say(f"static batches, not continuous batching: {static_reason}")
     # Every process has read the output and the parts before the first one rewrites them: all agree on what is done.
     shard.barrier()
     if first:
@@ -466,7 +472,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
             static_reason = auto
             gen["cache_implementation"] = "static"
             if first:
-                print(f"static-cache batches, not continuous batching: {auto}", file=sys.stderr)
+                say(f"static-cache batches, not continuous batching: {auto}")
         if not args.static_batches and static_reason is None:
             static_reason = batch.continuous_obstacle(model, tokenizer, {r.adapter for r in mine}, **gen)
             if static_reason is None:
@@ -478,7 +484,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
                     seed=args.seed,
                 )
             elif first:
-                print(f"static batches, not continuous batching: {static_reason}", file=sys.stderr)
+                say(f"static batches, not continuous batching: {static_reason}")
         if continuous is None and args.cache_implementation == "static":
             gen["cache_implementation"] = "static"
         out = batch.part_path(args.output, shard.rank, shard.world) if shard.world > 1 else args.output
@@ -498,14 +504,13 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
             return fail([str(e)])
         except batch.GenerationFailed as e:
             rerun = "what finished is in the output: rerun the same command to resume"
-            print(f"{prog}: error: {e}; {rerun}", file=sys.stderr)
+            say(f"{prog}: error: {e}; {rerun}")
             return 1
         who = f"process {shard.rank} of {shard.world}: " if shard.world > 1 else ""
-        print(
+        say(
             f"{who}wrote {stats['rows']} rows, {stats['new_tokens']} new tokens in {stats['seconds']:.1f} s "
             f"({stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s, "
-            f"{'continuous batching' if continuous else 'static batches'}) to {out}",
-            file=sys.stderr,
+            f"{'continuous batching' if continuous else 'static batches'}) to {out}"
         )
     shard.barrier()
     if first:
@@ -704,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         return generate_command(args, subparsers["generate"].prog)
     except KeyboardInterrupt:
         hint = ": rerun the same command to resume" if command == "generate" else ""
-        print(f"\ninterrupted{hint}", file=sys.stderr)
+        say(f"\ninterrupted{hint}")
         return 130
 
 
