@@ -7,7 +7,8 @@ For each (layout, tokens, distinct slots) on random routing, bf16, rank 16, it r
 * plan: ``MoePlan.build`` from the router's ``top_k_index`` (device ops, no sync);
 * base: the experts' two grouped products over the plan's sorted order (``F.grouped_mm``, what transformers'
   ``grouped_mm`` runs; the gate between them excluded);
-* lora: ``moe_shrink`` + ``moe_expand`` for gate/up (x by token) and for down (sorted order);
+* lora: ``moe_shrink`` + ``moe_expand`` for gate/up (x by token) and for down (sorted order), on stacks laid out as
+  :class:`~peft_csgmv.moe.MoeStack` keeps them (PEFT's own layouts per slot: ``own_rank``);
 * floor: the bytes the LoRA must move (x and the per-pair rows it reads and writes, each used (slot, expert)'s A and B
   once) over ``--copy-gbs``, and lora's ratio to it.
 The table is printed last; the JSON holds GPU name, versions and date.
@@ -52,8 +53,8 @@ def one_case(layout, tokens, slots, rank, device, copy_gbs):
     stacks = []
     for k, n in ((hidden, 2 * inter), (inter, hidden)):
         a = torch.randn(slots, experts, rank, k, device=device, dtype=dtype) * k**-0.5
-        b = torch.randn(slots, experts, n, rank, device=device, dtype=dtype) * rank**-0.5
-        stacks.append((a, b))
+        b_store = torch.randn(slots, n, rank, experts, device=device, dtype=dtype) * rank**-0.5  # PEFT's (N, r·E)
+        stacks.append((a, b_store.permute(0, 3, 1, 2)))
     ranks = torch.full((slots,), rank, dtype=torch.int32, device=device)
     scalings = torch.full((slots,), 2.0, dtype=torch.float32, device=device)
     perm = plan.permutation.long()
@@ -69,10 +70,10 @@ def one_case(layout, tokens, slots, rank, device, copy_gbs):
 
     def lora():
         (a_gu, b_gu), (a_d, b_d) = stacks
-        t = moe_shrink(x, a_gu, ranks, plan, x_rows="token")
-        moe_expand(t, b_gu, ranks, scalings, plan, h, y_rows="sorted")
-        t = moe_shrink(act, a_d, ranks, plan, x_rows="sorted")
-        moe_expand(t, b_d, ranks, scalings, plan, o, y_rows="sorted")
+        t = moe_shrink(x, a_gu, ranks, plan, x_rows="token", own_rank=True)
+        moe_expand(t, b_gu, ranks, scalings, plan, h, y_rows="sorted", own_rank=True)
+        t = moe_shrink(act, a_d, ranks, plan, x_rows="sorted", own_rank=True)
+        moe_expand(t, b_d, ranks, scalings, plan, o, y_rows="sorted", own_rank=True)
 
     row = dict(layout=layout, tokens=tokens, slots=slots, rank=rank, pairs=pairs, segments=plan.num_segments,
                live_segments=len(plan.segments()), chunk=plan.chunk_size)  # fmt: skip

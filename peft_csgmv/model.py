@@ -318,8 +318,8 @@ def csgmv_stats(model) -> dict:
 
     * ``kernel_layers``, ``peft_path_modules``: counts of the layers on the kernels and the modules on PEFT's path;
     * ``expert_layers``: MoE experts modules whose expert LoRA (``target_parameters``) runs csgmv's expert path;
-      ``expert_stack_bytes``: device memory of their stacks (counted in ``stack_bytes`` too; PEFT's weights of adapters
-      of each stack's largest rank view them, counted in ``shared_bytes``, the others are copies);
+      ``expert_stack_bytes``: device memory of their stacks (counted in ``stack_bytes`` too; PEFT's weights of every
+      adapter of the stacks' dtype view them, counted in ``shared_bytes``);
     * ``peft_row_layers``: kernel layers where some adapter's rows run PEFT's own forward (adapters the kernels do not
       serve there);
     * ``stack_bytes``: device memory of every stack; ``shared_bytes``: of that, PEFT's own adapter weights, which are

@@ -37,16 +37,19 @@ class MoeStack:
     """The adapters of one expert parameter, one slot each.
 
     Attributes:
-        a: ``(S, E, R, K)`` A of every slot and expert, zero past each slot's rank (``R``: the largest rank); stored
-            so (contiguous): slot ``s``'s ``a[s]`` is PEFT's ``lora_A.weight`` ``(R·E, K)`` of an adapter of rank R.
-        b: ``(S, E, N, R)`` B likewise, a strided view of storage laid out ``(S, N, R, E)``: slot ``s``'s block is
-            PEFT's rank-major ``lora_B.weight`` ``(N, R·E)`` (column ``j·E + e``) of an adapter of rank R.
+        a: ``(S, E, R, K)`` contiguous storage of A, a block of ``E·R·K`` per slot (``R``: the largest rank); slot
+            ``s`` holds its adapter at its own rank ``r``, as PEFT's ``lora_A.weight`` ``(r·E, K)`` (expert ``e`` at
+            rows ``e·r .. e·r + r``), at the block's start (:meth:`slot_a`; the kernels' ``own_rank`` layout), the
+            rest of the block unread.
+        b: ``(S, E, N, R)`` B likewise, a strided view of storage laid out ``(S, N, R, E)``: slot ``s``'s block
+            starts with PEFT's rank-major ``lora_B.weight`` ``(N, r·E)`` (column ``j·E + e``) at its own rank
+            (:meth:`slot_b`).
         ranks: ``(S,)`` int32 (0: the slot's adapter does not adapt this parameter).
         scalings: ``(S,)`` fp32.
         ranks_host, scalings_host: the same, on the host (the torch reference walks them; the host tier writes them
             and uploads both vectors once per call that moves adapters, :meth:`upload`).
         slot_shared: slot -> PEFT's ``lora_A`` / ``lora_B`` weight parameters of its adapter where they are views into
-            ``a`` / ``b`` (adapters of rank ``R``, of the stack's dtype: stored once); :attr:`shared` lists them all,
+            ``a`` / ``b`` (adapters of any rank, of the stack's dtype: stored once); :attr:`shared` lists them all,
             :meth:`release_shared` gives them their own memory.
         handle: how compiled code's ``peft_csgmv::moe_lora`` op finds the stack (:func:`moe_stack_by_handle`): its
             tensors are read when the op runs, not graph inputs. A stack's tensors are never replaced (a restack makes
@@ -74,6 +77,19 @@ class MoeStack:
     def rank(self) -> int:
         """``R``: the largest rank a slot holds."""
         return self.a.shape[2]
+
+    def slot_a(self, slot: int, r: int | None = None) -> torch.Tensor:
+        """Slot ``slot``'s A as PEFT lays it out, ``(r·E, K)`` (a view; ``r``: the slot's rank unless given)."""
+        num_experts, _, k = self.a.shape[1:]
+        r = self.ranks_host[slot] if r is None else r
+        return self.a[slot].view(-1)[: r * num_experts * k].view(r * num_experts, k)
+
+    def slot_b(self, slot: int, r: int | None = None) -> torch.Tensor:
+        """Slot ``slot``'s B as PEFT lays it out, ``(N, r·E)`` (a view; ``r``: the slot's rank unless given)."""
+        num_experts, n = self.b.shape[1:3]
+        r = self.ranks_host[slot] if r is None else r
+        store = self.b.permute(0, 2, 3, 1)[slot]  # (N, R, E): the storage's own layout, contiguous
+        return store.view(-1)[: n * r * num_experts].view(n, r * num_experts)
 
     @property
     def shared(self) -> tuple:
@@ -106,20 +122,15 @@ class MoeStack:
     def set_slot(self, slot: int, wa: torch.Tensor, wb: torch.Tensor, scaling: float) -> None:
         """Slot ``slot`` holds the adapter whose PEFT weights are ``wa`` (``lora_A.weight`` ``(r·E, K)``) and ``wb``
         (``lora_B.weight`` ``(N, r·E)``), wherever they are (host memory: copied in, asynchronously from pinned
-        memory), its rows past ``r`` zero. PEFT's weights become views of the slot where they are parameters of the
-        stack's rank and dtype (stored once, as :func:`stack_from_peft` shares them); the others get device copies
-        of their own. The device vectors wait for :meth:`upload`."""
-        num_experts, r_max, k = self.a.shape[1:]
-        n = self.b.shape[2]
-        r = wa.shape[0] // num_experts
-        b_store = self.b.permute(0, 2, 3, 1)  # (S, N, R, E): the storage's own layout
-        self.a[slot, :, :r].copy_(wa.detach().view(num_experts, r, k), non_blocking=True)
-        b_store[slot, :, :r].copy_(wb.detach().view(n, r, num_experts), non_blocking=True)
-        if r < r_max:
-            self.a[slot, :, r:].zero_()
-            b_store[slot, :, r:].zero_()
-        if r == r_max and all(isinstance(w, torch.nn.Parameter) and w.dtype == self.a.dtype for w in (wa, wb)):
-            wa.data, wb.data = self.a[slot].view(num_experts * r, k), b_store[slot].view(n, r * num_experts)
+        memory). PEFT's weights become views of the slot where they are parameters of the stack's dtype (stored
+        once, as :func:`stack_from_peft` shares them); the others get device copies of their own. The device vectors
+        wait for :meth:`upload`."""
+        r = wa.shape[0] // self.a.shape[1]
+        dst_a, dst_b = self.slot_a(slot, r), self.slot_b(slot, r)
+        dst_a.copy_(wa.detach(), non_blocking=True)
+        dst_b.copy_(wb.detach(), non_blocking=True)
+        if all(isinstance(w, torch.nn.Parameter) and w.dtype == self.a.dtype for w in (wa, wb)):
+            wa.data, wb.data = dst_a, dst_b
             self.slot_shared[slot] = (wa, wb)
         else:
             self.slot_shared.pop(slot, None)
@@ -188,13 +199,13 @@ def stack_from_peft(
     ``e``'s A is rows ``e·r .. e·r + r``), and ``lora_B.weight`` ``(out, r·E)``, rank-major (expert ``e``'s B is columns
     ``e, e + E, …``), whichever way the parameter itself is laid out (``in``/``out`` are the features of the product,
     the parameter's ``(E, out, in)`` or transposed ``(E, in, out)``). The delta of expert ``e`` on an input row ``x`` is
-    ``scaling · (x @ A_eᵀ) @ B_eᵀ``. The stack keeps both layouts (see :class:`MoeStack`), so with ``share`` the
-    weights of every adapter of the stack's largest rank, dtype and device become views into it (stored once; PEFT's
-    forward, saves and in-place edits then work on the memory the kernels read); others are copied.
+    ``scaling · (x @ A_eᵀ) @ B_eᵀ``. Each slot keeps both layouts at its adapter's own rank (see :class:`MoeStack`),
+    so with ``share`` the weights of every adapter of the stack's dtype and device become views into it (stored once;
+    PEFT's forward, saves and in-place edits then work on the memory the kernels read); others are copied.
 
     ``rank``: the stack's ``R`` (at least the adapters' largest rank; the host tier gives the largest of every adapter
     the parameter holds, so that any of them can come into a slot). ``device``: where the stack goes (default: the
-    first adapter's device); given, PEFT's weights of the stack's rank and dtype on another device (the host tier's
+    first adapter's device); given, PEFT's weights of the stack's dtype on another device (the host tier's
     host memory) become views into it too.
     """
     num_experts, k, n = wrapper.num_experts, wrapper.in_features, wrapper.out_features
@@ -205,37 +216,30 @@ def stack_from_peft(
     where = like.device if device is None else torch.device(device)
     a = torch.zeros(len(adapters), num_experts, r_max, k, dtype=dtype, device=where)
     b_store = torch.zeros(len(adapters), n, r_max, num_experts, dtype=dtype, device=where)
-    ranks, scalings, shared = [], [], {}
-    for slot, name in enumerate(adapters):
-        if name is None or name not in wrapper.lora_A:
-            ranks.append(0)
-            scalings.append(0.0)
-            continue
-        r = wrapper.r[name]
-        wa, wb = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
-        a[slot, :, :r] = wa.detach().view(num_experts, r, k)
-        b_store[slot, :, :r] = wb.detach().view(n, r, num_experts)
-        ranks.append(r)
-        scalings.append(float(wrapper.scaling[name]))
-        if (
-            share
-            and r == r_max
-            and all(
-                isinstance(w, torch.nn.Parameter) and w.dtype == dtype and (device is not None or w.device == where)
-                for w in (wa, wb)
-            )
-        ):
-            wa.data, wb.data = a[slot].view(num_experts * r, k), b_store[slot].view(n, r * num_experts)
-            shared[slot] = (wa, wb)
-    return MoeStack(
+    ranks = [wrapper.r[name] if name is not None and name in wrapper.lora_A else 0 for name in adapters]
+    scalings = [float(wrapper.scaling[name]) if r else 0.0 for name, r in zip(adapters, ranks)]
+    stack = MoeStack(
         a=a,
         b=b_store.permute(0, 3, 1, 2),
         ranks=torch.tensor(ranks, dtype=torch.int32, device=where),
         scalings=torch.tensor(scalings, dtype=torch.float32, device=where),
         ranks_host=tuple(ranks),
         scalings_host=tuple(scalings),
-        slot_shared=shared,
     )
+    for slot, (name, r) in enumerate(zip(adapters, ranks)):
+        if not r:
+            continue
+        wa, wb = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
+        dst_a, dst_b = stack.slot_a(slot), stack.slot_b(slot)
+        dst_a.copy_(wa.detach())
+        dst_b.copy_(wb.detach())
+        if share and all(
+            isinstance(w, torch.nn.Parameter) and w.dtype == dtype and (device is not None or w.device == where)
+            for w in (wa, wb)
+        ):
+            wa.data, wb.data = dst_a, dst_b
+            stack.slot_shared[slot] = (wa, wb)
+    return stack
 
 
 # benchmarks/count_moe_ops.py counts the CUDA path's host work on the CPU: there the base products take torch's grouped
@@ -326,11 +330,11 @@ def _lora(x, stack: MoeStack | None, plan: MoePlan, y: torch.Tensor, x_rows: str
     if backend == "triton":
         if t is not None and t.shape[1] != stack.a.shape[2]:
             t = None
-        t = moe_shrink(x, stack.a, stack.ranks, plan, t, x_rows=x_rows)
-        moe_expand(t, stack.b, stack.ranks, stack.scalings, plan, y, y_rows="sorted")
+        t = moe_shrink(x, stack.a, stack.ranks, plan, t, x_rows=x_rows, own_rank=True)
+        moe_expand(t, stack.b, stack.ranks, stack.scalings, plan, y, y_rows="sorted", own_rank=True)
         return t
-    t = moe_shrink_reference(x, stack.a, stack.ranks_host, plan, x_rows=x_rows)
-    moe_expand_reference(t, stack.b, stack.ranks_host, stack.scalings_host, plan, y, y_rows="sorted")
+    t = moe_shrink_reference(x, stack.a, stack.ranks_host, plan, x_rows=x_rows, own_rank=True)
+    moe_expand_reference(t, stack.b, stack.ranks_host, stack.scalings_host, plan, y, y_rows="sorted", own_rank=True)
     return None
 
 

@@ -285,29 +285,29 @@ def _in_stacks(pm, w, stacks=None) -> bool:
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_expert_weights_are_stored_once(arch):
-    """PEFT's expert weights of adapters of a stack's largest rank are views into csgmv's stacks (``lora_A`` as the
-    stack's A, ``lora_B`` as its rank-major B layout): counted in ``shared_bytes``, PEFT's own forward unchanged, an
-    in-place edit of PEFT's weight seen by the kernels; an adapter of a smaller rank stays a copy; a wider adapter
-    added later gives the views their own memory back (values kept); ``disable_csgmv`` does the same for all."""
+    """PEFT's expert weights of every adapter, of any rank, are views into csgmv's stacks (each slot holds PEFT's
+    ``lora_A`` and rank-major ``lora_B`` at its adapter's own rank): counted in ``shared_bytes``, PEFT's own forward
+    unchanged, an in-place edit of PEFT's weight seen by the kernels; a wider adapter added later restacks, the old
+    stacks' views re-pointed into the new ones (values kept); ``disable_csgmv`` gives all their own memory back."""
     from peft import LoraConfig
 
-    pm = moe_peft(arch, {k: ADAPTERS[k] for k in ("a0", "a1")})  # ranks 4 and 8: a1 is shared, a0 copied
+    pm = moe_peft(arch, {k: ADAPTERS[k] for k in ("a0", "a1")})  # ranks 4 and 8: both shared
     ids = prompts(4, 5, seed=7)
     names = names_for(4, ("a0", "a1"))
     before = {n: [(a.clone(), b.clone()) for a, b in _expert_weights(pm, n)] for n in ("a0", "a1")}
     stock = per_adapter(pm, ["a1"], lambda: pm(ids).logits)["a1"]
     enable_csgmv(pm, backend="triton")
     stats = csgmv_stats(pm)
-    shared = sum(a.nbytes + b.nbytes for a, b in _expert_weights(pm, "a1"))
-    assert all(_in_stacks(pm, a) and _in_stacks(pm, b) for a, b in _expert_weights(pm, "a1"))
-    assert not any(_in_stacks(pm, a) or _in_stacks(pm, b) for a, b in _expert_weights(pm, "a0"))
+    shared = sum(a.nbytes + b.nbytes for n in ("a0", "a1") for a, b in _expert_weights(pm, n))
+    for n in ("a0", "a1"):
+        assert all(_in_stacks(pm, a) and _in_stacks(pm, b) for a, b in _expert_weights(pm, n)), n
     assert stats["shared_bytes"] >= shared > 0 and stats["expert_stack_bytes"] >= shared
     for n in ("a0", "a1"):  # the same values, PEFT's own layouts
         for (a, b), (a0, b0) in zip(_expert_weights(pm, n), before[n]):
             assert a.shape == a0.shape and b.shape == b0.shape and torch.equal(a, a0) and torch.equal(b, b0)
     with torch.no_grad():
         assert torch.equal(per_adapter(pm, ["a1"], lambda: pm(ids).logits)["a1"], stock)  # PEFT's forward reads views
-        for _, b in _expert_weights(pm, "a1"):  # an in-place edit of PEFT's weight: the kernels see it
+        for _, b in _expert_weights(pm, "a1") + _expert_weights(pm, "a0"):  # in-place edits: the kernels see them
             b.mul_(-0.5)
         got = pm(ids, adapter_ids=names).logits
         edited = per_adapter(pm, names, lambda: pm(ids).logits)
@@ -320,10 +320,12 @@ def test_expert_weights_are_stored_once(arch):
                                     target_parameters=EXPERTS))  # fmt: skip
     names = names_for(4, ("a1", "a3"))
     values = [(a.clone(), b.clone()) for a, b in _expert_weights(pm, "a1")]
+    old = _stacks(pm)
     with torch.no_grad():
-        got = pm(ids, adapter_ids=names).logits  # restacked at R = 12: a1 is a copy now, a3 shared
-    assert not any(_in_stacks(pm, a) or _in_stacks(pm, b) for a, b in _expert_weights(pm, "a1"))
-    assert all(_in_stacks(pm, a) and _in_stacks(pm, b) for a, b in _expert_weights(pm, "a3"))
+        got = pm(ids, adapter_ids=names).logits  # restacked at R = 12: every adapter shared in the new stacks
+    for n in ("a1", "a3"):
+        assert all(_in_stacks(pm, a) and _in_stacks(pm, b) for a, b in _expert_weights(pm, n)), n
+        assert not any(_in_stacks(pm, w, old) for pair in _expert_weights(pm, n) for w in pair), n
     assert all(torch.equal(a, a0) and torch.equal(b, b0) for (a, b), (a0, b0) in zip(_expert_weights(pm, "a1"), values))
     stacks = _stacks(pm)
     disable_csgmv(pm)

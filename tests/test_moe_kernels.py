@@ -363,6 +363,52 @@ def test_rank_padding_is_never_read(dtype):
     check_close(y, y_exp, dtype, what="moe_expand (dirty pad)")
 
 
+def own_rank_stacks(a_dense, b_dense, ranks, spread, fill=1e3):
+    """``a_dense`` / ``b_dense`` (padded, zero past each rank) laid out as each slot's PEFT weights at its own rank
+    (``lora_A.weight`` ``(r·E, K)``, ``lora_B.weight`` ``(N, r·E)``) at the start of the slot's block, ``fill`` in the
+    rest; ``spread`` 2: the slots are every other block of a buffer, from its second block (slot stride and offset)."""
+    num_slots, experts, r_max, k = a_dense.shape
+    n = b_dense.shape[2]
+    a_buf = torch.full((num_slots * spread + 1, experts, r_max, k), fill, dtype=a_dense.dtype, device=DEVICE)
+    b_buf = torch.full((num_slots * spread + 1, n, r_max, experts), fill, dtype=b_dense.dtype, device=DEVICE)
+    a, b_store = a_buf[1::spread][:num_slots], b_buf[1::spread][:num_slots]
+    for s, r in enumerate(ranks):
+        a[s].view(-1)[: experts * r * k] = a_dense[s, :, :r].reshape(-1)  # expert-major: row e·r + j
+        b_store[s].view(-1)[: n * r * experts] = b_dense[s, :, :, :r].permute(1, 2, 0).reshape(-1)  # col j·E + e
+    return a, b_store.permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("spread", [1, 2], ids=["dense-slots", "every-other-slot-offset"])
+def test_own_rank_layout_reads_peft_weights_in_place(spread, dtype):
+    """``own_rank``: each slot holds PEFT's own ``lora_A`` / ``lora_B`` weights at its own rank at the start of its
+    block (what :class:`~peft_csgmv.moe.MoeStack` stores, so that PEFT's weights of any rank view it), slots ``[1::2]``
+    of a wider buffer; garbage (1e3) in the rest of each block is never read. Kernels and the torch reference against
+    the float64 oracle on the padded weights."""
+    routing = Routing.named("mixed-idle-expert")
+    ranks, r_max = RANKS["r8-0-3-33"]
+    k, n = DIMS["in33-out47"]
+    a_dense, b_dense, ranks_t, scalings = make_weights(ranks, r_max, routing.experts, k, n, dtype, seed=90)
+    a, b = own_rank_stacks(a_dense, b_dense, ranks, spread)
+    assert not torch.equal(a, a_dense) and a.storage_offset() > 0
+    x = randn(routing.tokens, k, dtype=dtype, seed=91)
+    y_dense = randn(routing.pairs, n, dtype=dtype, seed=92)
+    t_exp = oracle_shrink(x, a_dense, ranks, routing, "token", torch.full((routing.pairs, r_max), SENTINEL))
+    y_exp = oracle_expand(t_exp.float(), b_dense, ranks, scalings, routing, "sorted", y_dense)
+
+    t = full((routing.pairs, r_max), SENTINEL)
+    moe_shrink(x, a, ranks_t, routing.plan, t=t, own_rank=True)
+    check_close(t, t_exp, dtype, what="moe_shrink own_rank")
+    y = y_dense.clone()
+    moe_expand(t, b, ranks_t, scalings, routing.plan, y, y_rows="sorted", own_rank=True)
+    check_close(y, y_exp, dtype, what="moe_expand own_rank")
+
+    t_ref = moe_shrink_reference(x, a, ranks, routing.plan, own_rank=True)
+    check_close(t_ref[routing.written(ranks, r_max)], t_exp[routing.written(ranks, r_max).cpu()], dtype, "reference")
+    y_ref = moe_expand_reference(t_ref, b, ranks, scalings.tolist(), routing.plan, y_dense.clone(), "sorted", True)
+    check_close(y_ref, y_exp, dtype, what="moe_expand_reference own_rank")
+
+
 @pytest.mark.parametrize("dtype", dtype_params())
 @pytest.mark.parametrize("y_rows", ["pair", "sorted"])
 def test_base_unrouted_and_rank0_rows_bit_identical(y_rows, dtype):

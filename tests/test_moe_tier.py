@@ -72,14 +72,14 @@ def _in_region(pm, name, w) -> bool:
 
 
 def _check_places(pm) -> None:
-    """Every resident's expert weights of its stacks' rank are views of its slot (those of a smaller rank copies on
-    the device), the others' wait in their host regions; each stack's slot ranks are its residents' (none elsewhere)."""
+    """Every resident's expert weights, of any rank, are views of its slot, the others' wait in their host regions;
+    each stack's slot ranks are its residents' (none elsewhere)."""
     state = pm._csgmv
     stacks = _experts_stacks(pm)
     resident = state.registry.index
     for name in NAMES:
         for w in _expert_weights(pm, name):
-            if name in resident:  # (of a smaller rank than its stack's: a copy on the device; on the CPU its region)
+            if name in resident:
                 assert w.device.type == torch.device(DEVICE).type, f"{name} is resident but its weight is not"
             else:
                 assert _in_region(pm, name, w), f"{name} is not resident but its expert weight is not in host memory"
@@ -102,9 +102,8 @@ def _check_places(pm) -> None:
             for name in resident:
                 if name not in w.lora_A:
                     continue
-                shared = w.r[name] == stack.rank
                 views = _views_stack(w.lora_A[name].weight, [stack]) and _views_stack(w.lora_B[name].weight, [stack])
-                assert views == shared, f"{name} (r={w.r[name]}, stack R={stack.rank}): views {views}"
+                assert views, f"{name} (r={w.r[name]}, stack R={stack.rank}) does not view its slot"
 
 
 def _tiered(arch, backend="torch", adapters=ADAPTERS, max_resident=2, rows=4, seq=5):
@@ -126,8 +125,8 @@ def _call(pm, ids, outs, names):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_mixed_calls_through_evictions_match_peft_per_adapter(arch, backend):
     """Calls that each need two of the five adapters bring them in and move the least recently used out: every row
-    is its adapter's stock PEFT result, every adapter's expert weights are where the tier says (a resident's of the
-    stacks' rank views of its slot, the others' in host memory), and ``csgmv_stats`` reads what is held."""
+    is its adapter's stock PEFT result, every adapter's expert weights are where the tier says (a resident's views
+    of its slot, the others' in host memory), and ``csgmv_stats`` reads what is held."""
     pm, ids, outs = _tiered(arch, backend)
     stats = csgmv_stats(pm)
     assert stats["expert_layers"] == 2 and stats["kernel_layers"] == 4 and stats["resident"] == ["a0", "a1"]

@@ -27,6 +27,11 @@ Semantics (expand)::
         y[row_y(q)] += (t[p, :r] @ B[slot, e, :, :r]ᵀ) * scaling[slot]   (t cast to B's dtype, fp32 accumulation,
                                                                         one rounding to y's dtype)
 
+Layouts: by default ``A`` and ``B`` are ``(S, E, R, K)`` / ``(S, E, N, R)`` tensors read through their strides, each
+slot padded to ``R``. With ``own_rank`` each slot holds its weights at its own rank ``r`` as PEFT stores them (``A``'s
+expert ``e`` at rows ``e·r .. e·r + r`` of the slot, ``B``'s output row ``n`` at ``n·r`` rank strides): the slot's
+block is PEFT's ``lora_A`` / ``lora_B`` weight itself, whatever its rank (see :meth:`~peft_csgmv.moe.MoeStack.slot_a`).
+
 Rows in no segment (base pairs, unrouted pairs) and segments whose slot has rank 0 are not touched: ``t[p, r:]`` is
 not written, ``y`` keeps its bits. ``x``, ``A``, ``t``, ``B`` and ``y`` are addressed through their strides (views of
 wider, offset or transposed buffers, and ``B`` as a strided view of PEFT's ``lora_B`` weight, are read and written in
@@ -99,6 +104,7 @@ def _moe_shrink_kernel(
     BLOCK_K: tl.constexpr,
     X_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    OWN_RANK: tl.constexpr,
 ):
     seg = tl.program_id(0)
     q, p, m_mask = _pair_rows(seg, seg_start_ptr, seg_end_ptr, perm_ptr, BLOCK_M)
@@ -108,9 +114,13 @@ def _moe_shrink_kernel(
     if rank == 0:
         return
     expert = tl.load(seg_expert_ptr + seg).to(tl.int64)
+    if OWN_RANK:  # the slot's (E, r, K) block at its own rank: expert e's rows start at row e·r
+        expert_base = expert * rank.to(tl.int64) * stride_ar
+    else:
+        expert_base = expert * stride_ae
     rows = _rows_of(q, p, top_k, X_ROWS)
     acc = a_product(
-        x_ptr, a_ptr + expert * stride_ae, a_ptr, slot, rank, rows, m_mask, 0, K, stride_xm, stride_xk, stride_as,
+        x_ptr, a_ptr + expert_base, a_ptr, slot, rank, rows, m_mask, 0, K, stride_xm, stride_xk, stride_as,
         stride_ar, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, False, 1,
     )  # fmt: skip
     offs_r = tl.arange(0, BLOCK_R)
@@ -145,6 +155,7 @@ def _moe_expand_kernel(
     BLOCK_R: tl.constexpr,
     Y_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    OWN_RANK: tl.constexpr,
 ):
     seg = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -161,8 +172,12 @@ def _moe_expand_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
 
+    if OWN_RANK:  # the slot's (N, r, E) block at its own rank: output row n starts at n·r·E
+        row_stride = rank.to(tl.int64) * stride_br
+    else:
+        row_stride = stride_bn
     b_base = b_ptr + slot.to(tl.int64) * stride_bs + expert * stride_be
-    b_ptrs = b_base + offs_r[:, None] * stride_br + offs_n[None, :].to(tl.int64) * stride_bn
+    b_ptrs = b_base + offs_r[:, None] * stride_br + offs_n[None, :].to(tl.int64) * row_stride
     b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
     t_ptrs = t_ptr + p[:, None] * stride_tm + offs_r[None, :] * stride_tr
     t = tl.load(t_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
@@ -206,6 +221,7 @@ def moe_shrink(
     t: torch.Tensor | None = None,
     x_rows: str = "token",
     config: dict | None = None,
+    own_rank: bool = False,
 ) -> torch.Tensor:
     """Launch the MoE shrink kernel (see the module's Semantics).
 
@@ -220,6 +236,9 @@ def moe_shrink(
         t: optional ``(T * top_k, R)`` fp32 output, any strides (written in place through them).
         x_rows: ``"token"``, ``"pair"`` or ``"sorted"``: how ``x``'s rows are addressed.
         config: override the tile choice (tuning): ``block_k``, ``num_warps``, ``num_stages``.
+        own_rank: each slot's block holds its experts at the slot's own rank ``r``, as PEFT's ``lora_A.weight``
+            ``(r·E, K)`` does: ``A[slot, e, j]`` is at row ``e·r + j`` of the slot, ``a``'s expert stride unused
+            (:class:`~peft_csgmv.moe.MoeStack`'s layout: a slot stores any rank without padding rows between experts).
 
     Returns:
         ``t``: only ``t[p, :ranks[slot]]`` of the pairs ``p`` of live segments is written.
@@ -249,6 +268,7 @@ def moe_shrink(
         BLOCK_K=block_k,
         X_ROWS=ROWS[x_rows],
         DOT_PRECISION=_precision(a, x),
+        OWN_RANK=bool(own_rank),
     )
     _launch_moe_shrink((plan.num_segments, 1, 1), args, constexprs, options)
     return t
@@ -263,6 +283,7 @@ def moe_expand(
     y: torch.Tensor,
     y_rows: str = "pair",
     config: dict | None = None,
+    own_rank: bool = False,
 ) -> torch.Tensor:
     """Launch the MoE expand kernel (see the module's Semantics); ``y`` is updated in place and returned.
 
@@ -276,6 +297,10 @@ def moe_expand(
         y: ``(T * top_k, N)`` per-pair output, fp16/bf16/fp32, any strides (updated in place through them).
         y_rows: ``"pair"`` or ``"sorted"``: how ``y``'s rows are addressed.
         config: override the tile choice (tuning): ``block_n``, ``num_warps``, ``num_stages``.
+        own_rank: each slot's block holds its experts at the slot's own rank ``r``, as PEFT's ``lora_B.weight``
+            ``(N, r·E)`` does: ``B[slot, e, n, j]`` is at ``n·r·E + j·E + e`` elements from the slot's start when
+            ``b``'s rank stride is ``E`` (generally: output row ``n`` at ``n·r`` rank strides; ``b``'s output stride
+            unused).
     """
     if y_rows == "token":
         raise ValueError("moe_expand writes one row per pair: y_rows is 'pair' or 'sorted'")
@@ -304,6 +329,7 @@ def moe_expand(
         BLOCK_R=block_size(r),
         Y_ROWS=ROWS[y_rows],
         DOT_PRECISION=_precision(b, y),
+        OWN_RANK=bool(own_rank),
     )
     _launch_moe_expand((plan.num_segments, triton.cdiv(n, block_n), 1), args, constexprs, options)
     return y

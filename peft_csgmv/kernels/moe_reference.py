@@ -31,6 +31,24 @@ def _active_segments(plan: MoePlan, ranks: Sequence[int]):
             yield slot, expert, r, q, permutation[start:end]
 
 
+def slot_a(a: torch.Tensor, slot: int, r: int, own_rank: bool = False) -> torch.Tensor:
+    """Slot ``slot``'s A ``(E, r, K)`` of the stacked ``a`` ``(S, E, R, K)`` (a view): rows ``:r`` of each expert, or
+    with ``own_rank`` the slot's block at its own rank (expert ``e`` at rows ``e·r .. e·r + r``; see ``moe.py``)."""
+    if not own_rank:
+        return a[slot, :, :r]
+    ss, _, sr, sk = a.stride()
+    return a.as_strided((a.shape[1], r, a.shape[3]), (r * sr, sr, sk), a.storage_offset() + slot * ss)
+
+
+def slot_b(b: torch.Tensor, slot: int, r: int, own_rank: bool = False) -> torch.Tensor:
+    """Slot ``slot``'s B ``(E, N, r)`` of the stacked ``b`` ``(S, E, N, R)`` (a view): columns ``:r``, or with
+    ``own_rank`` the slot's block at its own rank (output row ``n`` at ``n·r`` rank strides; see ``moe.py``)."""
+    if not own_rank:
+        return b[slot, :, :, :r]
+    ss, se, _, sr = b.stride()
+    return b.as_strided((b.shape[1], b.shape[2], r), (se, r * sr, sr), b.storage_offset() + slot * ss)
+
+
 def _rows(mode: str, q: torch.Tensor, p: torch.Tensor, top_k: int) -> torch.Tensor:
     return {"token": lambda: p // top_k, "pair": lambda: p, "sorted": lambda: q}[mode]()
 
@@ -42,8 +60,10 @@ def moe_shrink_reference(
     plan: MoePlan,
     t: torch.Tensor | None = None,
     x_rows: str = "token",
+    own_rank: bool = False,
 ) -> torch.Tensor:
-    """``x``: (T, K) or (T * top_k, K) as ``x_rows`` says; ``a``: (S, E, R, K); ``ranks``: host ints per slot. Returns
+    """``x``: (T, K) or (T * top_k, K) as ``x_rows`` says; ``a``: (S, E, R, K) (``own_rank``: each slot at its own
+    rank, :func:`slot_a`); ``ranks``: host ints per slot. Returns
     ``t``: (T * top_k, R), fp32 (fp64 for fp64 inputs); entries no segment writes are zero (a fresh buffer) or
     untouched (``t`` given)."""
     acc = _acc_dtype(x, a)
@@ -51,7 +71,8 @@ def moe_shrink_reference(
         t = torch.zeros((plan.num_pairs, a.shape[2]), dtype=acc, device=x.device)
     for slot, expert, r, q, p in _active_segments(plan, ranks):
         rows = _rows(x_rows, q, p, plan.top_k)
-        t[p, :r] = (x[rows].to(a.dtype).to(acc) @ a[slot, expert, :r].to(acc).T).to(t.dtype)
+        a_e = slot_a(a, slot, r, own_rank)[expert]
+        t[p, :r] = (x[rows].to(a.dtype).to(acc) @ a_e.to(acc).T).to(t.dtype)
     return t
 
 
@@ -63,12 +84,13 @@ def moe_expand_reference(
     plan: MoePlan,
     y: torch.Tensor,
     y_rows: str = "pair",
+    own_rank: bool = False,
 ) -> torch.Tensor:
-    """``t``: (T * top_k, R); ``b``: (S, E, N, R); ``y``: (T * top_k, N) by ``y_rows``, updated in place (one rounding
-    to its dtype) and returned."""
+    """``t``: (T * top_k, R); ``b``: (S, E, N, R) (``own_rank``: each slot at its own rank, :func:`slot_b`); ``y``:
+    (T * top_k, N) by ``y_rows``, updated in place (one rounding to its dtype) and returned."""
     acc = _acc_dtype(t, b, y)
     for slot, expert, r, q, p in _active_segments(plan, ranks):
         rows = _rows(y_rows, q, p, plan.top_k)
-        delta = t[p, :r].to(b.dtype).to(acc) @ b[slot, expert, :, :r].to(acc).T
+        delta = t[p, :r].to(b.dtype).to(acc) @ slot_b(b, slot, r, own_rank)[expert].to(acc).T
         y[rows] = (y[rows].to(acc) + delta * float(scalings[slot])).to(y.dtype)
     return y
