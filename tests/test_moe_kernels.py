@@ -166,21 +166,23 @@ def make_weights(ranks, r_max, experts, k, n, dtype, seed, pad=0.0):
     return a.to(DEVICE, dtype), b.to(DEVICE, dtype), ranks_t, scalings
 
 
-def run_end_to_end(routing, ranks, r_max, k, n, dtype, x_rows, y_rows, seed=0, what=""):
-    """shrink then expand on fresh data; each step against the oracle; untouched entries bit-identical."""
+def run_end_to_end(routing, ranks, r_max, k, n, dtype, x_rows, y_rows, seed=0, what="", own_rank=False):
+    """shrink then expand on fresh data; each step against the oracle; untouched entries bit-identical. ``own_rank``:
+    the kernels read the weights as :class:`~peft_csgmv.moe.MoeStack` keeps them (:func:`own_rank_stacks`)."""
     a, b, ranks_t, scalings = make_weights(ranks, r_max, routing.experts, k, n, dtype, seed)
+    a_in, b_in = own_rank_stacks(a, b, ranks, 1) if own_rank else (a, b)
     x = randn(routing.x_len(x_rows), k, dtype=dtype, seed=seed + 1)
     y = randn(routing.pairs, n, dtype=dtype, seed=seed + 2)
     y0 = y.clone()
     t = full((routing.pairs, r_max), SENTINEL)
 
-    assert moe_shrink(x, a, ranks_t, routing.plan, t=t, x_rows=x_rows) is t
+    assert moe_shrink(x, a_in, ranks_t, routing.plan, t=t, x_rows=x_rows, own_rank=own_rank) is t
     t_exp = oracle_shrink(x, a, ranks, routing, x_rows, torch.full_like(t, SENTINEL))
     check_close(t, t_exp, dtype, what=f"{what} moe_shrink t")
     unwritten = ~routing.written(ranks, r_max)
     assert torch.equal(bits(t[unwritten]), bits(torch.full_like(t[unwritten], SENTINEL))), f"{what}: t written"
 
-    assert moe_expand(t, b, ranks_t, scalings, routing.plan, y, y_rows=y_rows) is y
+    assert moe_expand(t, b_in, ranks_t, scalings, routing.plan, y, y_rows=y_rows, own_rank=own_rank) is y
     y_exp = oracle_expand(t_exp.float(), b, ranks, scalings, routing, y_rows, y0)  # t is stored in fp32
     check_close(y, y_exp, dtype, what=f"{what} moe_expand y")
     touched = routing.touched(ranks, y_rows)
@@ -262,6 +264,8 @@ def test_dims_and_ranks_end_to_end(dims_name, ranks_name, dtype):
     what = f"{dims_name}/{ranks_name}"
     run_end_to_end(routing, ranks, r_max, k, n, dtype, "token", "pair", seed=30, what=f"gate_up {what}")
     run_end_to_end(routing, ranks, r_max, n, k, dtype, "sorted", "sorted", seed=40, what=f"down {what}")
+    # (and read as the stacks keep the weights: each slot at its own rank)
+    run_end_to_end(routing, ranks, r_max, k, n, dtype, "token", "pair", seed=31, what=f"own-rank {what}", own_rank=True)
 
 
 @pytest.mark.parametrize("dtype", dtype_params())
@@ -504,11 +508,13 @@ GPU_LAYOUTS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "gpt-oss-20b": (2880, 2880,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("own_rank", [False, True], ids=["padded", "own-rank"])
 @pytest.mark.parametrize("tokens", [7, 300], ids=["decode-7", "prefill-300"])
 @pytest.mark.parametrize("layout", list(GPU_LAYOUTS))
-def test_gpu_real_shapes_bf16(layout, tokens):
+def test_gpu_real_shapes_bf16(layout, tokens, own_rank):
     """Both products of one MoE layer (gate/up: x by token → 2·I columns by pair; down: I → hidden, sorted order) in
-    bf16 with the default chunk, four slots of ranks 8..64 and base tokens, against the float64 oracle."""
+    bf16 with the default chunk, four slots of ranks 8..64 and base tokens, against the float64 oracle; the weights
+    padded to the largest rank, or each slot at its own rank as the stacks keep them."""
     hidden, inter, experts, top_k = GPU_LAYOUTS[layout]
     g = torch.Generator().manual_seed(tokens)
     index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
@@ -516,6 +522,6 @@ def test_gpu_real_shapes_bf16(layout, tokens):
     routing = Routing(token_slot, index.tolist(), experts)
     ranks, r_max = [16, 8, 64, 32], 64
     run_end_to_end(routing, ranks, r_max, hidden, 2 * inter, torch.bfloat16, "token", "pair", seed=100,
-                   what=f"{layout} gate_up")  # fmt: skip
+                   what=f"{layout} gate_up", own_rank=own_rank)  # fmt: skip
     run_end_to_end(routing, ranks, r_max, inter, hidden, torch.bfloat16, "sorted", "sorted", seed=110,
-                   what=f"{layout} down")  # fmt: skip
+                   what=f"{layout} down", own_rank=own_rank)  # fmt: skip
