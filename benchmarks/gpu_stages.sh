@@ -151,8 +151,8 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       done ;;
     verify)
       if ls wheels/serve/*.whl > /dev/null 2>&1; then bash benchmarks/serve_wheels.sh install; fi
-      python3 -m pytest tests/test_moe_plan.py tests/test_moe.py tests/test_moe_kernels.py tests/test_moe_tier.py tests/test_moe_compiled.py tests/test_host_tier.py \
-        tests/test_continuous.py tests/test_offload.py tests/test_serve.py -q -p no:cacheprovider -rf --tb=short \
+      python3 -m pytest tests/test_moe_plan.py tests/test_moe.py tests/test_moe_kernels.py tests/test_moe_tier.py \
+        tests/test_moe_compiled.py tests/test_host_tier.py tests/test_continuous.py tests/test_offload.py tests/test_serve.py -q -p no:cacheprovider -rf --tb=short \
         > "$OUT/gpu_verify.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_verify.log" | tail -15 ;;
     cbprof)
