@@ -9,9 +9,11 @@ of ``--prompt-min``..``--prompt-max`` random tokens, each with its own ``max_new
 ``max_new_tokens``). Rows, each over the same requests, in this order:
 
 * base model (no LoRA), transformers' continuous batching as csgmv runs it (no CUDA graphs, synchronous batching);
+* ``base-graphs``: the base model with transformers' CUDA graphs (``use_cuda_graph=True``), synchronous batching;
 * base model, transformers' defaults (CUDA graphs and asynchronous batching where transformers turns them on);
 * stock PEFT, one adapter for every request (the same configuration as the first row);
 * csgmv, each request's adapter one of ``--adapters`` (round robin), the same configuration as the first row;
+* ``csgmv-graphs``: csgmv with transformers' CUDA graphs, as the ``base-graphs`` row (its ratio is to that row);
 * ``tier``: the same as csgmv with ``max_resident_adapters=--max-resident-adapters`` (the host tier: the other adapters
   wait in host memory; a step starts a request only while its adapters fit).
 
@@ -88,7 +90,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch-tokens", type=int, default=None, help="the manager's token budget per step")
     p.add_argument("--num-blocks", type=int, default=None, help="the paged cache's blocks (default: transformers')")
     p.add_argument("--max-resident-adapters", type=int, default=64, help="the tier row's max_resident_adapters")
-    p.add_argument("--rows", default="base,base-default,peft,csgmv", help="of base, base-default, peft, csgmv, tier")
+    p.add_argument(
+        "--rows",
+        default="base,base-default,peft,csgmv",
+        help="of base, base-graphs, base-default, peft, csgmv, csgmv-graphs, tier",
+    )
     p.add_argument(
         "--profile",
         action="store_true",
@@ -108,11 +114,13 @@ def main(argv=None) -> int:
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.new_max)
     sizes = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens), ("num_blocks", args.num_blocks)) if v}
     eager = dict(use_cuda_graph=False, use_async_batching=False, **sizes)
+    graphs = dict(eager, use_cuda_graph=True)
     rows = args.rows.split(",")
     results = []
 
     def record(name, seconds, tokens, target=None, adapters=None, config=None):
-        results.append(dict(row=name, seconds=seconds, tokens=tokens, tok_s=tokens / seconds))
+        loop = "graphs" if config is graphs else "eager" if config is eager else "default"
+        results.append(dict(row=name, seconds=seconds, tokens=tokens, tok_s=tokens / seconds, loop=loop))
         print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s", flush=True)
         if args.profile and target is not None:
             profiled(name, target, adapters, config)
@@ -135,11 +143,13 @@ def main(argv=None) -> int:
             print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
 
     warm = requests[: min(8, len(requests))]
-    for name, config in (("base", eager), ("base-default", sizes)):
+    titles = dict(base="no CUDA graphs, sync", **{"base-graphs": "CUDA graphs, sync"})
+    titles["base-default"] = "transformers defaults"
+    for name, config in (("base", eager), ("base-graphs", graphs), ("base-default", sizes)):
         if name in rows:
             run(model, warm, None, gen, ContinuousBatchingConfig(**config))
             record(
-                f"base model ({'no CUDA graphs, sync' if name == 'base' else 'transformers defaults'})",
+                f"base model ({titles[name]})",
                 *run(model, requests, None, gen, ContinuousBatchingConfig(**config)),
                 model,
                 None,
@@ -151,28 +161,33 @@ def main(argv=None) -> int:
         clone_adapter(peft_model, f"a{i % 32}", f"a{i}", layers)
     if "peft" in rows:
         run(peft_model, warm, None, gen, ContinuousBatchingConfig(**eager))
-        record("stock PEFT, one adapter", *run(peft_model, requests, None, gen, ContinuousBatchingConfig(**eager)))
+        timed = run(peft_model, requests, None, gen, ContinuousBatchingConfig(**eager))
+        record("stock PEFT, one adapter", *timed, config=eager)
     names = [f"a{i}" for i in range(args.adapters)]
-    for row, limit in (("csgmv", None), ("tier", args.max_resident_adapters)):
+    for row, limit, config in (
+        ("csgmv", None, eager), ("csgmv-graphs", None, graphs), ("tier", args.max_resident_adapters, eager)
+    ):  # fmt: skip
         if row not in rows:
             continue
         start = time.perf_counter()
         enable_csgmv(peft_model, max_resident_adapters=limit)
         print(f"{row}: enable_csgmv took {time.perf_counter() - start:.1f} s", flush=True)
-        run(peft_model, warm, names, gen, ContinuousBatchingConfig(**eager))
+        run(peft_model, warm, names, gen, ContinuousBatchingConfig(**config))
         label = f"csgmv, {args.adapters} adapters" + (f", max_resident_adapters={limit}" if limit else "")
-        timed = run(peft_model, requests, names, gen, ContinuousBatchingConfig(**eager))
-        record(label, *timed, peft_model, names, eager)
+        label += ", CUDA graphs" if config is graphs else ""
+        timed = run(peft_model, requests, names, gen, ContinuousBatchingConfig(**config))
+        record(label, *timed, peft_model, names, config)
         disable_csgmv(peft_model)
 
-    base = next((r["tok_s"] for r in results if r["row"].startswith("base model (no")), None)
+    bases = {r["loop"]: r["tok_s"] for r in results if r["row"].startswith("base model")}
     print(f"\n| {args.model}, {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max}, "
           f"new {args.new_min}-{args.new_max} | tok/s | × base (same loop) |")  # fmt: skip
     print("|---|---|---|")
     for r in results:
+        base = bases.get(r["loop"])
         ratio = f"{r['tok_s'] / base:.2f}" if base else "-"
         print(f"| {r['row']} | {r['tok_s']:.0f} | {ratio} |")
-    tok_s = {r["row"].split(",")[-1].strip().split("=")[0]: r["tok_s"] for r in results}
+    tok_s = {r["row"].split(",")[-1].strip().split("=")[0]: r["tok_s"] for r in results if r["loop"] == "eager"}
     if "max_resident_adapters" in tok_s and f"{args.adapters} adapters" in tok_s:
         ratio = tok_s["max_resident_adapters"] / tok_s[f"{args.adapters} adapters"]
         print(f"\nhost tier ({args.max_resident_adapters} resident) against all {args.adapters} resident: {ratio:.2f}x")

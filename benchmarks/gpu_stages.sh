@@ -38,6 +38,8 @@
 #   serve    the server (peft-csgmv serve), 1B, 256 requests from 64 streaming clients, against generate_batch on the
 #            same requests, all at once and fed at the clients' concurrency (needs wheels/serve:
 #            benchmarks/serve_wheels.sh; carry wheels; ~6 min) -> serve_1b.json
+#   cbgraphs continuous batching under transformers' CUDA graphs, 1B, 256 requests: base model and csgmv 32 distinct,
+#            each eager and with use_cuda_graph=True (~6 min) -> continuous_1b_graphs.json
 #   cbtier   continuous batching over 1000 adapters (copies of 32), 1B, 96 requests (answers 16-256): all resident, then
 #            max_resident_adapters=64 (~5 min) -> continuous_1b_tier.json
 #   peer     PEFT's own mixed-batch tests through csgmv's Triton kernels, fp32 then bf16 models (needs
@@ -152,7 +154,8 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     verify)
       if ls wheels/serve/*.whl > /dev/null 2>&1; then bash benchmarks/serve_wheels.sh install; fi
       python3 -m pytest tests/test_moe_plan.py tests/test_moe.py tests/test_moe_kernels.py tests/test_moe_tier.py \
-        tests/test_moe_compiled.py tests/test_host_tier.py tests/test_continuous.py tests/test_offload.py tests/test_serve.py -q -p no:cacheprovider -rf --tb=short \
+        tests/test_moe_compiled.py tests/test_host_tier.py tests/test_continuous.py \
+        tests/test_continuous_graphs.py tests/test_offload.py tests/test_serve.py -q -p no:cacheprovider -rf --tb=short \
         > "$OUT/gpu_verify.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_verify.log" | tail -15 ;;
     cbprof)
@@ -188,6 +191,11 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         --max-resident-adapters 64 --rows csgmv,tier --out "$OUT/continuous_1b_tier.json" 2>&1 \
         | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b_tier.log"
       grep "^|\|host tier\|enable" "$OUT/continuous_1b_tier.log" || tail -25 "$OUT/continuous_1b_tier.log" ;;
+    cbgraphs)
+      python3 benchmarks/bench_continuous.py --model 1b --requests 256 --rows base,base-graphs,csgmv,csgmv-graphs \
+        --out "$OUT/continuous_1b_graphs.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
+        > "$OUT/continuous_1b_graphs.log"
+      grep "^|" "$OUT/continuous_1b_graphs.log" || tail -25 "$OUT/continuous_1b_graphs.log" ;;
     continuous)
       python3 benchmarks/bench_continuous.py --model 1b --requests 256 --out "$OUT/continuous_1b.json" 2>&1 \
         | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b.log"

@@ -24,11 +24,18 @@ a copy-in stream beside the running steps, and their requests start once the cop
 A step's preparation (the mapping's plan, the adapters' copies in) runs on the stream transformers runs the step's
 forward on (:func:`compute_stream`), so it comes before the step's kernels in stream order.
 
-What runs: the eager step (continuous batching without CUDA graphs, synchronous batching: an enabled model's manager
-is made with both off, and a configuration that asks for them with adapters is refused). Adapters whose modules
+What runs: synchronous batching (a configuration that asks for asynchronous batching or compiled forwards is
+refused), eager steps unless the configuration asks for CUDA graphs (``use_cuda_graph=True`` or a pair; left unset,
+off). Under graphs transformers captures a step of each size once and replays it for every later step of that size
+without running any layer's Python, so each step's mapping is :attr:`~peft_csgmv.mapping.Mapping.graphed`: padded to
+the step's padded size, every step csgmv's (requests without an adapter take the active one's slot), its plans and
+MoE token groups at fixed addresses rewritten before the step, sized for any step of its size; graphs captured under
+other stacks or plans are dropped before a step (:meth:`Router.fresh_graphs`), and transformers' warmup runs inside a
+step of base tokens (:func:`_compute_batch`). Refused with graphs: accelerate-offloaded layers, the torch backend on
+CUDA. Adapters whose modules
 run PEFT's own path somewhere, aLoRA adapters and LoRA on the output embedding cannot be given per request (PEFT's
 mixed-batch path is per row, and a packed step has one): such a request is refused when it is added. A step with no
-request that was given an adapter is transformers' own step, as stock PEFT runs it.
+request that was given an adapter is transformers' own step, as stock PEFT runs it (eager steps; graphed, csgmv's).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import threading
 import weakref
 from typing import Any, Sequence
 
+from . import slots as _slots
 from .mapping import Mapping
 from .patching import WeakMethod
 from .sync import BASE, BASE_NAMES, PEFT_DORA_ERROR, outside_inference_mode
@@ -52,6 +60,10 @@ PATIENCE = 16
 # Whether adapters are brought in ahead (Router.admit) on the CPU too, where their copies are done at once (tests); on
 # a GPU they always are.
 AHEAD_ON_CPU = False
+# Whether every step runs as under CUDA graphs (Mapping.graphed) on the CPU too, where transformers captures none: the
+# layers then read the graphed steps' fixed buffers eagerly (tests); on a GPU, steps are graphed where transformers'
+# continuous batching runs CUDA graphs.
+GRAPHED_ON_CPU = False
 
 
 def continuous_batching_available() -> bool:
@@ -75,20 +87,15 @@ def _require() -> None:
 
 
 def _eager_config(config):
-    """A copy of ``config`` (a ``ContinuousBatchingConfig``, or ``None``: transformers' defaults) with CUDA graphs and
-    asynchronous batching off (csgmv fills each step's mapping in Python, before the step's forward; a configuration
-    that asks for either is refused) and prompt blocks not shared between requests (their adapters may differ)."""
+    """A copy of ``config`` (a ``ContinuousBatchingConfig``, or ``None``: transformers' defaults) with asynchronous
+    batching off (csgmv fills each step's mapping in Python, before the step's forward; a configuration that asks for
+    it is refused), CUDA graphs only where asked for (``use_cuda_graph``: True or a pair), and prompt blocks not shared
+    between requests (their adapters may differ)."""
     import copy
 
     from transformers import ContinuousBatchingConfig
 
     config = ContinuousBatchingConfig() if config is None else copy.copy(config)
-    graphs = getattr(config, "use_cuda_graph", None)
-    if graphs is True or (isinstance(graphs, tuple) and any(graphs)):
-        raise ValueError(
-            "csgmv runs continuous batching with per-request adapters without CUDA graphs: leave "
-            "ContinuousBatchingConfig.use_cuda_graph unset (or False)"
-        )
     if getattr(config, "use_async_batching", None):
         raise ValueError(
             "csgmv runs continuous batching with per-request adapters synchronously: leave "
@@ -101,11 +108,50 @@ def _eager_config(config):
         # transformers shares a cached prompt block between requests by its tokens alone: a request with another
         # adapter would read keys and values computed under the first one's.
         config.allow_block_sharing = False
-    if hasattr(config, "use_cuda_graph"):
-        config.use_cuda_graph = False
+    if hasattr(config, "use_cuda_graph") and not _asks_graphs(config):
+        config.use_cuda_graph = False  # (transformers' default may turn them on: only where asked for)
     if hasattr(config, "use_async_batching"):
         config.use_async_batching = False
     return config
+
+
+def _asks_graphs(config) -> bool:
+    graphs = getattr(config, "use_cuda_graph", None)
+    return graphs is True or (isinstance(graphs, tuple) and any(graphs))
+
+
+def _graphs_refusal(model, state) -> str | None:
+    """Why this enabled model's continuous batching cannot run CUDA graphs (``None``: it can)."""
+    if state.offloaded:
+        return "layers offloaded by accelerate move their weights on every forward, which a CUDA graph cannot replay"
+    for device in state.devices:
+        if device.type == "cuda" and not state.executor.triton_on(device):
+            return "the torch backend reads each step's plan on the host; CUDA graphs need the Triton kernels"
+    return None
+
+
+def graph_slots(state) -> int:
+    """The slots a graphed step's tokens may use: the host tier's resident ones, else the registry's."""
+    return state.max_resident or state.registry.capacity
+
+
+def _graphs_on(processor) -> bool:
+    """Whether transformers runs (some of) this batch processor's steps as CUDA graphs."""
+    runner = getattr(processor, "model_runner", None)
+    return bool(getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False))
+
+
+def _drop_graphs(processor) -> None:
+    """Forget the CUDA graphs transformers captured for this batch processor (they read stacks or buffers that are
+    gone, or were captured without csgmv's layers): the next step of each size captures its graph again."""
+    io = getattr(processor, "inputs_and_outputs", None)
+    graphs = getattr(io, "graphs", None)
+    if graphs is None:
+        return
+    stream = getattr(io, "compute_stream", None)
+    if stream is not None:
+        stream.synchronize()  # (a replay still running reads what the graphs hold)
+    io.graphs = type(graphs)()  # (the old buffer resets its graphs as it goes)
 
 
 class Router:
@@ -117,6 +163,8 @@ class Router:
         self.adapters: dict[str, str | None] = {}  # request id -> adapter name (None: the base model)
         self.rounds = 0  # admission rounds (steps) with the host tier
         self.since: dict[str, int] = {}  # waiting request id -> the round it was first a candidate in
+        self.graphed = False  # whether the steps run as CUDA graphs (set when the batch processor is made)
+        self.graph_key = None  # (route epoch, plans' generation, slots) the processor's graphs were captured under
         state = manager.__dict__
         own = {name: getattr(manager, name) for name in ("add_request", "add_requests", "_create_batch_processor")}
         state["_csgmv_router"] = self
@@ -161,6 +209,13 @@ class Router:
         own_step = processor._generation_step
         processor.__dict__["_csgmv_step"] = own_step
         processor.__dict__["_generation_step"] = functools.partial(_generation_step, self, processor, own_step)
+        self.graphed = GRAPHED_ON_CPU or _graphs_on(processor)
+        runner = getattr(processor, "model_runner", None)
+        if self.graphed and runner is not None and hasattr(runner, "compute_batch"):
+            # transformers' warmup captures graphs of steps without requests, outside a step: csgmv's layers must be
+            # in them (every later step of their size replays them)
+            own = runner.compute_batch
+            runner.__dict__["compute_batch"] = functools.partial(_compute_batch, self, processor, own)
         scheduler = getattr(processor, "scheduler", None)
         finish = getattr(scheduler, "finish_request", None)
         if finish is not None:
@@ -240,8 +295,14 @@ class Router:
         io = processor.inputs_and_outputs
         scheduled = list(io.requests_in_batch)
         names = [self.name_of(fs.state.request_id) for fs in scheduled]
-        if all(name is STOCK for name in names):
-            return own_step(model)  # (no request with an adapter given: stock PEFT's step, its active adapter)
+        graphed = self.graphed and state is not None
+        if state is None and self.graph_key is not None:
+            _drop_graphs(processor)  # (captured with csgmv's layers, which are gone)
+            self.graph_key = None
+        if not graphed and all(name is STOCK for name in names):
+            # No request with an adapter given: stock PEFT's step, its active adapter. (Graphed, every step is
+            # csgmv's: a graph captured here would be replayed by steps with adapters, and the other way round.)
+            return own_step(model)
         if state is None:  # (never the active adapter in place of a request's own)
             raise RuntimeError("csgmv was disabled on this model while requests given an adapter_id were running")
         with state.executor.lock:
@@ -251,7 +312,9 @@ class Router:
             # (on the step's compute stream: the plans' uploads and the adapters' copies in come before its kernels
             # in stream order, and wait for what they must, where the default stream would race them)
             with on_stream(compute_stream(processor)):
-                open_step(peft_model, state, scheduled, names)
+                open_step(peft_model, state, scheduled, names, io.num_q_tokens if graphed else None)
+                if graphed:
+                    self.fresh_graphs(processor, state)
             executor = state.executor
             try:
                 own_step(model)
@@ -259,6 +322,14 @@ class Router:
                 executor.end(failed=True)
                 raise
             executor.end()
+
+    def fresh_graphs(self, processor, state) -> None:
+        """Graphs captured under other stacks or plans than the step's (a restack, a backend switched, the plans
+        cleared; or none of csgmv's yet) are dropped before the step: transformers captures them again."""
+        key = (_slots.ROUTE_EPOCH, state.executor.plans.generation, graph_slots(state))
+        if key != self.graph_key:
+            _drop_graphs(processor)
+            self.graph_key = key
 
 
 def check_adapters(model, names) -> None:
@@ -322,8 +393,10 @@ def _refusal(model, state, name: str) -> str | None:
 
 
 @outside_inference_mode
-def open_step(model, state, scheduled: Sequence, names: list) -> None:
-    """Fill the step's mapping (its adapters made resident first) and open it on the executor, its plan prepared."""
+def open_step(model, state, scheduled: Sequence, names: list, pad_to: int | None = None) -> None:
+    """Fill the step's mapping (its adapters made resident first) and open it on the executor, its plan prepared.
+    ``pad_to``: a step transformers runs as a CUDA graph, of this many tokens (its requests' and padding, base tokens):
+    its mapping is :attr:`~peft_csgmv.mapping.Mapping.graphed`."""
     state.sync(model)
     for name in dict.fromkeys(n for n in names if n is not None):
         why = refusal(model, state, name)  # (an adapter deleted or changed while its requests waited)
@@ -334,6 +407,8 @@ def open_step(model, state, scheduled: Sequence, names: list) -> None:
     tokens: list[int] = []
     for fs, slot in zip(scheduled, slots):
         tokens += [slot] * fs.query_length
+    if pad_to is not None and pad_to > len(tokens):
+        tokens += [-1] * (pad_to - len(tokens))
     state.restack_rescaled()
     state.follow_weights()
     executor = state.executor
@@ -343,11 +418,15 @@ def open_step(model, state, scheduled: Sequence, names: list) -> None:
         arg_name="adapter_id",
         copies_out=out,
         token_slots=tuple(tokens),
+        graphed=pad_to is not None,
+        graph_slots=graph_slots(state),
     )
     executor.begin(mapping)
     try:
         for device in state.devices:
             mapping.prepare(1, len(tokens), device)
+            if mapping.graphed:
+                mapping.prepare_groups(device)
     except BaseException:
         executor.end(failed=True)
         raise
@@ -426,6 +505,29 @@ def _generation_step(router: Router, processor, own_step, model) -> None:
     router.step(processor, own_step, model)
 
 
+def _compute_batch(router: Router, processor, own, model, batch_data, *args, **kwargs):
+    """The batch processor's forward (graphed steps): inside a step as it is; outside one (transformers' warmup,
+    which captures graphs of steps without requests) inside a step of base tokens, so that csgmv's layers are in the
+    graphs it captures."""
+    peft_model = router.model_ref()
+    state = None if peft_model is None else peft_model.__dict__.get("_csgmv")
+    executor = None if state is None else state.executor
+    if executor is None or (executor.active and executor.owner == threading.get_ident()):
+        return own(model, batch_data, *args, **kwargs)
+    num_tokens = batch_data["input_ids"].shape[-1]
+    with executor.lock:
+        with on_stream(compute_stream(processor)):
+            open_step(peft_model, state, [], [], num_tokens)
+            router.fresh_graphs(processor, state)
+        try:
+            out = own(model, batch_data, *args, **kwargs)
+        except BaseException:
+            executor.end(failed=True)
+            raise
+        executor.end()
+    return out
+
+
 def _waiting(router: Router, processor, scheduler, own):
     return router.admit(scheduler, own(), processor)
 
@@ -465,7 +567,11 @@ def init_continuous_batching(base_model, *args, **kwargs):
     names = ("generation_config", "continuous_batching_config", "workload_hints")
     bound = dict(zip(names, args))
     bound.update(kwargs)
-    bound["continuous_batching_config"] = _eager_config(bound.get("continuous_batching_config"))
+    config = bound["continuous_batching_config"] = _eager_config(bound.get("continuous_batching_config"))
+    if _asks_graphs(config):
+        why = _graphs_refusal(model, model._csgmv)
+        if why is not None:
+            raise ValueError(f"csgmv cannot run continuous batching with CUDA graphs here: {why}")
     manager = own(**bound)
     if "_csgmv_router" not in manager.__dict__:
         Router(manager, model)

@@ -514,7 +514,7 @@ def experts_forward(
         names = mapping.names_for(num_tokens)
         return self._csgmv_orig_forward(hidden_states, top_k_index, top_k_weights, *args, adapter_names=names, **kwargs)
     experts = record.experts_module
-    if not any(stack.serves(mapping.slot_set) for stack in stacks.values()):
+    if not mapping.graphed and not any(stack.serves(mapping.slot_set) for stack in stacks.values()):
         return experts(hidden_states, top_k_index, top_k_weights)  # no adapter token here: the base experts
     num_slots = record.experts_slots
     groups = mapping.token_groups_for(num_tokens, device, num_slots)  # (one per call: every MoE layer reads it)

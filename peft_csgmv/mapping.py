@@ -64,6 +64,14 @@ class Mapping:
     # token's slot (-1: a base token), in place of ``row_slots``; a layer input of any ``rows × tokens_per_row`` with
     # at least that many tokens reads them in order, the tokens past them (padding) as base tokens.
     token_slots: tuple[int, ...] | None = None
+    # A packed step that transformers runs as a CUDA graph (captured in it, or replayed: then no layer's Python runs).
+    # Every layer then reads what varies from step to step from buffers at fixed addresses that the driver rewrites
+    # before the step (:meth:`prepare`, :meth:`prepare_groups`), sized for any step of its token count: the plans of
+    # :meth:`PlanCache.run_for_tokens` with ``graphed``, the MoE layers' token groups (:meth:`token_groups_for`); and
+    # no layer skips its LoRA for a step without adapter tokens (a replay would skip it for every later step too).
+    graphed: bool = False
+    # A graphed step: how many slots its tokens may use (the registry's), which sizes its plans.
+    graph_slots: int = 0
 
     # Until the model's sibling groups are learned: where each run of layers that read one tensor goes when it ends
     # (the executor's, set when the call opens); ``None`` once they are learned.
@@ -91,7 +99,9 @@ class Mapping:
         key = (rows, tokens_per_row, device)
         run = self.runs.get(key)
         if run is None and self.token_slots is not None:
-            run = self.runs[key] = self.cache.run_for_tokens(self._packed(rows * tokens_per_row), device)
+            slots = self._packed(rows * tokens_per_row)
+            graph_slots = self.graph_slots if self.graphed else None
+            run = self.runs[key] = self.cache.run_for_tokens(slots, device, graph_slots)
         elif run is None:
             repeat = self.repeat(rows)
             keep = self.row_tokens(rows, tokens_per_row)
@@ -189,9 +199,21 @@ class Mapping:
         count (every MoE layer of a step reads the same one)."""
         key = (num_tokens, device, num_slots)
         cached = self._token_slots.get(key)
-        if cached is None:
+        if cached is None and self.graphed:
+            cached = self._token_slots[key] = self.cache.groups_for(key, self)
+        elif cached is None:
             cached = self._token_slots[key] = upload(self.host_token_groups(num_tokens, num_slots), device)
         return cached
+
+    def prepare_groups(self, device: torch.device) -> None:
+        """A graphed step (:attr:`graphed`): rewrite the MoE token groups of its size on ``device`` that earlier steps'
+        layers asked for (:meth:`PlanCache.groups_for`), before the step runs (a replay reads them without a layer's
+        Python running)."""
+        num_tokens = len(self.token_slots)
+        for key, buf in self.cache.groups.items():
+            if key[0] == num_tokens and key[1] == device:
+                write_buffer(buf, self.host_token_groups(num_tokens, key[2]))
+                self._token_slots[key] = buf
 
     def host_token_groups(self, num_tokens: int, num_slots: int) -> torch.Tensor:
         """:meth:`token_groups_for`'s tensor in host memory (what a compiled layer's fixed buffer is rewritten from:
@@ -389,6 +411,9 @@ class PlanCache(collections.OrderedDict):
     def __init__(self) -> None:
         super().__init__()
         self.packed: dict = {}  # the packed steps' plans at fixed addresses (PackedPlan), by tokens, device, runs
+        # Graphed packed steps' MoE token groups at fixed addresses, by (tokens, device, slots): Mapping.graphed
+        self.groups: dict = {}
+        self.generation = 0  # advances at each clear (CUDA graphs that read the packed buffers are then stale)
 
     def run_for(self, row_slots: tuple[int, ...], repeat: int, tokens_per_row: int, device, keep=None) -> "PlanRun":
         key = (row_slots, repeat, tokens_per_row, device, keep)
@@ -403,20 +428,48 @@ class PlanCache(collections.OrderedDict):
             self.move_to_end(key)
         return run
 
-    def run_for_tokens(self, token_slots: tuple[int, ...], device) -> "PlanRun":
+    def run_for_tokens(self, token_slots: tuple[int, ...], device, graph_slots: int | None = None) -> "PlanRun":
         """The plan of one row of packed tokens: a :class:`PackedPlan` of its size (kept in :attr:`packed`, by token
-        count, device and runs), rewritten for these slots; a step without adapter tokens gets an empty plan."""
-        if all(slot < 0 for slot in token_slots):
+        count, device and runs), rewritten for these slots; a step without adapter tokens gets an empty plan. A
+        graphed step (:attr:`Mapping.graphed`, its tokens in at most ``graph_slots`` slots): one plan per token count,
+        device and slot count, sized for any step of that many tokens, an all-base step's too."""
+        if graph_slots is not None:
+            runs = max(1, min(len(token_slots), graph_slots))
+            key = (len(token_slots), device, "graphed", runs)
+        elif all(slot < 0 for slot in token_slots):
             return PlanRun(BatchPlan.from_token_slots(token_slots, "cpu"))  # (empty: the layers skip the kernels)
-        key = (len(token_slots), device, packed_runs(token_slots))
+        else:
+            key = (len(token_slots), device, packed_runs(token_slots))
+            runs = key[2]
         packed = self.packed.get(key)
         if packed is None:
-            packed = self.packed[key] = PackedPlan(len(token_slots), key[2], torch.device(device))
+            packed = self.packed[key] = PackedPlan(len(token_slots), runs, torch.device(device))
         return packed.fill(token_slots)
+
+    def groups_for(self, key: tuple, mapping: "Mapping") -> torch.Tensor:
+        """A graphed step's MoE token groups of ``key`` ``(tokens, device, slots)`` at a fixed address (kept in
+        :attr:`groups`): as the driver wrote them before the step (:meth:`Mapping.prepare_groups`), or made now and
+        written for ``mapping``, a step that is not being captured (transformers runs a step once before capturing
+        it: a write inside a capture would be replayed from its old host copy)."""
+        buf = self.groups.get(key)
+        if buf is None:
+            num_tokens, device, num_slots = key
+            device = torch.device(device)
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"csgmv: a CUDA graph is being captured for a step of {num_tokens} tokens whose MoE token groups "
+                    "were never written before it"
+                )
+            with torch.inference_mode(False):  # rewritten in place by every step, inside inference mode or not
+                buf = self.groups[key] = torch.empty(num_tokens, dtype=torch.int64, device=device)
+            write_buffer(buf, mapping.host_token_groups(num_tokens, num_slots))
+        return buf
 
     def clear(self) -> None:
         super().clear()
         self.packed.clear()
+        self.groups.clear()
+        self.generation += 1
 
     def drop_bindings(self, stack: "LoraStack") -> None:
         """Bindings to ``stack``'s old tensors would keep them alive and launch on them: drop them."""

@@ -32,7 +32,7 @@ def _configs(new_tokens: int = 5, max_batch_tokens: int = 64, **extra):
 @torch.no_grad()
 def _alone(model, prompt, adapter, new_tokens: int) -> list[int]:
     """The request run alone through stock PEFT (csgmv's wrappers see no ids: PEFT's own generate)."""
-    x = torch.tensor([prompt])
+    x = torch.tensor([prompt], device=model.get_base_model().device)
     kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     kw["eos_token_id"] = None  # (no stop: every request runs its whole length)
     if adapter is None:
@@ -122,9 +122,9 @@ def test_returned_sequences_take_their_request_adapter(enabled):
 
 
 def test_refusals_change_nothing():
-    """A bad ``adapter_ids`` (unknown name, wrong length) and a configuration with CUDA graphs are refused before any
-    request runs; without ids, ``generate_batch`` is transformers' own on the active adapter, as stock PEFT runs it;
-    ``disable_csgmv`` gives the base model its own ``init_continuous_batching`` back."""
+    """A bad ``adapter_ids`` (unknown name, wrong length) and a configuration with asynchronous batching are refused
+    before any request runs; without ids, ``generate_batch`` is transformers' own on the active adapter, as stock
+    PEFT runs it; ``disable_csgmv`` gives the base model its own ``init_continuous_batching`` back."""
     from transformers import ContinuousBatchingConfig
 
     model = make("llama")
@@ -137,9 +137,11 @@ def test_refusals_change_nothing():
         )
     with pytest.raises(ValueError, match="2 inputs"):
         model.generate_batch(PROMPTS[:2], generation_config=gen, continuous_batching_config=cbc, adapter_ids=["a0"])
-    graphs = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_cuda_graph=True)
-    with pytest.raises(ValueError, match="CUDA graphs"):
-        model.generate_batch(PROMPTS[:2], generation_config=gen, continuous_batching_config=graphs, adapter_ids=IDS[:2])
+    asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
+    with pytest.raises(ValueError, match="synchronously"):
+        model.generate_batch(
+            PROMPTS[:2], generation_config=gen, continuous_batching_config=asynchronous, adapter_ids=IDS[:2]
+        )
     stock = model.generate_batch(PROMPTS[:2], generation_config=gen, continuous_batching_config=cbc)
     active = model.active_adapter
     assert [stock[f"req_{i}"].generated_tokens for i in range(2)] == [_alone(model, p, active, 5) for p in PROMPTS[:2]]
@@ -290,14 +292,14 @@ def _ahead_run(monkeypatch, ids, slow_queries: int = 0):
         copying[name] = max(0, left - 1)
         return left == 0
 
-    def open_step(model, state, scheduled, names):
+    def open_step(model, state, scheduled, names, pad_to=None):
         used = {n for n in names if n is not None}
         # (only a step that had nothing else to run starts a request whose adapter is on its way: it then waits for
         # the copy on the device)
         if any(copying.get(n, 0) for n in used):
             assert len(used) == 1 and None not in names, f"a busy step used an adapter on its way: {used}, {copying}"
         steps.append(used)
-        return real_open(model, state, scheduled, names)
+        return real_open(model, state, scheduled, names, pad_to)
 
     monkeypatch.setattr(HostTier, "bring_in", bring_in)
     monkeypatch.setattr(HostTier, "bring_in_ahead", bring_in_ahead)

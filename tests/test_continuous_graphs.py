@@ -1,0 +1,274 @@
+"""Continuous batching whose steps transformers runs as CUDA graphs (``ContinuousBatchingConfig(use_cuda_graph=True)``),
+with an adapter per request.
+
+transformers captures one graph per step size and replays it for every later step of that size, whatever requests the
+step holds, without running any layer's Python. So a graphed step's LoRA reads everything that changes from step to
+step from buffers at fixed addresses, which the driver rewrites before the step, and no layer takes a shortcut for one
+step's requests (``Mapping.graphed``).
+
+On the CPU, where transformers captures no graph, ``continuous.GRAPHED_ON_CPU`` runs every step the graphed way,
+eagerly: each request's tokens are stock PEFT's run of it alone (fp32, greedy), dense and MoE; the steps of one size
+launch the same kernels over the same grids and plan buffers whatever their requests, and those buffers are written
+before the forward, never inside it; transformers' warmup (steps without requests, outside any step) runs inside a
+step of base tokens. On a GPU, ``use_cuda_graph=True`` itself: every request's tokens are its alone-run's.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+
+import pytest
+import torch
+from helpers import BACKENDS, make
+from test_continuous import IDS, PROMPTS, _alone, _configs
+
+from peft_csgmv import continuous, disable_csgmv, enable_csgmv, layers
+from peft_csgmv.continuous import continuous_batching_available
+from peft_csgmv.kernels import launch
+
+pytestmark = pytest.mark.skipif(
+    not continuous_batching_available(), reason="this transformers has no continuous batching (transformers >= 5)"
+)
+
+
+def _llama(backend: str):
+    model = make("llama")
+    model.get_base_model().generation_config.eos_token_id = None
+    enable_csgmv(model, backend=backend)
+    return model
+
+
+def _tokens(out, n: int) -> list:
+    return [out[f"req_{i}"].generated_tokens for i in range(n)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("max_batch_tokens", [64, 8], ids=["whole-prefills", "split-prefills"])
+def test_graphed_steps_give_each_request_its_adapter(monkeypatch, backend, max_batch_tokens):
+    """Every step the graphed way (plans sized for any step of its size, base tokens in the kernels' segments):
+    each request's tokens are its stock PEFT run's, requests without an adapter included, prefills split over steps
+    too."""
+    monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
+    model = _llama(backend)
+    gen, cbc = _configs(max_batch_tokens=max_batch_tokens)
+    out = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=cbc, adapter_ids=IDS)
+    want = [_alone(model, p, a, 5) for p, a in zip(PROMPTS, IDS)]
+    assert len({tuple(w) for w in want}) > 2, "the adapters change nothing: the test would prove nothing"
+    assert _tokens(out, len(PROMPTS)) == want
+    graphed = [key for key in model._csgmv.executor.plans.packed if "graphed" in key]
+    assert graphed, "no step took the graphed plans"
+    disable_csgmv(model)
+
+
+class _Steps:
+    """Per step (keyed by its token count): the launches its forward made, the plan buffers it wrote inside its
+    forward, and each step's mapping."""
+
+    def __init__(self, model, monkeypatch) -> None:
+        from peft_csgmv import mapping as mapping_module
+
+        self.model, self.in_forward = model, False
+        self.launches: list = []
+        self.steps: list[tuple] = []  # (tokens, token slots, launch signatures, buffers written inside the forward)
+        self.written_inside: list = []
+        base = model.get_base_model()
+        base.register_forward_pre_hook(lambda *_: self._begin())
+        base.register_forward_hook(lambda *_: self._end())
+        own_call = launch.Launcher.__call__
+
+        def recorded(launcher, grid, args, constexprs, options=()):
+            if self.in_forward:
+                self.launches.append(_signature(launcher, grid, args, constexprs, options))
+            return own_call(launcher, grid, args, constexprs, options)
+
+        monkeypatch.setattr(launch.Launcher, "__call__", recorded)
+        own_write, own_upload = mapping_module.write_buffer, mapping_module.upload
+
+        def write(buf, host):
+            if self.in_forward:
+                self.written_inside.append(tuple(buf.shape))
+            return own_write(buf, host)
+
+        def upload(host, device):
+            if self.in_forward:
+                self.written_inside.append(("upload", tuple(host.shape)))
+            return own_upload(host, device)
+
+        monkeypatch.setattr(mapping_module, "write_buffer", write)
+        monkeypatch.setattr(mapping_module, "upload", upload)
+
+    def _begin(self) -> None:
+        self.in_forward, self.launches, self.written_inside = True, [], []
+
+    def _end(self) -> None:
+        self.in_forward = False
+        mapping = self.model._csgmv.executor.mapping
+        assert mapping is not None and mapping.graphed, "a step ran without a graphed mapping"
+        self.steps.append((len(mapping.token_slots), mapping.token_slots, self.launches, self.written_inside))
+
+
+def _signature(launcher, grid, args, constexprs, options) -> tuple:
+    """What a captured launch fixes: the kernel, its grid, its integer arguments and constexprs, each float tensor's
+    layout (weights and activations), and each integer tensor's address (plans, per-slot vectors): a replay reads
+    whatever those addresses then hold."""
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            floating = a.is_floating_point()
+            parts.append((a.dtype, tuple(a.shape), a.stride(), None if floating else a.data_ptr()))
+        else:
+            parts.append(a)
+    return launcher.kernel.fn.__name__, tuple(grid), tuple(parts), tuple(constexprs.items()), tuple(options)
+
+
+def test_graphed_steps_of_one_size_launch_the_same_whatever_their_requests(monkeypatch):
+    """Two batches of the same prompt lengths, one with mixed adapters and one all on the base model: their steps of
+    each size launch the same kernels over the same grids, integer arguments and plan buffers (a graph captured by
+    either is right for the other), and every buffer those launches read is written before the forward, never inside
+    it (a write captured in a graph would be replayed from its old host copy)."""
+    monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
+    model = _llama("triton")
+    steps = _Steps(model, monkeypatch)
+    gen, cbc = _configs(new_tokens=3, max_batch_tokens=16)
+    for ids in (IDS, [None] * len(PROMPTS), ["a1", "a0", None, "a1", "a0"]):
+        model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
+    by_size: dict = collections.defaultdict(list)
+    for size, slots, launches, written in steps.steps:
+        assert not written, f"a step of {size} tokens wrote {written} inside its forward"
+        by_size[size].append((slots, launches))
+    compared = 0
+    for size, runs in by_size.items():
+        first_slots, first = runs[0]
+        assert first, f"a step of {size} tokens launched no kernel"
+        for slots, launches in runs[1:]:
+            assert launches == first, f"steps of {size} tokens launched differently: {first_slots} / {slots}"
+            compared += slots != first_slots
+    assert compared >= 3, "too few steps of one size with other requests: the test would prove little"
+    disable_csgmv(model)
+
+
+def test_graphed_moe_steps_give_each_request_its_expert_adapter(monkeypatch):
+    """Expert LoRA, every step the graphed way: the experts layers build their plans from token groups at a fixed
+    address per step size, which the driver rewrites before each step (a layer wrote them inside the forward only the
+    first time a size came); a step without adapter tokens runs the LoRA path too. Each request's tokens are its stock
+    PEFT run's."""
+    from test_moe import moe_peft, prompts
+    from test_moe_prototype import _has_3d_experts
+
+    if not _has_3d_experts():
+        pytest.skip("needs transformers' 3D experts and PEFT's target_parameters")
+    monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
+    pm = moe_peft("qwen3_moe")
+    pm.get_base_model().generation_config.eos_token_id = None
+    rows = prompts(4, 6, seed=2).tolist()
+    rows[1], rows[3] = rows[1][:3], rows[3][:5]  # (uneven prompts)
+    ids = ["a0", None, "a1", "a1"]
+    want = [_alone(pm, r, a, 4) for r, a in zip(rows, ids)]
+    assert len({tuple(w) for w in want}) > 2, "the adapters change nothing: the test would prove nothing"
+    enable_csgmv(pm, backend="torch")
+    steps = _Steps(pm, monkeypatch)
+    lora_steps = []
+    own_lora = layers.moe_lora_forward
+    monkeypatch.setattr(layers, "moe_lora_forward", lambda *a, **k: lora_steps.append(1) or own_lora(*a, **k))
+    gen, cbc = _configs(new_tokens=4, max_batch_tokens=8)
+    for batch_ids in (ids, [None] * 4, ids):
+        lora_steps.clear()
+        out = pm.generate_batch(rows, generation_config=gen, continuous_batching_config=cbc, adapter_ids=batch_ids)
+        assert lora_steps, f"{batch_ids}: the experts layers skipped their LoRA (a graph would skip it for good)"
+    assert _tokens(out, 4) == want
+    assert pm._csgmv.executor.plans.groups, "the experts layers read no fixed token groups"
+    seen = set()
+    for size, _, _, written in steps.steps:
+        if size in seen:
+            assert not written, f"a later step of {size} tokens wrote {written} inside its forward"
+        seen.add(size)
+    disable_csgmv(pm)
+
+
+def test_warmup_outside_a_step_runs_inside_a_step_of_base_tokens(monkeypatch):
+    """transformers' warmup captures graphs of steps without requests by calling the batch processor's forward
+    outside any step: csgmv runs it inside a graphed step of base tokens of the warmup's size (so its layers are in the
+    graphs later steps replay), closed after, the logits the base model's."""
+    monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
+    model = _llama("triton")
+    gen, cbc = _configs()
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+    router = manager._csgmv_router
+    processor = types.SimpleNamespace(inputs_and_outputs=types.SimpleNamespace(graphs=None, compute_stream=None))
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10]])
+    seen = {}
+
+    def own(base, batch_data):
+        executor = model._csgmv.executor
+        seen["mapping"] = executor.mapping
+        return base(input_ids=batch_data["input_ids"]).logits
+
+    with torch.no_grad():
+        logits = continuous._compute_batch(router, processor, own, model.get_base_model(), {"input_ids": ids})
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    mapping = seen["mapping"]
+    assert mapping is not None and mapping.graphed and mapping.token_slots == (-1,) * ids.shape[1]
+    assert not model._csgmv.executor.active
+    torch.testing.assert_close(logits, base, rtol=1e-5, atol=1e-5)
+    disable_csgmv(model)
+
+
+def test_graphs_are_refused_where_they_cannot_replay():
+    """CUDA graphs are refused, before anything runs, with layers offloaded by accelerate (their weights move on
+    every forward) and with the torch backend on CUDA (it reads each step's plan on the host); asynchronous batching
+    is refused as before."""
+    from transformers import ContinuousBatchingConfig
+
+    state = types.SimpleNamespace(offloaded=[object()], devices=(), executor=None)
+    assert "offloaded" in continuous._graphs_refusal(None, state)
+    executor = types.SimpleNamespace(triton_on=lambda device: False)
+    state = types.SimpleNamespace(offloaded=[], devices=(torch.device("cuda", 0),), executor=executor)
+    assert "torch backend" in continuous._graphs_refusal(None, state)
+    state = types.SimpleNamespace(offloaded=[], devices=(torch.device("cpu"),), executor=executor)
+    assert continuous._graphs_refusal(None, state) is None
+    model = _llama("torch")
+    gen, _ = _configs()
+    asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
+    with pytest.raises(ValueError, match="synchronously"):
+        model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=asynchronous, adapter_ids=IDS)
+    disable_csgmv(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_gpu_cuda_graphs_give_each_request_its_adapter(arch):
+    """On a GPU with ``use_cuda_graph=True`` (transformers captures a graph per step size, warmup included, and
+    replays it): every request's tokens are its stock PEFT run's alone (fp32, greedy), over three batches whose steps
+    of one size hold other requests, then again after an adapter is added (a restack: the graphs are captured again)."""
+    from peft import LoraConfig
+    from transformers import ContinuousBatchingConfig
+
+    if arch == "llama":
+        model = make("llama")
+        rows, ids_list = PROMPTS, [IDS, [None] * len(PROMPTS), ["a1", "a0", None, "a1", "a0"]]
+    else:
+        from test_moe import moe_peft, prompts
+
+        model = moe_peft("qwen3_moe")
+        rows = prompts(4, 6, seed=2).tolist()
+        ids_list = [["a0", None, "a1", "a1"], [None] * 4, ["a1", "a1", "a0", None]]
+    model.get_base_model().generation_config.eos_token_id = None
+    enable_csgmv(model, backend="triton")
+    gen, _ = _configs()
+    cbc = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_cuda_graph=True)
+
+    def check(ids):
+        out = model.generate_batch(rows, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
+        want = [_alone(model, r, a, 5) for r, a in zip(rows, ids)]
+        assert _tokens(out, len(rows)) == want, ids
+
+    for ids in ids_list:
+        check(ids)
+    torch.manual_seed(5)
+    target = ["q_proj", "v_proj"]
+    model.add_adapter("a9", LoraConfig(r=6, lora_alpha=12, init_lora_weights=False, target_modules=target))
+    check(["a9", "a0", None, "a9"][: len(rows)] + ["a1"] * max(0, len(rows) - 4))
+    disable_csgmv(model)
