@@ -164,6 +164,7 @@ class Router:
         self.rounds = 0  # admission rounds (steps) with the host tier
         self.since: dict[str, int] = {}  # waiting request id -> the round it was first a candidate in
         self.graphed = False  # whether the steps run as CUDA graphs (set when the batch processor is made)
+        self.graphs_asked = False  # whether the manager's configuration asks for them (set when it is made)
         self.graph_key = None  # (route epoch, plans' generation, slots) the processor's graphs were captured under
         state = manager.__dict__
         own = {name: getattr(manager, name) for name in ("add_request", "add_requests", "_create_batch_processor")}
@@ -188,6 +189,19 @@ class Router:
             raise RuntimeError("csgmv was disabled on this model: its continuous-batching manager takes no adapter_id")
         check_adapters(model, [adapter_id])
         return adapter_id
+
+    def check_stock(self) -> None:
+        """Under CUDA graphs, a request added without ``adapter_id`` runs the model's active adapter through csgmv's
+        kernels (every graphed step is csgmv's): one csgmv cannot give per request is refused as it is added."""
+        if not self.graphs_asked:
+            return
+        model = self.model_ref()
+        state = None if model is None else model.__dict__.get("_csgmv")
+        if state is not None:
+            with state.executor.lock:
+                name = stock_adapter(model, state)
+            if name is not None:
+                check_adapters(model, [name])
 
     def name_of(self, request_id: str):
         """The adapter of a scheduled request (a returned sequence's: its parent's); :data:`STOCK` for a request
@@ -434,6 +448,7 @@ def open_step(model, state, scheduled: Sequence, names: list, pad_to: int | None
 
 def _add_request(router: Router, own, input_ids, request_id: str | None = None, *args, adapter_id=STOCK, **kwargs):
     if adapter_id is STOCK:
+        router.check_stock()
         return own(input_ids, request_id, *args, **kwargs)
     name = router.check(adapter_id)
     if request_id is None:
@@ -471,6 +486,8 @@ def _add_requests(
     if adapter_ids is not None and len(adapter_ids) != len(inputs):
         raise ValueError(f"`adapter_ids` has {len(adapter_ids)} entries for {len(inputs)} inputs")
     names = [STOCK] * len(inputs) if adapter_ids is None else [router.check(a) for a in adapter_ids]
+    if adapter_ids is None:
+        router.check_stock()
     with manager._request_lock:
         start = manager._request_counter
         manager._request_counter += len(inputs)
@@ -573,8 +590,8 @@ def init_continuous_batching(base_model, *args, **kwargs):
         if why is not None:
             raise ValueError(f"csgmv cannot run continuous batching with CUDA graphs here: {why}")
     manager = own(**bound)
-    if "_csgmv_router" not in manager.__dict__:
-        Router(manager, model)
+    router = manager.__dict__.get("_csgmv_router") or Router(manager, model)
+    router.graphs_asked = _asks_graphs(config)
     return manager
 
 

@@ -236,6 +236,34 @@ def test_graphs_are_refused_where_they_cannot_replay():
     disable_csgmv(model)
 
 
+def test_requests_without_an_adapter_run_the_active_one_through_csgmv(monkeypatch):
+    """Graphed, every step is csgmv's: requests added without ``adapter_id`` run the model's active adapter in the
+    kernels (stock PEFT's tokens), and where csgmv cannot give the active adapter per request (LoRA on the output
+    embedding) such a request is refused as it is added, in the caller's thread, before anything is queued."""
+    monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
+    model = _llama("torch")
+    gen, cbc = _configs()
+    graphs = type(cbc)(num_blocks=32, max_batch_tokens=64, use_cuda_graph=True)
+    out = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=graphs)
+    active = model.active_adapter
+    assert _tokens(out, len(PROMPTS)) == [_alone(model, p, active, 5) for p in PROMPTS]
+    disable_csgmv(model)
+
+    specs = {"a0": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])}
+    model = make("llama", specs)
+    model.get_base_model().generation_config.eos_token_id = None
+    enable_csgmv(model, backend="torch")
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=graphs)
+    with pytest.raises(ValueError, match="output embedding"):
+        manager.add_request(PROMPTS[0], max_new_tokens=3)
+    with pytest.raises(ValueError, match="output embedding"):
+        manager.add_requests(PROMPTS, max_new_tokens=3)
+    assert not manager.input_queue.qsize()
+    plain = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+    assert plain.add_request(PROMPTS[0], max_new_tokens=3) is not None  # (eager: stock PEFT's own step runs it)
+    disable_csgmv(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
