@@ -215,6 +215,35 @@ def test_warmup_outside_a_step_runs_inside_a_step_of_base_tokens(monkeypatch):
     disable_csgmv(model)
 
 
+def test_graphs_captured_under_other_stacks_are_dropped(monkeypatch):
+    """Before a graphed step, transformers' graphs are dropped (captured again at their next step) when they were
+    captured under other stacks or plans: csgmv's first step, a restack (an adapter added: the route epoch), the plans
+    cleared, another slot count; not otherwise."""
+    from peft import LoraConfig
+
+    monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
+    model = _llama("torch")
+    gen, cbc = _configs()
+    router = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)._csgmv_router
+    old = object()
+    processor = types.SimpleNamespace(inputs_and_outputs=types.SimpleNamespace(graphs=old, compute_stream=None))
+    state = model._csgmv
+
+    def fresh() -> bool:
+        before = processor.inputs_and_outputs.graphs
+        router.fresh_graphs(processor, state)
+        return processor.inputs_and_outputs.graphs is not before
+
+    assert fresh() and not fresh() and not fresh()
+    model.add_adapter("a2", LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj"]))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]), adapter_ids=["a2"])  # (the sync restacks)
+    assert fresh() and not fresh()
+    state.executor.clear_plans()
+    assert fresh() and not fresh()
+    disable_csgmv(model)
+
+
 def test_graphs_are_refused_where_they_cannot_replay():
     """CUDA graphs are refused, before anything runs, with layers offloaded by accelerate (their weights move on
     every forward) and with the torch backend on CUDA (it reads each step's plan on the host); asynchronous batching
