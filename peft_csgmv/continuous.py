@@ -439,8 +439,8 @@ def open_step(model, state, scheduled: Sequence, names: list, pad_to: int | None
     try:
         for device in state.devices:
             mapping.prepare(1, len(tokens), device)
-            if mapping.graphed:
-                mapping.prepare_groups(device)
+        if mapping.graphed:
+            mapping.prepare_groups()
     except BaseException:
         executor.end(failed=True)
         raise

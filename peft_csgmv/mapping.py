@@ -205,13 +205,13 @@ class Mapping:
             cached = self._token_slots[key] = upload(self.host_token_groups(num_tokens, num_slots), device)
         return cached
 
-    def prepare_groups(self, device: torch.device) -> None:
-        """A graphed step (:attr:`graphed`): rewrite the MoE token groups of its size on ``device`` that earlier steps'
-        layers asked for (:meth:`PlanCache.groups_for`), before the step runs (a replay reads them without a layer's
-        Python running)."""
+    def prepare_groups(self) -> None:
+        """A graphed step (:attr:`graphed`): rewrite the MoE token groups of its size that earlier steps' layers asked
+        for (:meth:`PlanCache.groups_for`, on any device: an experts layer's stacks may be where no kernel layer's
+        are), before the step runs (a replay reads them without a layer's Python running)."""
         num_tokens = len(self.token_slots)
         for key, buf in self.cache.groups.items():
-            if key[0] == num_tokens and key[1] == device:
+            if key[0] == num_tokens:
                 write_buffer(buf, self.host_token_groups(num_tokens, key[2]))
                 self._token_slots[key] = buf
 

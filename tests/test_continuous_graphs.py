@@ -148,18 +148,23 @@ def test_graphed_steps_of_one_size_launch_the_same_whatever_their_requests(monke
     disable_csgmv(model)
 
 
-def test_graphed_moe_steps_give_each_request_its_expert_adapter(monkeypatch):
+@pytest.mark.parametrize("targets", ["attention-and-experts", "experts-only"])
+def test_graphed_moe_steps_give_each_request_its_expert_adapter(monkeypatch, targets):
     """Expert LoRA, every step the graphed way: the experts layers build their plans from token groups at a fixed
     address per step size, which the driver rewrites before each step (a layer wrote them inside the forward only the
-    first time a size came); a step without adapter tokens runs the LoRA path too. Each request's tokens are its stock
-    PEFT run's."""
-    from test_moe import moe_peft, prompts
+    first time a size came), also where no kernel layer has a stack (adapters on the experts only); a step without
+    adapter tokens runs the LoRA path too. Each request's tokens are its stock PEFT run's, over a batch with adapters,
+    one without, and the first again (whose steps must not read the second's groups)."""
+    from test_moe import ADAPTERS, EXPERTS, moe_peft, prompts
     from test_moe_prototype import _has_3d_experts
 
     if not _has_3d_experts():
         pytest.skip("needs transformers' 3D experts and PEFT's target_parameters")
     monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
-    pm = moe_peft("qwen3_moe")
+    adapters = ADAPTERS
+    if targets == "experts-only":
+        adapters = {"a0": ADAPTERS["a0"], "a1": dict(r=6, lora_alpha=12, target_modules=[], target_parameters=EXPERTS)}
+    pm = moe_peft("qwen3_moe", adapters)
     pm.get_base_model().generation_config.eos_token_id = None
     rows = prompts(4, 6, seed=2).tolist()
     rows[1], rows[3] = rows[1][:3], rows[3][:5]  # (uneven prompts)
