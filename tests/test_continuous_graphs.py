@@ -67,6 +67,10 @@ class _Steps:
 
     def __init__(self, model, monkeypatch) -> None:
         from peft_csgmv import mapping as mapping_module
+        from peft_csgmv import moe as moe_module
+        from peft_csgmv import plan as plan_module
+        from peft_csgmv import slots as slots_module
+        from peft_csgmv import tier as tier_module
 
         self.model, self.in_forward = model, False
         self.launches: list = []
@@ -83,20 +87,21 @@ class _Steps:
             return own_call(launcher, grid, args, constexprs, options)
 
         monkeypatch.setattr(launch.Launcher, "__call__", recorded)
-        own_write, own_upload = mapping_module.write_buffer, mapping_module.upload
+        # Every way csgmv writes a device buffer from the host: plans, token groups, slot vectors, pages' tables.
+        for module in (mapping_module, plan_module, slots_module, tier_module, moe_module):
+            for name in ("write_buffer", "upload"):
+                if hasattr(module, name):
+                    monkeypatch.setattr(module, name, self._watched(name, getattr(module, name)))
+        own_pages_upload = tier_module.DevicePages.upload
+        monkeypatch.setattr(tier_module.DevicePages, "upload", self._watched("pages", own_pages_upload))
 
-        def write(buf, host):
+    def _watched(self, name, own):
+        def watched(*args, **kwargs):
             if self.in_forward:
-                self.written_inside.append(tuple(buf.shape))
-            return own_write(buf, host)
+                self.written_inside.append(name)
+            return own(*args, **kwargs)
 
-        def upload(host, device):
-            if self.in_forward:
-                self.written_inside.append(("upload", tuple(host.shape)))
-            return own_upload(host, device)
-
-        monkeypatch.setattr(mapping_module, "write_buffer", write)
-        monkeypatch.setattr(mapping_module, "upload", upload)
+        return watched
 
     def _begin(self) -> None:
         self.in_forward, self.launches, self.written_inside = True, [], []
@@ -145,6 +150,32 @@ def test_graphed_steps_of_one_size_launch_the_same_whatever_their_requests(monke
             assert launches == first, f"steps of {size} tokens launched differently: {first_slots} / {slots}"
             compared += slots != first_slots
     assert compared >= 3, "too few steps of one size with other requests: the test would prove little"
+    disable_csgmv(model)
+
+
+def test_graphed_steps_with_the_host_tier_move_adapters_before_the_forward(monkeypatch):
+    """``max_resident_adapters=2`` over three adapters, every step the graphed way: adapters move in and out of the
+    slots between steps, each step's slot vectors and plan are written before its forward and never inside it (a
+    replayed step runs no layer's Python), and every request's tokens are its stock PEFT run's."""
+    from helpers import add_adapters, tiny_model
+
+    monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
+    model, targets = tiny_model("llama")
+    specs = {f"a{i}": dict(r=4 + 2 * i, lora_alpha=8, target_modules=targets) for i in range(3)}
+    model = add_adapters(model, specs)
+    model.get_base_model().generation_config.eos_token_id = None
+    prompts = PROMPTS + [[1, 7, 7, 7], [3, 4, 5, 6, 7, 8]]
+    ids = ["a0", "a1", "a2", None, "a2", "a0", "a1"]
+    want = [_alone(model, p, a, 5) for p, a in zip(prompts, ids)]
+    assert len({tuple(w) for w in want}) > 3, "the adapters change nothing: the test would prove nothing"
+    enable_csgmv(model, backend="triton", max_resident_adapters=2)
+    steps = _Steps(model, monkeypatch)
+    gen, cbc = _configs(max_batch_tokens=16)
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
+    assert _tokens(out, len(prompts)) == want
+    for size, slots, _, written in steps.steps:
+        assert not written, f"a step of {size} tokens ({slots}) wrote {written} inside its forward"
+    assert len({frozenset(slots) for _, slots, _, _ in steps.steps}) > 2, "the steps' adapters never changed"
     disable_csgmv(model)
 
 
