@@ -189,19 +189,23 @@ def test_calls_beside_a_running_manager_keep_their_ids():
     assert done[rids[2]] == _alone(model, PROMPTS[2], IDS[2], 40)
 
 
-def test_host_tier_starts_only_requests_whose_adapters_fit():
-    """``max_resident_adapters=2`` with requests over three adapters and the base: a step never needs more than two
-    adapters in slots (requests wait for running ones to finish), and every request's tokens are its alone-run's."""
-    from helpers import tiny_model
+def three_adapters() -> tuple:
+    """A tiny Llama with adapters a0..a2 (ranks 4, 6, 8) on every linear layer, seven prompts over them and the base:
+    ``(model, prompts, ids)``."""
+    from helpers import add_adapters, tiny_model
 
     model, targets = tiny_model("llama")
     specs = {f"a{i}": dict(r=4 + 2 * i, lora_alpha=8, target_modules=targets) for i in range(3)}
-    from helpers import add_adapters
-
     model = add_adapters(model, specs)
     model.get_base_model().generation_config.eos_token_id = None
     prompts = PROMPTS + [[1, 7, 7, 7], [3, 4, 5, 6, 7, 8]]
-    ids = ["a0", "a1", "a2", None, "a2", "a0", "a1"]
+    return model, prompts, ["a0", "a1", "a2", None, "a2", "a0", "a1"]
+
+
+def test_host_tier_starts_only_requests_whose_adapters_fit():
+    """``max_resident_adapters=2`` with requests over three adapters and the base: a step never needs more than two
+    adapters in slots (requests wait for running ones to finish), and every request's tokens are its alone-run's."""
+    model, prompts, ids = three_adapters()
     gen, cbc = _configs()
     got, want = _tiered_batch(model, prompts, ids, gen, cbc, 5)
     assert got == want

@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 from helpers import BACKENDS, make
-from test_continuous import IDS, PROMPTS, _alone, _configs
+from test_continuous import IDS, PROMPTS, _alone, _configs, three_adapters
 
 from peft_csgmv import continuous, disable_csgmv, enable_csgmv, layers
 from peft_csgmv.continuous import continuous_batching_available
@@ -157,15 +157,8 @@ def test_graphed_steps_with_the_host_tier_move_adapters_before_the_forward(monke
     """``max_resident_adapters=2`` over three adapters, every step the graphed way: adapters move in and out of the
     slots between steps, each step's slot vectors and plan are written before its forward and never inside it (a
     replayed step runs no layer's Python), and every request's tokens are its stock PEFT run's."""
-    from helpers import add_adapters, tiny_model
-
     monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
-    model, targets = tiny_model("llama")
-    specs = {f"a{i}": dict(r=4 + 2 * i, lora_alpha=8, target_modules=targets) for i in range(3)}
-    model = add_adapters(model, specs)
-    model.get_base_model().generation_config.eos_token_id = None
-    prompts = PROMPTS + [[1, 7, 7, 7], [3, 4, 5, 6, 7, 8]]
-    ids = ["a0", "a1", "a2", None, "a2", "a0", "a1"]
+    model, prompts, ids = three_adapters()
     want = [_alone(model, p, a, 5) for p, a in zip(prompts, ids)]
     assert len({tuple(w) for w in want}) > 3, "the adapters change nothing: the test would prove nothing"
     enable_csgmv(model, backend="triton", max_resident_adapters=2)
