@@ -130,10 +130,10 @@ def tiny_model(
 
 
 def tiny_moe(arch: str, layers: int = 2, dtype: torch.dtype = torch.float32, **config):
-    """A tiny MoE causal LM with transformers' 3D experts (``qwen3_moe``, ``mixtral``, ``gpt_oss``), random weights on
-    DEVICE: experts of order one (the default init's 0.02 leaves their outputs near 1e-4), gpt-oss's expert biases set
-    (it leaves them at zero; its low ``swiglu_limit`` keeps the clamp after the gate/up LoRA active), ``q_proj`` /
-    ``v_proj`` of order one too. ``config``: further config fields (``experts_implementation=...``)."""
+    """A tiny MoE causal LM with transformers' 3D experts (``qwen3_moe``, ``mixtral``, ``olmoe``, ``gpt_oss``), random
+    weights on DEVICE: experts of order one (the default init's 0.02 leaves their outputs near 1e-4), gpt-oss's expert
+    biases set (it leaves them at zero; its low ``swiglu_limit`` keeps the clamp after the gate/up LoRA active),
+    ``q_proj`` / ``v_proj`` of order one too. ``config``: further config fields (``experts_implementation=...``)."""
     import transformers
 
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -145,6 +145,10 @@ def tiny_moe(arch: str, layers: int = 2, dtype: torch.dtype = torch.float32, **c
     elif arch == "mixtral":
         built = transformers.MixtralConfig(**common, intermediate_size=24, num_local_experts=6)
         cls = transformers.MixtralForCausalLM
+    elif arch == "olmoe":
+        common.pop("head_dim")  # (OLMoE's head size is hidden / heads)
+        built = transformers.OlmoeConfig(**common, intermediate_size=24, num_experts=6)
+        cls = transformers.OlmoeForCausalLM
     else:
         built = transformers.GptOssConfig(**common, intermediate_size=24, num_local_experts=6, swiglu_limit=0.3)
         cls = transformers.GptOssForCausalLM

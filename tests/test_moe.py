@@ -38,7 +38,7 @@ ADAPTERS = {
     "a1": dict(r=8, lora_alpha=4, use_rslora=True, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS),
     "a2": dict(r=2, lora_alpha=16, target_modules=["q_proj"], target_parameters=EXPERTS),
 }
-ARCHS = ["qwen3_moe", "gpt_oss", "mixtral"]
+ARCHS = ["qwen3_moe", "gpt_oss", "mixtral", "olmoe"]
 VOCAB = 64
 
 
@@ -168,7 +168,7 @@ def test_disable_csgmv_gives_peft_its_forward_and_refusal_back():
         pm(ids, adapter_names=names)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
 def test_continuous_batching_gives_each_request_its_expert_adapter(arch):
     """transformers' continuous batching over expert LoRA: each packed step's tokens take their requests' adapters in
     the experts' products (steps of 8 tokens split the prompts, mixing prefill chunks and decode tokens of several

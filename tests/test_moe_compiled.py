@@ -87,7 +87,7 @@ def test_fullgraph_compiled_forward_two_id_lists_one_graph(backend):
     assert graphs() == 1, f"{graphs()} graphs compiled: the ids changed the graph"
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "mixtral", "olmoe"])
 def test_compiled_model_forward_follows_expert_weights(arch):
     """``torch.compile(model)`` (the PeftModel, ids in its forward) over gpt-oss's biased, interleaved experts and
     Mixtral's: stock PEFT's per-adapter logits; an in-place edit of an adapter's expert weights (PEFT's weights are
