@@ -67,10 +67,11 @@ class Mapping:
     # A packed step that transformers runs as a CUDA graph (captured in it, or replayed: then no layer's Python runs).
     # Every layer then reads what varies from step to step from buffers at fixed addresses that the driver rewrites
     # before the step (:meth:`prepare`, :meth:`prepare_groups`), sized for any step of its token count: the plans of
-    # :meth:`PlanCache.run_for_tokens` with ``graphed``, the MoE layers' token groups (:meth:`token_groups_for`); and
-    # no layer skips its LoRA for a step without adapter tokens (a replay would skip it for every later step too).
+    # :meth:`PlanCache.run_for_tokens` with ``graph_slots``, the MoE layers' token groups (:meth:`token_groups_for`);
+    # and no layer skips its LoRA for a step without adapter tokens (a replay would skip it for every later step too).
     graphed: bool = False
-    # A graphed step: how many slots its tokens may use (the registry's), which sizes its plans.
+    # A graphed step: how many slots its tokens may use (the host tier's resident ones, else the registry's), which
+    # sizes its plans.
     graph_slots: int = 0
 
     # Until the model's sibling groups are learned: where each run of layers that read one tensor goes when it ends
