@@ -606,13 +606,16 @@ class Continuous:
     share of the device's free memory for the cache and the step's buffers (default: on a GPU transformers' share; on
     a CPU, where transformers would take most of the free RAM, the blocks of the longest requests one step can hold,
     ``max_batch_tokens`` or ``max_requests`` of them, at their full length). ``max_requests``: requests per step at
-    most (default: transformers'). ``seed``: the random seed of sampling. Prefix sharing is off (see :meth:`config`)."""
+    most (default: transformers'). ``seed``: the random seed of sampling. ``cuda_graphs``: each step as transformers'
+    CUDA graph, captured once per step size (:mod:`peft_csgmv.continuous`; default: eager steps). Prefix sharing is
+    off (see :meth:`config`)."""
 
     max_batch_tokens: int | None = None
     num_blocks: int | None = None
     cache_memory: float | None = None
     max_requests: int | None = None
     seed: int | None = None
+    cuda_graphs: bool = False
 
     def config(self, device: torch.device, needs: list[int], model=None):
         """transformers' ``ContinuousBatchingConfig`` for requests of ``needs`` tokens each (prompt and new tokens),
@@ -637,6 +640,7 @@ class Continuous:
             max_memory_percent=self.cache_memory,
             max_requests_per_batch=max_requests,
             seed=self.seed,
+            use_cuda_graph=True if self.cuda_graphs else None,
             page_size=PAGE_SIZE,
             # No prefix sharing: transformers keys a cached block by its tokens alone, and would hand a request the
             # blocks of an earlier one with the same prompt computed under another adapter (LoRA on k / v).

@@ -289,6 +289,16 @@ def check_generate_args(args) -> list[str]:
             problems.append(f"{flag} {value}: sizes continuous batching, which --static-batches turns off; give one")
     elif args.num_blocks is not None and args.cache_memory is not None:
         problems.append(f"--num-blocks {args.num_blocks} and --cache-memory {args.cache_memory}: give one of them")
+    if args.cuda_graphs:
+        graphs = "--cuda-graphs runs continuous batching's steps as CUDA graphs"
+        if args.static_batches or args.cache_implementation == "static":
+            flag = "--static-batches" if args.static_batches else "--cache-implementation static"
+            problems.append(f"--cuda-graphs and {flag}: {graphs}; give one of them")
+        if args.device_map:
+            problems.append(f"--cuda-graphs and --device-map {args.device_map}: {graphs}, which cannot replay "
+                            "accelerate's placement; leave one out")  # fmt: skip
+        if args.backend == "torch":
+            problems.append(f"--cuda-graphs and --backend torch: {graphs}, which need the Triton kernels")
     if args.device and args.device_map:
         problems.append(f"--device {args.device} and --device-map {args.device_map}: give one of them")
     elif args.device:
@@ -359,7 +369,7 @@ def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
     full and without MoE expert LoRA (whose compiled path has not yet run on a GPU)."""
     from .model import csgmv_stats
 
-    asked = args.static_batches or args.continuous_batching or args.cache_implementation is not None
+    asked = args.static_batches or args.continuous_batching or args.cuda_graphs or args.cache_implementation is not None
     sized = any(v is not None for v in _sizing(args).values())
     if asked or sized or device.type not in AUTO_STATIC_DEVICES or any(r.max_new_tokens for r in rows):
         return None
@@ -482,6 +492,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
                     cache_memory=args.cache_memory,
                     max_requests=args.batch_size,
                     seed=args.seed,
+                    cuda_graphs=args.cuda_graphs,
                 )
             elif first:
                 say(f"static batches, not continuous batching: {static_reason}")
@@ -568,6 +579,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         action="store_true",
         help="run continuous batching where the command would take static-cache batches by itself (a long run on a "
         "GPU: see 'speed' above)",
+    )
+    p_gen.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="continuous batching: run each step as transformers' CUDA graph, captured once per step size and "
+        "replayed (GPU; default: eager steps)",
     )
     p_gen.add_argument(
         "--batch-size",

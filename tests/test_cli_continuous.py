@@ -490,6 +490,39 @@ def test_sizing_flags_refused_where_they_cannot_apply(checkout, tmp_path, capsys
     assert out.read_text() == ""
 
 
+def test_cuda_graphs_flag(checkout, static_reference, tmp_path, capsys, monkeypatch):
+    """``--cuda-graphs``: continuous batching's steps the graphed way (on the CPU, where transformers captures no
+    graph, ``continuous.GRAPHED_ON_CPU`` runs them so: padded plans and groups rewritten before each step) writes the
+    --static-batches output byte for byte; with static batches, accelerate's placement or the torch backend it is
+    refused in one line each, before the model loads."""
+    from peft_csgmv import continuous
+
+    inp, reference = static_reference
+    out = tmp_path / "out.jsonl"
+    real_load = batch.load_model
+    monkeypatch.setattr(batch, "load_model", lambda *a, **k: pytest.fail("the model must not load"))
+    graphs = "--cuda-graphs runs continuous batching's steps as CUDA graphs"
+    cases = [
+        (["--static-batches"], [f"--cuda-graphs and --static-batches: {graphs}; give one of them"]),
+        (["--device-map", "auto"], [f"--cuda-graphs and --device-map auto: {graphs}, which cannot replay "
+                                    "accelerate's placement; leave one out",
+                                    "--device cpu and --device-map auto: give one of them"]),
+        (["--backend", "torch"], [f"--cuda-graphs and --backend torch: {graphs}, which need the Triton kernels"]),
+    ]  # fmt: skip
+    for extra, want in cases:
+        assert main(_args(checkout, inp, out, "--cuda-graphs", *extra)) == 2
+        assert _errors(capsys.readouterr().err) == want
+    assert not out.exists()
+    monkeypatch.setattr(batch, "load_model", real_load)
+    monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
+    graphed = []
+    own_open = continuous.open_step
+    monkeypatch.setattr(continuous, "open_step", lambda *a: graphed.append(a[4] is not None) or own_open(*a))
+    assert main(_args(checkout, inp, out, "--cuda-graphs", "--max-batch-tokens", "16", "--backend", "triton")) == 0
+    assert _mode(capsys.readouterr().err) == "continuous" and graphed and all(graphed)
+    assert out.read_bytes() == reference.read_bytes()
+
+
 # --- identity -----------------------------------------------------------------------------------------------------
 
 
