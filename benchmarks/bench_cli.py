@@ -58,8 +58,9 @@ def main(argv=None) -> int:
         "--caches",
         default="continuous,dynamic,static",
         help="the runs, in order: continuous (--continuous-batching), uncapped (the same with --batch-size 1024, "
-        "transformers' own cap of requests per step), dynamic (--static-batches), static (--static-batches "
-        "--cache-implementation static), default (no batching flag: the command's choice)",
+        "transformers' own cap of requests per step), graphs (continuous with --cuda-graphs), dynamic "
+        "(--static-batches), static (--static-batches --cache-implementation static), default (no batching flag: "
+        "the command's choice)",
     )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -84,6 +85,7 @@ def main(argv=None) -> int:
             "default": [],
             "continuous": ["--continuous-batching"],
             "uncapped": ["--continuous-batching", "--batch-size", "1024"],  # (transformers' own default)
+            "graphs": ["--continuous-batching", "--cuda-graphs"],
             "dynamic": static + ["--cache-implementation", "dynamic"],
             "static": static + ["--cache-implementation", "static"],
         }

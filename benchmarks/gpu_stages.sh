@@ -40,6 +40,8 @@
 #            benchmarks/serve_wheels.sh; carry wheels; ~6 min) -> serve_1b.json
 #   cbgraphs continuous batching under transformers' CUDA graphs, 1B, 256 requests: base model and csgmv 32 distinct,
 #            each eager and with use_cuda_graph=True (~6 min) -> continuous_1b_graphs.json
+#   cligraphs  the batch command on the uneven work of cligoal: continuous batching eager, then --cuda-graphs (~7 min)
+#            -> cli_1b_graphs.json
 #   cbtier   continuous batching over 1000 adapters (copies of 32), 1B, 96 requests (answers 16-256): all resident, then
 #            max_resident_adapters=64 (~5 min) -> continuous_1b_tier.json
 #   peer     PEFT's own mixed-batch tests through csgmv's Triton kernels, fp32 then bf16 models (needs
@@ -191,6 +193,11 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         --max-resident-adapters 64 --rows csgmv,tier --out "$OUT/continuous_1b_tier.json" 2>&1 \
         | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b_tier.log"
       grep "^|\|host tier\|enable" "$OUT/continuous_1b_tier.log" || tail -25 "$OUT/continuous_1b_tier.log" ;;
+    cligraphs)
+      python3 benchmarks/bench_cli.py --rows 1024 --words 5,160 --limits 16,512 --new-tokens 512 \
+        --runs continuous,graphs --out "$OUT/cli_1b_graphs.json" 2>&1 | grep --line-buffered -v -i warn \
+        > "$OUT/cli_1b_graphs.log"
+      grep -E "^\|" "$OUT/cli_1b_graphs.log" || tail -25 "$OUT/cli_1b_graphs.log" ;;
     cbgraphs)
       python3 benchmarks/bench_continuous.py --model 1b --requests 256 --rows base,base-graphs,csgmv,csgmv-graphs \
         --out "$OUT/continuous_1b_graphs.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
