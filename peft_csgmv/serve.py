@@ -362,6 +362,7 @@ class Engine:
         base_path: str | None = None,
         num_blocks: int | None = None,
         max_batch_tokens: int | None = None,
+        cuda_graphs: bool = False,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.base_name = base_name
@@ -369,6 +370,7 @@ class Engine:
         self.base_names = {base_name, self.base_path}
         self.adapters = dict(adapters)  # served adapter name -> path it was loaded from
         self.num_blocks, self.max_batch_tokens = num_blocks, max_batch_tokens
+        self.cuda_graphs = cuda_graphs  # each step as transformers' CUDA graph (batch.Continuous)
         self.created = int(time.time())
         config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
         self.vocab_size = int(config.get_text_config().vocab_size)
@@ -411,7 +413,9 @@ class Engine:
             do_sample=True, temperature=0.5, top_k=2, top_p=0.5, eos_token_id=self.eos_ids or None,
             pad_token_id=self.tokenizer.pad_token_id, max_new_tokens=16,
         )  # fmt: skip
-        sizing = Continuous(max_batch_tokens=self.max_batch_tokens, num_blocks=self.num_blocks)
+        sizing = Continuous(
+            max_batch_tokens=self.max_batch_tokens, num_blocks=self.num_blocks, cuda_graphs=self.cuda_graphs
+        )
         cb_config = sizing.config(_input_device(self.model), [], self.model)  # (the batch command's sizing)
         cb_config.per_request_processors = True
         manager = self.model.init_continuous_batching(
@@ -1129,6 +1133,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-tokens", type=positive, default=None,
         help=f"tokens per model step at most (default: {CPU_MAX_BATCH_TOKENS} on a CPU; transformers' choice on CUDA)",
     )  # fmt: skip
+    p.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="run each model step as transformers' CUDA graph, captured once per step size and replayed (GPU; "
+        "default: eager steps)",
+    )  # fmt: skip
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="uvicorn's")
     return p
 
@@ -1174,6 +1183,7 @@ def load_engine(args) -> Engine:
     return Engine(
         model, tokenizer, base_name, dict(args.adapter), base_path=args.base, num_blocks=num_blocks,
         max_batch_tokens=args.max_batch_tokens,  # (None: batch.Continuous's default)
+        cuda_graphs=args.cuda_graphs,
     )  # fmt: skip
 
 

@@ -462,15 +462,39 @@ def test_max_resident_adapters_gates_requests(checkout, stock):
     try:
         cases = [("legal", "hello there", 20), ("chat", "good day", 20), ("legal", "ok", 12), (None, "no", 9),
                  ("chat", "what now?", 16)]  # fmt: skip
+        assert _at_once(server, cases) == [stock(stock.ids(p), a, n) for a, p, n in cases]
+        assert server.engine.dead is None
+    finally:
+        server.close()
 
-        def run(case):
-            adapter, prompt, n = case
-            body = dict(model=adapter or server.base, prompt=prompt, max_tokens=n, temperature=0)
-            return server.post("/v1/completions", body).json()["choices"][0]["text"]
 
-        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-            got = list(pool.map(run, cases))
-        assert got == [stock(stock.ids(p), a, n) for a, p, n in cases]
+def _at_once(server, cases) -> list[str]:
+    """The greedy completion texts of ``cases`` ``(adapter or None, prompt, max_tokens)``, all requested at once."""
+
+    def run(case):
+        adapter, prompt, n = case
+        body = dict(model=adapter or server.base, prompt=prompt, max_tokens=n, temperature=0)
+        return server.post("/v1/completions", body).json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        return list(pool.map(run, cases))
+
+
+@needs_serving
+def test_cuda_graphs_serve_each_request_its_adapter(checkout, stock, monkeypatch):
+    """--cuda-graphs: every model step the graphed way (on the CPU, ``continuous.GRAPHED_ON_CPU``: plans and groups
+    at fixed addresses rewritten before each step), requests of two adapters and the base at once: each is its
+    alone-run."""
+    from peft_csgmv import continuous
+
+    monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
+    server = Server(checkout, "--cuda-graphs")
+    try:
+        assert server.engine.cuda_graphs
+        cases = [("legal", "hello there", 14), ("chat", "good day", 10), (None, "no", 9), ("chat", "what now?", 12)]
+        assert _at_once(server, cases) == [stock(stock.ids(p), a, n) for a, p, n in cases]
+        router = server.engine.manager._csgmv_router
+        assert router.graphed and router.graph_key is not None, "no step ran the graphed way"
         assert server.engine.dead is None
     finally:
         server.close()
