@@ -109,14 +109,20 @@ def _eager_config(config):
         # adapter would read keys and values computed under the first one's.
         config.allow_block_sharing = False
     if hasattr(config, "use_cuda_graph") and not _asks_graphs(config):
-        config.use_cuda_graph = False  # (transformers' default may turn them on: only where asked for)
+        # (transformers' default turns them on where the attention needs no mask, flash attention: csgmv only where
+        # asked for, until a GPU run shows them right and faster there)
+        config.use_cuda_graph = False
     if hasattr(config, "use_async_batching"):
         config.use_async_batching = False
     return config
 
 
 def _asks_graphs(config) -> bool:
+    """Whether ``config`` asks for CUDA graphs: ``use_cuda_graph`` True or a pair with one True, or, left unset, a
+    padding interval given (transformers takes those as asking for graphs)."""
     graphs = getattr(config, "use_cuda_graph", None)
+    if graphs is None:
+        return any(getattr(config, name, None) for name in ("q_padding_interval_size", "kv_padding_interval_size"))
     return graphs is True or (isinstance(graphs, tuple) and any(graphs))
 
 

@@ -273,6 +273,22 @@ def test_graphs_captured_under_other_stacks_are_dropped(monkeypatch):
     disable_csgmv(model)
 
 
+def test_graphs_where_the_configuration_asks_for_them():
+    """CUDA graphs where ``use_cuda_graph`` asks for them (True, or a pair with one True) or, left unset, where a
+    padding interval is given (as transformers reads it); else off (transformers' own default would turn them on
+    with flash attention)."""
+    from transformers import ContinuousBatchingConfig
+
+    def resolved(**kw):
+        return continuous._eager_config(ContinuousBatchingConfig(**kw)).use_cuda_graph
+
+    assert resolved() is False and resolved(use_cuda_graph=False) is False
+    assert resolved(use_cuda_graph=True) is True and resolved(use_cuda_graph=(False, True)) == (False, True)
+    assert resolved(use_cuda_graph=(False, False)) is False
+    assert resolved(q_padding_interval_size=64) is None  # (transformers then turns them on)
+    assert resolved(q_padding_interval_size=64, use_cuda_graph=False) is False
+
+
 def test_graphs_are_refused_where_they_cannot_replay():
     """CUDA graphs are refused, before anything runs, with layers offloaded by accelerate (their weights move on
     every forward) and with the torch backend on CUDA (it reads each step's plan on the host); asynchronous batching
