@@ -67,8 +67,9 @@
 #   gbeside8b  static cache 8B full, groups beside (10 MiB floor) against the default (~5 min) -> static_8b_gbeside.*
 #   compile  compile time, 1B: base model and csgmv alternated over 3 rounds, each row a process of its own with empty
 #            caches (~9 min on a slow machine; read the rows that are not the machine's first process) -> compile_1b.*
-#   verify   the GPU tests of what changed last (the MoE plan in one launch, adapters brought in ahead, continuous
-#            batching's compute stream, offload, the server; installs the serve wheels; ~4 min) -> gpu_verify.log
+#   verify   the GPU tests of what changed last (the MoE plan in one launch and the experts' own-rank stacks, adapters
+#            brought in ahead, continuous batching's compute stream and its CUDA graphs, offload, the server; installs
+#            the serve wheels; ~6 min) -> gpu_verify.log
 #   cbprof   continuous batching, 1B, 32 requests (answers 16-128), base model then csgmv 32 distinct, each run again
 #            under torch.profiler (every thread; host syncs shown): their busiest ops (~3 min) -> continuous_1b_prof.log
 #   smoe     static cache (compiled), MoE expert LoRA, qwen3-30b-a3b then gpt-oss-20b cut to 16 layers: base model,
@@ -86,6 +87,11 @@ OUT=${OUT:-results}
 mkdir -p "$OUT"
 tier_host() {  # the host tier's bookkeeping per move (stages memory and tier)
   python3 benchmarks/bench_tier_host.py --phases --repoint 2>&1 | grep "^|" | tee "$OUT/tier_host.log"
+}
+cli_uneven() {  # the batch command on uneven work (stages cligoal and cligraphs): $1 the runs, $2 the result's name
+  python3 benchmarks/bench_cli.py --rows 1024 --words 5,160 --limits 16,512 --new-tokens 512 \
+    --runs "$1" --out "$OUT/$2.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/$2.log"
+  grep -E "^\|" "$OUT/$2.log" || tail -25 "$OUT/$2.log"
 }
 for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
   echo "== $stage $(date -u +%T)"
@@ -175,10 +181,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
       grep -E "^\||identical" "$OUT/cli_1b.log" || tail -25 "$OUT/cli_1b.log" ;;
     cligoal)
-      python3 benchmarks/bench_cli.py --rows 1024 --words 5,160 --limits 16,512 --new-tokens 512 \
-        --runs continuous,static --out "$OUT/cli_1b_uneven.json" 2>&1 | grep --line-buffered -v -i warn \
-        > "$OUT/cli_1b_uneven.log"
-      grep -E "^\|" "$OUT/cli_1b_uneven.log" || tail -25 "$OUT/cli_1b_uneven.log" ;;
+      cli_uneven continuous,static cli_1b_uneven ;;
     serve)
       bash benchmarks/serve_wheels.sh install
       python3 benchmarks/bench_serve.py --model 1b --requests 256 --clients 64 --out "$OUT/serve_1b.json" 2>&1 \
@@ -194,10 +197,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b_tier.log"
       grep "^|\|host tier\|enable" "$OUT/continuous_1b_tier.log" || tail -25 "$OUT/continuous_1b_tier.log" ;;
     cligraphs)
-      python3 benchmarks/bench_cli.py --rows 1024 --words 5,160 --limits 16,512 --new-tokens 512 \
-        --runs continuous,graphs --out "$OUT/cli_1b_graphs.json" 2>&1 | grep --line-buffered -v -i warn \
-        > "$OUT/cli_1b_graphs.log"
-      grep -E "^\|" "$OUT/cli_1b_graphs.log" || tail -25 "$OUT/cli_1b_graphs.log" ;;
+      cli_uneven continuous,graphs cli_1b_graphs ;;
     cbgraphs)
       python3 benchmarks/bench_continuous.py --model 1b --requests 256 --rows base,base-graphs,csgmv,csgmv-graphs \
         --out "$OUT/continuous_1b_graphs.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
