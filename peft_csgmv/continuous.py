@@ -126,7 +126,7 @@ def _asks_graphs(config) -> bool:
     return graphs is True or (isinstance(graphs, tuple) and any(graphs))
 
 
-def _graphs_refusal(model, state) -> str | None:
+def _graphs_refusal(state) -> str | None:
     """Why this enabled model's continuous batching cannot run CUDA graphs (``None``: it can)."""
     if state.offloaded:
         return "layers offloaded by accelerate move their weights on every forward, which a CUDA graph cannot replay"
@@ -325,6 +325,12 @@ class Router:
             return own_step(model)
         if state is None:  # (never the active adapter in place of a request's own)
             raise RuntimeError("csgmv was disabled on this model while requests given an adapter_id were running")
+        pad_to = io.num_q_tokens if graphed else None
+        self.run_in_step(processor, peft_model, state, scheduled, names, pad_to, functools.partial(own_step, model))
+
+    def run_in_step(self, processor, peft_model, state, scheduled, names, pad_to: int | None, run):
+        """Under the model's call lock: the step's mapping filled and opened (:func:`open_step`; ``pad_to``: a graphed
+        step's padded size, its stale graphs dropped), ``run()``, the mapping closed; what ``run`` returns."""
         with state.executor.lock:
             if STOCK in names:  # (beside requests with an adapter given: the model's active adapter, as PEFT's)
                 active = stock_adapter(peft_model, state)
@@ -332,16 +338,17 @@ class Router:
             # (on the step's compute stream: the plans' uploads and the adapters' copies in come before its kernels
             # in stream order, and wait for what they must, where the default stream would race them)
             with on_stream(compute_stream(processor)):
-                open_step(peft_model, state, scheduled, names, io.num_q_tokens if graphed else None)
-                if graphed:
+                open_step(peft_model, state, scheduled, names, pad_to)
+                if pad_to is not None:
                     self.fresh_graphs(processor, state)
             executor = state.executor
             try:
-                own_step(model)
+                out = run()
             except BaseException:
                 executor.end(failed=True)
                 raise
             executor.end()
+            return out
 
     def fresh_graphs(self, processor, state) -> None:
         """Graphs captured under other stacks or plans than the step's (a restack, a backend switched, the plans
@@ -538,17 +545,8 @@ def _compute_batch(router: Router, processor, own, model, batch_data, *args, **k
     if executor is None or (executor.active and executor.owner == threading.get_ident()):
         return own(model, batch_data, *args, **kwargs)
     num_tokens = batch_data["input_ids"].shape[-1]
-    with executor.lock:
-        with on_stream(compute_stream(processor)):
-            open_step(peft_model, state, [], [], num_tokens)
-            router.fresh_graphs(processor, state)
-        try:
-            out = own(model, batch_data, *args, **kwargs)
-        except BaseException:
-            executor.end(failed=True)
-            raise
-        executor.end()
-    return out
+    run = functools.partial(own, model, batch_data, *args, **kwargs)
+    return router.run_in_step(processor, peft_model, state, [], [], num_tokens, run)
 
 
 def _waiting(router: Router, processor, scheduler, own):
@@ -592,7 +590,7 @@ def init_continuous_batching(base_model, *args, **kwargs):
     bound.update(kwargs)
     config = bound["continuous_batching_config"] = _eager_config(bound.get("continuous_batching_config"))
     if _asks_graphs(config):
-        why = _graphs_refusal(model, model._csgmv)
+        why = _graphs_refusal(model._csgmv)
         if why is not None:
             raise ValueError(f"csgmv cannot run continuous batching with CUDA graphs here: {why}")
     manager = own(**bound)

@@ -296,12 +296,12 @@ def test_graphs_are_refused_where_they_cannot_replay():
     from transformers import ContinuousBatchingConfig
 
     state = types.SimpleNamespace(offloaded=[object()], devices=(), executor=None)
-    assert "offloaded" in continuous._graphs_refusal(None, state)
+    assert "offloaded" in continuous._graphs_refusal(state)
     executor = types.SimpleNamespace(triton_on=lambda device: False)
     state = types.SimpleNamespace(offloaded=[], devices=(torch.device("cuda", 0),), executor=executor)
-    assert "torch backend" in continuous._graphs_refusal(None, state)
+    assert "torch backend" in continuous._graphs_refusal(state)
     state = types.SimpleNamespace(offloaded=[], devices=(torch.device("cpu"),), executor=executor)
-    assert continuous._graphs_refusal(None, state) is None
+    assert continuous._graphs_refusal(state) is None
     model = _llama("torch")
     gen, _ = _configs()
     asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
