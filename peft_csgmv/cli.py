@@ -281,9 +281,11 @@ def check_generate_args(args) -> list[str]:
             problems.append(problem)
 
     sizing = _sizing(args)
-    if args.continuous_batching and (args.static_batches or args.cache_implementation == "static"):
-        flag = "--static-batches" if args.static_batches else "--cache-implementation static"
-        problems.append(f"--continuous-batching and {flag}: give one of them")
+    static = "--static-batches" if args.static_batches else None  # (the flag that asks for static batches)
+    if static is None and args.cache_implementation == "static":
+        static = "--cache-implementation static"
+    if args.continuous_batching and static:
+        problems.append(f"--continuous-batching and {static}: give one of them")
     if args.static_batches:
         for flag, value in ((f, v) for f, v in sizing.items() if v is not None):
             problems.append(f"{flag} {value}: sizes continuous batching, which --static-batches turns off; give one")
@@ -291,9 +293,8 @@ def check_generate_args(args) -> list[str]:
         problems.append(f"--num-blocks {args.num_blocks} and --cache-memory {args.cache_memory}: give one of them")
     if args.cuda_graphs:
         graphs = "--cuda-graphs runs continuous batching's steps as CUDA graphs"
-        if args.static_batches or args.cache_implementation == "static":
-            flag = "--static-batches" if args.static_batches else "--cache-implementation static"
-            problems.append(f"--cuda-graphs and {flag}: {graphs}; give one of them")
+        if static:
+            problems.append(f"--cuda-graphs and {static}: {graphs}; give one of them")
         if args.device_map:
             problems.append(f"--cuda-graphs and --device-map {args.device_map}: {graphs}, which cannot replay "
                             "accelerate's placement; leave one out")  # fmt: skip
