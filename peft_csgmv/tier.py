@@ -200,7 +200,7 @@ class HostTier:
         """Bring adapters ``names`` into slots before a step needs them (continuous batching: the adapters of
         requests still waiting), evicting none of ``keep`` (the running requests' adapters and those on their way:
         the caller's). As :meth:`make_resident` does, but each page's copy runs on the device's copy-in stream
-        (:func:`in_stream`), after the work queued so far on the current one and beside the steps queued after it:
+        (:func:`copy_stream`), after the work queued so far on the current one and beside the steps queued after it:
         the running batch does not wait for it. Each adapter is :meth:`ready` once its copies are done; every use
         (:meth:`make_resident`) and every move out (:meth:`to_host`) first makes the current stream wait for them
         (:meth:`settle`). On the CPU the copies are done when this returns. The names brought in."""
@@ -218,10 +218,10 @@ class HostTier:
         for device in {pages.device for pages in self.pages.values()}:
             if streamed(device):
                 event = torch.cuda.Event()
-                event.record(in_stream(device))
+                event.record(copy_stream(device, "in"))
                 events.append((device, event))
-        for name in missing:
-            if events:
+        if events:
+            for name in missing:
                 self.ahead[name] = events
         return missing
 
@@ -418,7 +418,7 @@ class HostTier:
     def to_host(self, name: str, slot: int | None = None) -> None:
         """Adapter ``name``'s weights into its host regions, PEFT's parameters re-pointed at them (weights there
         already stay). ``slot``: the adapter is resident there: each group's page leaves in one copy, on CUDA on the
-        device's copy-out stream (:func:`out_stream`), after the work queued so far on the current one, so that it
+        device's copy-out stream (:func:`copy_stream`), after the work queued so far on the current one, so that it
         runs beside the copies in of the adapters that come in (each waits for the copy out of its slot's page:
         :meth:`bring_in`)."""
         self.settle([name])  # (a copy in from bring_in_ahead still on its way lands first)
@@ -426,7 +426,7 @@ class HostTier:
             if slot is not None and pages is not None:
                 page = pages.page(slot, region.numel())
                 if streamed(page.device):
-                    stream = out_stream(page.device)
+                    stream = copy_stream(page.device, "out")
                     stream.wait_stream(torch.cuda.current_stream(page.device))
                     with torch.cuda.stream(stream):
                         region.copy_(page, non_blocking=True)
@@ -465,7 +465,7 @@ class HostTier:
                 page = pages.page(slot, region.numel())
                 side = None
                 if ahead and streamed(page.device):
-                    side = sides[pages] = in_stream(page.device)
+                    side = sides[pages] = copy_stream(page.device, "in")
                     side.wait_stream(torch.cuda.current_stream(page.device))  # (the slot's last readers first)
                 out = self.page_out.pop((pages, slot), None)
                 if out is not None:  # the page's copy out to its last adapter's region first
@@ -573,8 +573,10 @@ def streamed(device: torch.device) -> bool:
 
 
 @functools.cache
-def out_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The stream that copies device pages out to host memory on CUDA ``device`` (one per device)."""
+def copy_stream(device: torch.device, way: str) -> "torch.cuda.Stream":
+    """The stream that copies pages on CUDA ``device``, one per device and way: ``"out"`` to host memory (the
+    residents that leave their slots), ``"in"`` into their slots (adapters brought in ahead,
+    :meth:`HostTier.bring_in_ahead`)."""
     return torch.cuda.Stream(device)
 
 
@@ -583,20 +585,13 @@ def on_stream(stream: "torch.cuda.Stream | None"):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-@functools.cache
-def in_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The stream that copies the pages of adapters brought in ahead into their slots on CUDA ``device``
-    (:meth:`HostTier.bring_in_ahead`; one per device)."""
-    return torch.cuda.Stream(device)
-
-
 def _copy_streams(layers) -> Iterator["torch.cuda.Stream"]:
     """The streams that copy adapter weights to host memory for ``layers`` on CUDA: each device's current stream
     (the weights that move parameter by parameter) and its copy-out stream (the pages)."""
     for device in {_record_device(layer._csgmv_record) for layer in layers}:
         if streamed(device):
             yield torch.cuda.current_stream(device)
-            yield out_stream(device)
+            yield copy_stream(device, "out")
 
 
 def _record_device(record) -> torch.device:

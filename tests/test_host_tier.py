@@ -246,8 +246,7 @@ class _Streams:
     def clear() -> None:
         from peft_csgmv import tier as tier_module
 
-        tier_module.out_stream.cache_clear()
-        tier_module.in_stream.cache_clear()
+        tier_module.copy_stream.cache_clear()
 
     def event(self):
         return _Event(self)
