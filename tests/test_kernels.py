@@ -837,7 +837,7 @@ def test_split_k_chosen_for_few_segments():
 
 def test_launcher_key_separates_what_triton_specializes_on():
     """The lean launch path reuses a compiled kernel only for arguments Triton would compile identically: same
-    dtypes, same 16-byte alignment of every pointer, same integers, same constexprs."""
+    dtypes, same 16-byte alignment of every pointer, integers Triton classes the same, same constexprs."""
     from peft_csgmv.kernels.launch import Launcher
 
     launcher = Launcher(kernel=None, num_tensors=2)
@@ -846,8 +846,31 @@ def test_launcher_key_separates_what_triton_specializes_on():
     assert key == launcher._key((base[16:32], base[32:48], 7, 16), {"BLOCK": 16})  # other data, same alignment
     assert key != launcher._key((base[1:17], base[16:32], 7, 16), {"BLOCK": 16})  # misaligned pointer
     assert key != launcher._key((base[:16].half(), base[16:32], 7, 16), {"BLOCK": 16})  # dtype
-    assert key != launcher._key((base[:16], base[16:32], 8, 16), {"BLOCK": 16})  # an integer
+    assert key != launcher._key((base[:16], base[16:32], 7, 24), {"BLOCK": 16})  # an integer's divisibility by 16
+    assert key != launcher._key((base[:16], base[16:32], 1, 16), {"BLOCK": 16})  # an integer 1 (a constant to Triton)
     assert key != launcher._key((base[:16], base[16:32], 7, 16), {"BLOCK": 32})  # a constexpr
+    # Integers Triton compiles the same share the key (a token count, a stride growing with it): no new slow launch.
+    assert key == launcher._key((base[:16], base[16:32], 9, 48), {"BLOCK": 16})
+
+
+def test_launcher_scalar_key_follows_tritons_specialization():
+    """Two scalar arguments share a launch key exactly when Triton's own specialization of them is the same (type and
+    specialization), over integers around every boundary Triton draws (1, multiples of 16, i32 / i64 / u64), floats
+    and bools."""
+    from peft_csgmv.kernels.launch import _scalar_key
+
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    if not hasattr(libtriton, "native_specialize_impl"):
+        pytest.skip("this Triton specializes in Python")
+    from triton.backends.compiler import BaseBackend
+
+    values = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**40 + 3, 2**63 - 16,
+              2**63, 2**64 - 16, -(2**63), -(2**31), -(2**31) - 16, 0.5, 1.0, 3.25, True, False]  # fmt: skip
+    spec = {i: libtriton.native_specialize_impl(BaseBackend, v, False, True, True) for i, v in enumerate(values)}
+    for i, v in enumerate(values):
+        for j, w in enumerate(values):
+            same_triton = spec[i] == spec[j] and type(v) is type(w)
+            assert (_scalar_key(v) == _scalar_key(w)) == same_triton, (v, w, spec[i], spec[j])
 
 
 def test_launches_under_recording_are_noted_not_run(monkeypatch):

@@ -3,8 +3,8 @@
 ``kernel[grid](...)`` re-derives the argument specialization, hashes a cache key and builds launch metadata on every
 call: tens of microseconds of host time, paid twice per LoRA layer per forward. In eager decode that host time *is*
 the cost of LoRA. :class:`Launcher` keeps the compiled kernel that Triton's own launch returned, keyed by everything
-Triton specializes on (argument dtypes, 16-byte alignment of each pointer, the exact integer arguments, the constexprs)
-and calls it directly on later launches with the same key.
+Triton specializes on (argument dtypes, 16-byte alignment of each pointer, each scalar argument as Triton classes
+it, the constexprs) and calls it directly on later launches with the same key.
 
 The first launch for a key always goes through Triton (which compiles and launches). The direct path is used only
 where it is known to behave identically: compiled (not interpreted) kernels, no launch hooks installed, and a Triton
@@ -141,6 +141,23 @@ def with_pdl(device, options: tuple) -> tuple[bool, tuple]:
     return False, options
 
 
+def _scalar_key(v):
+    """A runtime scalar argument as Triton's specialization sees it, so that one compiled kernel serves every value
+    Triton would compile the same: an int by whether it is 1 (a constant to Triton), whether it is divisible by 16
+    and the integer type it needs (i32, i64, u64); a float or a bool by its type alone (never specialized). A token
+    count, or a stride that grows with it, then reuses the compiled kernel from step to step under continuous
+    batching, where the exact value in the key sent every new count through Triton's own launch path. Anything else
+    keys by its value."""
+    kind = type(v)
+    if kind is int:
+        if v == 1:
+            return 1
+        return v % 16 == 0, "i32" if -(2**31) <= v < 2**31 else "u64" if 2**63 <= v < 2**64 else "i64"
+    if kind is float or kind is bool:
+        return kind
+    return kind, v
+
+
 class Launcher:
     """Launch one ``@triton.jit`` kernel; see the module docstring."""
 
@@ -154,7 +171,7 @@ class Launcher:
     def _key(self, args: tuple, constexprs: dict) -> tuple:
         n = self.num_tensors
         tensors = tuple([(a.dtype, a.data_ptr() & 15 == 0) for a in args[:n]])
-        return args[0].get_device(), tensors, args[n:], tuple(constexprs.values())
+        return args[0].get_device(), tensors, tuple([_scalar_key(v) for v in args[n:]]), tuple(constexprs.values())
 
     def _record(self, grid, args: tuple, constexprs: dict, options: tuple) -> tuple:
         """What this launch would compile: ``(module, kernel name, device index, grid, args, constexprs, options)``,
