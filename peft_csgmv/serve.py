@@ -374,6 +374,10 @@ class Engine:
         self.created = int(time.time())
         config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
         self.vocab_size = int(config.get_text_config().vocab_size)
+        # How many logits a step gives per token (the output layer's width: at least the vocabulary): top-k over all
+        # of them keeps every token (transformers before 5.2x indexes past the end with a larger k).
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.num_logits = max(int(getattr(head, "out_features", 0) or 0), self.vocab_size)
         self.max_model_len = int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 0) or None
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
@@ -604,7 +608,7 @@ class Engine:
     def _sampling(self, job: Job) -> dict:
         if job.temperature == 0:  # greedy: only the likeliest token is left to draw
             return {"temperature": 1.0, "top_p": 1.0, "top_k": 1}
-        return {"temperature": job.temperature, "top_p": job.top_p, "top_k": 1 << 30}  # (top-k off: all tokens)
+        return {"temperature": job.temperature, "top_p": job.top_p, "top_k": self.num_logits}  # (all tokens)
 
     def hold(self, adapter: str | None, count: int) -> None:
         """Count ``count`` manager requests of ``adapter`` in flight (an adapter with requests in flight is not

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import BACKENDS, BASE, make
+from helpers import BACKENDS, BASE, DEVICE, make
 
 from peft_csgmv import csgmv_stats, disable_csgmv, enable_csgmv
 from peft_csgmv.continuous import continuous_batching_available
@@ -190,13 +190,13 @@ def test_calls_beside_a_running_manager_keep_their_ids():
 
 
 def three_adapters() -> tuple:
-    """A tiny Llama with adapters a0..a2 (ranks 4, 6, 8) on every linear layer, seven prompts over them and the base:
-    ``(model, prompts, ids)``."""
+    """A tiny Llama on DEVICE with adapters a0..a2 (ranks 4, 6, 8) on every linear layer, seven prompts over them and
+    the base: ``(model, prompts, ids)``."""
     from helpers import add_adapters, tiny_model
 
     model, targets = tiny_model("llama")
     specs = {f"a{i}": dict(r=4 + 2 * i, lora_alpha=8, target_modules=targets) for i in range(3)}
-    model = add_adapters(model, specs)
+    model = add_adapters(model, specs).to(DEVICE)
     model.get_base_model().generation_config.eos_token_id = None
     prompts = PROMPTS + [[1, 7, 7, 7], [3, 4, 5, 6, 7, 8]]
     return model, prompts, ["a0", "a1", "a2", None, "a2", "a0", "a1"]
@@ -357,8 +357,11 @@ def test_a_step_is_prepared_on_the_stream_its_forward_runs_on(enabled, monkeypat
         def __exit__(self, *exc):
             inside.pop()
 
+    on_cpu = next(model.parameters()).device.type == "cpu"
+
     def stream_of(processor):
-        assert real_stream(processor) is None  # (the CPU has none: a stand-in takes its place)
+        # (the CPU has no compute stream, CUDA a real one: a stand-in takes its place)
+        assert (real_stream(processor) is None) == on_cpu
         return ("compute stream of", id(processor))
 
     def open_step(*args):

@@ -20,16 +20,21 @@ import types
 
 import pytest
 import torch
-from helpers import BACKENDS, make
+from helpers import BACKENDS, DEVICE, make
 from test_continuous import IDS, PROMPTS, _alone, _configs, three_adapters
 
-from peft_csgmv import continuous, disable_csgmv, enable_csgmv, layers
+from peft_csgmv import continuous, disable_csgmv, enable_csgmv, kernels, layers
 from peft_csgmv.continuous import continuous_batching_available
 from peft_csgmv.kernels import launch
 
 pytestmark = pytest.mark.skipif(
     not continuous_batching_available(), reason="this transformers has no continuous batching (transformers >= 5)"
 )
+
+
+# The backend of tests whose steps transformers may capture as CUDA graphs: on CUDA the kernels (the torch backend reads
+# each step's plan on the host, refused there), on the CPU their reference (faster than the interpreter).
+GRAPHED_BACKEND = "triton" if DEVICE.type == "cuda" else "torch"
 
 
 def _llama(backend: str):
@@ -87,6 +92,9 @@ class _Steps:
             return own_call(launcher, grid, args, constexprs, options)
 
         monkeypatch.setattr(launch.Launcher, "__call__", recorded)
+        # (every launch through the launcher, where it is recorded: a layer's launches bound on a plan's second use
+        # would bypass it on CUDA)
+        monkeypatch.setattr(kernels.BoundLayer, "direct", False)
         # Every way csgmv writes a device buffer from the host: plans, token groups, slot vectors, pages' tables.
         for module in (mapping_module, plan_module, slots_module, tier_module, moe_module):
             for name in ("write_buffer", "upload"):
@@ -225,7 +233,7 @@ def test_warmup_outside_a_step_runs_inside_a_step_of_base_tokens(monkeypatch):
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
     router = manager._csgmv_router
     processor = types.SimpleNamespace(inputs_and_outputs=types.SimpleNamespace(graphs=None, compute_stream=None))
-    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10]])
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10]], device=DEVICE)
     seen = {}
 
     def own(base, batch_data):
@@ -266,7 +274,7 @@ def test_graphs_captured_under_other_stacks_are_dropped(monkeypatch):
     assert fresh() and not fresh() and not fresh()
     model.add_adapter("a2", LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj"]))
     with torch.no_grad():
-        model(input_ids=torch.tensor([[1, 2, 3]]), adapter_ids=["a2"])  # (the sync restacks)
+        model(input_ids=torch.tensor([[1, 2, 3]], device=DEVICE), adapter_ids=["a2"])  # (the sync restacks)
     assert fresh() and not fresh()
     state.executor.clear_plans()
     assert fresh() and not fresh()
@@ -315,7 +323,7 @@ def test_requests_without_an_adapter_run_the_active_one_through_csgmv(monkeypatc
     kernels (stock PEFT's tokens), and where csgmv cannot give the active adapter per request (LoRA on the output
     embedding) such a request is refused as it is added, in the caller's thread, before anything is queued."""
     monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
-    model = _llama("torch")
+    model = _llama(GRAPHED_BACKEND)
     gen, cbc = _configs()
     graphs = type(cbc)(num_blocks=32, max_batch_tokens=64, use_cuda_graph=True)
     out = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=graphs)
@@ -326,7 +334,7 @@ def test_requests_without_an_adapter_run_the_active_one_through_csgmv(monkeypatc
     specs = {"a0": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])}
     model = make("llama", specs)
     model.get_base_model().generation_config.eos_token_id = None
-    enable_csgmv(model, backend="torch")
+    enable_csgmv(model, backend=GRAPHED_BACKEND)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=graphs)
     with pytest.raises(ValueError, match="output embedding"):
         manager.add_request(PROMPTS[0], max_new_tokens=3)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -301,7 +302,11 @@ def test_stop_sequences_and_n(server, stock):
 @needs_serving
 def test_sampling(server):
     """temperature and top_p: sampled completions, each ending at max_tokens or at an end-of-sequence token (the
-    test model's has logit 0, and may be drawn)."""
+    test model's has logit 0, and may be drawn). Sampling keeps every token through top-k over the output layer's
+    width, never a larger k (transformers 5.17's per-request top-k indexes past the logits with one)."""
+    engine = server.engine
+    job = types.SimpleNamespace(temperature=1.2, top_p=0.9)
+    assert engine._sampling(job)["top_k"] == engine.model.get_output_embeddings().out_features
     body = dict(model="legal", prompt="hello", max_tokens=20, temperature=1.2, top_p=0.9, n=2)
     out = server.post("/v1/completions", body).json()
     assert [c["index"] for c in out["choices"]] == [0, 1]
