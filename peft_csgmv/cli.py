@@ -585,7 +585,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--cuda-graphs",
         action="store_true",
         help="continuous batching: run each step as transformers' CUDA graph, captured once per step size and "
-        "replayed (GPU; default: eager steps)",
+        "replayed (a CUDA device; on the CPU steps stay eager; default: eager steps)",
     )
     p_gen.add_argument(
         "--batch-size",

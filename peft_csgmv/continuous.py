@@ -26,8 +26,9 @@ forward on (:func:`compute_stream`), so it comes before the step's kernels in st
 
 What runs: synchronous batching (a configuration that asks for asynchronous batching or compiled forwards is
 refused), eager steps unless the configuration asks for CUDA graphs (``use_cuda_graph=True`` or a pair; left unset,
-off). Under graphs transformers captures a step of each size once and replays it for every later step of that size
-without running any layer's Python, so each step's mapping is :attr:`~peft_csgmv.mapping.Mapping.graphed`: padded to
+off; off for a model on the CPU, where there is no graph to capture). Under graphs transformers captures a step of
+each size once and replays it for every later step of that size without running any layer's Python, so each step's
+mapping is :attr:`~peft_csgmv.mapping.Mapping.graphed`: padded to
 the step's padded size, every step csgmv's (requests without an adapter take the active one's slot), its plans and
 MoE token groups at fixed addresses rewritten before the step, sized for any step of its size; graphs captured under
 other stacks or plans are dropped before a step (:meth:`Router.fresh_graphs`), and transformers' warmup runs inside a
@@ -86,11 +87,11 @@ def _require() -> None:
         )
 
 
-def _eager_config(config):
+def _eager_config(config, graphs: bool = True):
     """A copy of ``config`` (a ``ContinuousBatchingConfig``, or ``None``: transformers' defaults) with asynchronous
     batching off (csgmv fills each step's mapping in Python, before the step's forward; a configuration that asks for
-    it is refused), CUDA graphs only where asked for (``use_cuda_graph``: True or a pair), and prompt blocks not shared
-    between requests (their adapters may differ)."""
+    it is refused), CUDA graphs only where asked for (``use_cuda_graph``: True or a pair) and ``graphs`` allows them,
+    and prompt blocks not shared between requests (their adapters may differ)."""
     import copy
 
     from transformers import ContinuousBatchingConfig
@@ -108,9 +109,9 @@ def _eager_config(config):
         # transformers shares a cached prompt block between requests by its tokens alone: a request with another
         # adapter would read keys and values computed under the first one's.
         config.allow_block_sharing = False
-    if hasattr(config, "use_cuda_graph") and not _asks_graphs(config):
+    if hasattr(config, "use_cuda_graph") and not (graphs and _asks_graphs(config)):
         # (transformers' default turns them on where the attention needs no mask, flash attention: csgmv only where
-        # asked for, until a GPU run shows them right and faster there)
+        # asked for, as a request without adapter_id then runs through csgmv, checked as it is added)
         config.use_cuda_graph = False
     if hasattr(config, "use_async_batching"):
         config.use_async_batching = False
@@ -588,14 +589,20 @@ def init_continuous_batching(base_model, *args, **kwargs):
     names = ("generation_config", "continuous_batching_config", "workload_hints")
     bound = dict(zip(names, args))
     bound.update(kwargs)
-    config = bound["continuous_batching_config"] = _eager_config(bound.get("continuous_batching_config"))
-    if _asks_graphs(config):
+    asked = bound.get("continuous_batching_config")
+    asked = asked is not None and _asks_graphs(asked)
+    # A model off CUDA has no graph to capture: graphs off there (transformers 5.17 captured empty ones for a model on
+    # the CPU of a CUDA machine, and replayed them).
+    on_cuda = getattr(getattr(base_model, "device", None), "type", None) == "cuda"
+    if asked and on_cuda:
         why = _graphs_refusal(model._csgmv)
         if why is not None:
             raise ValueError(f"csgmv cannot run continuous batching with CUDA graphs here: {why}")
+    config = _eager_config(bound.get("continuous_batching_config"), graphs=on_cuda)
+    bound["continuous_batching_config"] = config
     manager = own(**bound)
     router = manager.__dict__.get("_csgmv_router") or Router(manager, model)
-    router.graphs_asked = _asks_graphs(config)
+    router.graphs_asked = asked and (on_cuda or GRAPHED_ON_CPU)
     return manager
 
 

@@ -1139,8 +1139,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--cuda-graphs", action="store_true",
-        help="run each model step as transformers' CUDA graph, captured once per step size and replayed (GPU; "
-        "default: eager steps)",
+        help="run each model step as transformers' CUDA graph, captured once per step size and replayed (a CUDA "
+        "device; on the CPU steps stay eager; default: eager steps)",
     )  # fmt: skip
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="uvicorn's")
     return p

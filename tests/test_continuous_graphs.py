@@ -226,7 +226,8 @@ def test_graphed_moe_steps_give_each_request_its_expert_adapter(monkeypatch, tar
 def test_warmup_outside_a_step_runs_inside_a_step_of_base_tokens(monkeypatch):
     """transformers' warmup captures graphs of steps without requests by calling the batch processor's forward
     outside any step: csgmv runs it inside a graphed step of base tokens of the warmup's size (so its layers are in the
-    graphs later steps replay), closed after, the logits the base model's."""
+    graphs later steps replay), closed after: a LoRA layer run in it gives its base layer's output, where outside a
+    step it gives the active adapter's (PEFT's)."""
     monkeypatch.setattr(continuous, "GRAPHED_ON_CPU", True)
     model = _llama("triton")
     gen, cbc = _configs()
@@ -234,21 +235,23 @@ def test_warmup_outside_a_step_runs_inside_a_step_of_base_tokens(monkeypatch):
     router = manager._csgmv_router
     processor = types.SimpleNamespace(inputs_and_outputs=types.SimpleNamespace(graphs=None, compute_stream=None))
     ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10]], device=DEVICE)
+    q_proj = model.get_base_model().model.layers[0].self_attn.q_proj
+    hidden = torch.randn(1, ids.shape[1], q_proj.in_features, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(DEVICE)
     seen = {}
 
     def own(base, batch_data):
-        executor = model._csgmv.executor
-        seen["mapping"] = executor.mapping
-        return base(input_ids=batch_data["input_ids"]).logits
+        seen["mapping"] = model._csgmv.executor.mapping
+        return q_proj(hidden)
 
     with torch.no_grad():
-        logits = continuous._compute_batch(router, processor, own, model.get_base_model(), {"input_ids": ids})
-        with model.disable_adapter():
-            base = model(input_ids=ids).logits
+        out = continuous._compute_batch(router, processor, own, model.get_base_model(), {"input_ids": ids})
+        base, active = q_proj.base_layer(hidden), q_proj(hidden)
     mapping = seen["mapping"]
     assert mapping is not None and mapping.graphed and mapping.token_slots == (-1,) * ids.shape[1]
     assert not model._csgmv.executor.active
-    torch.testing.assert_close(logits, base, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(active, base, rtol=1e-3, atol=1e-3), "the adapter changes nothing: it would prove nothing"
+    torch.testing.assert_close(out, base, rtol=1e-5, atol=1e-5)
     disable_csgmv(model)
 
 
@@ -273,8 +276,7 @@ def test_graphs_captured_under_other_stacks_are_dropped(monkeypatch):
 
     assert fresh() and not fresh() and not fresh()
     model.add_adapter("a2", LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj"]))
-    with torch.no_grad():
-        model(input_ids=torch.tensor([[1, 2, 3]], device=DEVICE), adapter_ids=["a2"])  # (the sync restacks)
+    state.sync(model)  # (what a call does first: the new adapter restacks)
     assert fresh() and not fresh()
     state.executor.clear_plans()
     assert fresh() and not fresh()
@@ -295,6 +297,26 @@ def test_graphs_where_the_configuration_asks_for_them():
     assert resolved(use_cuda_graph=(False, False)) is False
     assert resolved(q_padding_interval_size=64) is None  # (transformers then turns them on)
     assert resolved(q_padding_interval_size=64, use_cuda_graph=False) is False
+    assert continuous._eager_config(ContinuousBatchingConfig(use_cuda_graph=True), graphs=False).use_cuda_graph is False
+
+
+def test_no_graphs_for_a_model_on_the_cpu():
+    """A model on the CPU gets no CUDA graphs, asked for or not, whether or not the machine has CUDA (transformers
+    5.17 captured empty graphs for it there and replayed them: wrong tokens); its steps run eagerly, each request's
+    tokens its stock PEFT run's."""
+    from transformers import ContinuousBatchingConfig
+
+    model = make("llama").to("cpu")
+    model.get_base_model().generation_config.eos_token_id = None
+    enable_csgmv(model, backend="torch")
+    gen, _ = _configs()
+    graphs = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_cuda_graph=True)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=graphs)
+    config = manager.continuous_batching_config
+    assert config.use_cuda_graph in (False, (False, False)) and not manager._csgmv_router.graphs_asked
+    out = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=graphs, adapter_ids=IDS)
+    assert _tokens(out, len(PROMPTS)) == [_alone(model, p, a, 5) for p, a in zip(PROMPTS, IDS)]
+    disable_csgmv(model)
 
 
 def test_graphs_are_refused_where_they_cannot_replay():
