@@ -72,6 +72,8 @@
 #            the serve wheels; ~6 min) -> gpu_verify.log
 #   cbprof   continuous batching, 1B, 32 requests (answers 16-128), base model then csgmv 32 distinct, each run again
 #            under torch.profiler (every thread; host syncs shown): their busiest ops (~3 min) -> continuous_1b_prof.log
+#   pmoe     eager MoE decode step, Qwen3-30B-A3B's layout cut to 8 layers: wall time against its GPU kernels' sum and
+#            the busiest kernels, base model and csgmv 32 distinct (~2 min) -> profile_moe_decode.log
 #   smoe     static cache (compiled), MoE expert LoRA, qwen3-30b-a3b then gpt-oss-20b cut to 16 layers: base model,
 #            PEFT one adapter, csgmv 8/32 distinct (~9 min; one layout per call if need be) -> static_moe_{qwen3,gptoss}.json
 #   moe      end to end, MoE expert LoRA (r=16 on attention and experts), batch 32, prompt 256: qwen3-30b-a3b and
@@ -170,6 +172,9 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 benchmarks/bench_continuous.py --model 1b --requests 32 --new-max 128 --rows base,csgmv --profile \
         2>&1 | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b_prof.log"
       grep -E "tok/s|^--" "$OUT/continuous_1b_prof.log"; tail -60 "$OUT/continuous_1b_prof.log" | cut -c1-150 ;;
+    pmoe)
+      python3 benchmarks/profile_moe_decode.py 2>&1 | grep --line-buffered -v -i warn > "$OUT/profile_moe_decode.log"
+      grep -E "^\||host" "$OUT/profile_moe_decode.log" ;;
     smoe)
       for pair in qwen3:qwen3-30b-a3b gptoss:gpt-oss-20b; do
         tag=${pair%%:*} m=${pair#*:}
