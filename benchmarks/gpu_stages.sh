@@ -38,8 +38,10 @@
 #   serve    the server (peft-csgmv serve), 1B, 256 requests from 64 streaming clients, against generate_batch on the
 #            same requests, all at once and fed at the clients' concurrency (needs wheels/serve:
 #            benchmarks/serve_wheels.sh; carry wheels; ~6 min) -> serve_1b.json
-#   cbgraphs continuous batching under transformers' CUDA graphs, 1B, 256 requests: base model and csgmv 32 distinct,
-#            each eager and with use_cuda_graph=True (~6 min) -> continuous_1b_graphs.json
+#   cbgraphs continuous batching under transformers' CUDA graphs, 1B, the issue's 1024 requests (prompts 32-1024,
+#            answers 16-512): base model and csgmv 32 distinct, both with use_cuda_graph=True (~6 min)
+#            -> continuous_1b_graphs.json
+#   cbgraphs8b the same for 8B over 256 requests (~6 min) -> continuous_8b_graphs.json
 #   cligraphs  the batch command on the uneven work of cligoal: continuous batching eager, then --cuda-graphs (~7 min)
 #            -> cli_1b_graphs.json
 #   cbtier   continuous batching over 1000 adapters (copies of 32), 1B, 96 requests (answers 16-256): all resident, then
@@ -203,11 +205,12 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       grep "^|\|host tier\|enable" "$OUT/continuous_1b_tier.log" || tail -25 "$OUT/continuous_1b_tier.log" ;;
     cligraphs)
       cli_uneven continuous,graphs cli_1b_graphs ;;
-    cbgraphs)
-      python3 benchmarks/bench_continuous.py --model 1b --requests 256 --rows base,base-graphs,csgmv,csgmv-graphs \
-        --out "$OUT/continuous_1b_graphs.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
-        > "$OUT/continuous_1b_graphs.log"
-      grep "^|" "$OUT/continuous_1b_graphs.log" || tail -25 "$OUT/continuous_1b_graphs.log" ;;
+    cbgraphs|cbgraphs8b)
+      [ "$stage" = cbgraphs ] && m=1b n=1024 || m=8b n=256
+      python3 benchmarks/bench_continuous.py --model $m --requests $n --rows base-graphs,csgmv-graphs \
+        --out "$OUT/continuous_${m}_graphs.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
+        > "$OUT/continuous_${m}_graphs.log"
+      grep "^|" "$OUT/continuous_${m}_graphs.log" || tail -25 "$OUT/continuous_${m}_graphs.log" ;;
     continuous)
       python3 benchmarks/bench_continuous.py --model 1b --requests 256 --out "$OUT/continuous_1b.json" 2>&1 \
         | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b.log"
