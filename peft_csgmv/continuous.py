@@ -24,19 +24,18 @@ a copy-in stream beside the running steps, and their requests start once the cop
 A step's preparation (the mapping's plan, the adapters' copies in) runs on the stream transformers runs the step's
 forward on (:func:`compute_stream`), so it comes before the step's kernels in stream order.
 
-What runs: synchronous batching (a configuration that asks for asynchronous batching or compiled forwards is
-refused), eager steps unless the configuration asks for CUDA graphs (``use_cuda_graph=True`` or a pair; left unset,
-off; off for a model on the CPU, where there is no graph to capture). Under graphs transformers captures a step of
-each size once and replays it for every later step of that size without running any layer's Python, so each step's
-mapping is :attr:`~peft_csgmv.mapping.Mapping.graphed`: padded to
-the step's padded size, every step csgmv's (requests without an adapter take the active one's slot), its plans and
-MoE token groups at fixed addresses rewritten before the step, sized for any step of its size; graphs captured under
-other stacks or plans are dropped before a step (:meth:`Router.fresh_graphs`), and transformers' warmup runs inside a
-step of base tokens (:func:`_compute_batch`). Refused with graphs: accelerate-offloaded layers, the torch backend on
-CUDA. Adapters whose modules
-run PEFT's own path somewhere, aLoRA adapters and LoRA on the output embedding cannot be given per request (PEFT's
-mixed-batch path is per row, and a packed step has one): such a request is refused when it is added. A step with no
-request that was given an adapter is transformers' own step, as stock PEFT runs it (eager steps; graphed, csgmv's).
+What runs: synchronous batching (a configuration that asks for asynchronous batching or compiled forwards is refused),
+eager steps unless the configuration asks for CUDA graphs (``use_cuda_graph=True`` or a pair; left unset, off; off for a
+model on the CPU, where there is no graph to capture). Under graphs transformers captures a step of each size once and
+replays it for every later step of that size without running any layer's Python, so each step's mapping is
+:attr:`~peft_csgmv.mapping.Mapping.graphed`: padded to the step's padded size, every step csgmv's (requests without an
+adapter take the active one's slot), its plans and MoE token groups at fixed addresses rewritten before the step, sized
+for any step of its size; graphs captured under other stacks or plans are dropped before a step
+(:meth:`Router.fresh_graphs`), and transformers' warmup runs inside a step of base tokens (:func:`_compute_batch`).
+Refused with graphs: accelerate-offloaded layers, the torch backend on CUDA. Adapters whose modules run PEFT's own path
+somewhere, aLoRA adapters and LoRA on the output embedding cannot be given per request (PEFT's mixed-batch path is per
+row, and a packed step has one): such a request is refused when it is added. A step with no request that was given an
+adapter is transformers' own step, as stock PEFT runs it (eager steps; graphed, csgmv's).
 """
 
 from __future__ import annotations

@@ -375,7 +375,7 @@ class Engine:
         config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
         self.vocab_size = int(config.get_text_config().vocab_size)
         # How many logits a step gives per token (the output layer's width: at least the vocabulary): top-k over all
-        # of them keeps every token (transformers before 5.2x indexes past the end with a larger k).
+        # of them keeps every token (transformers 5.17 indexes past the end with a larger k).
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.num_logits = max(int(getattr(head, "out_features", 0) or 0), self.vocab_size)
         self.max_model_len = int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 0) or None
