@@ -75,7 +75,7 @@
 #   cbprof   continuous batching, 1B, 32 requests (answers 16-128), base model then csgmv 32 distinct, each run again
 #            under torch.profiler (every thread; host syncs shown): their busiest ops (~3 min) -> continuous_1b_prof.log
 #   pmoe     eager MoE decode step, Qwen3-30B-A3B's layout cut to 8 layers: wall time against its GPU kernels' sum and
-#            the busiest kernels, base model and csgmv 32 distinct (~2 min) -> profile_moe_decode.log
+#            the ops with the most GPU and host time, base model and csgmv 32 distinct (~2 min) -> profile_moe_decode.log
 #   smoe     static cache (compiled), MoE expert LoRA, qwen3-30b-a3b then gpt-oss-20b cut to 16 layers: base model,
 #            PEFT one adapter, csgmv 8/32 distinct (~9 min; one layout per call if need be) -> static_moe_{qwen3,gptoss}.json
 #   moe      end to end, MoE expert LoRA (r=16 on attention and experts), batch 32, prompt 256: qwen3-30b-a3b and

@@ -1,6 +1,7 @@
 """Whether an eager MoE decode step is host- or GPU-bound, and which kernels fill it: the base model and csgmv with
 expert LoRA (r = 16 on attention and both expert parameters), each step timed wall-clock and then run under
-torch.profiler (the sum of its GPU kernels, the busiest of them, and the ops that read the device on the host).
+torch.profiler (the sum of its GPU kernels, the ops with the most GPU and the most host time, and the ops that read the
+device on the host).
 
     python benchmarks/profile_moe_decode.py --model qwen3-30b-a3b --layers 8 --distinct 32
 
@@ -33,7 +34,7 @@ SYNCS = ("Synchronize", "aten::item", "aten::nonzero", "_local_scalar_dense")
 
 def profile_step(label: str, target, ids, mask, step, smask, prompt: int, rows: int, **extra) -> None:
     """Wall time of ``target``'s decode step over a cache of ``prompt`` tokens (median of 9), then 3 steps under the
-    profiler: GPU kernel time per step and the ``rows`` busiest ops."""
+    profiler: GPU kernel time per step, the ``rows`` ops with the most GPU time and those with the most host time."""
     from torch.profiler import ProfilerActivity, profile
 
     kw = cache_kwarg(target)
@@ -61,6 +62,8 @@ def profile_step(label: str, target, ids, mask, step, smask, prompt: int, rows: 
     gpu = sum(e.self_device_time_total for e in events) / 3 / 1e3
     print(f"| {label} | {statistics.median(times):.2f} | {gpu:.2f} |", flush=True)
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60), flush=True)
+    # (the host's side: where a host-bound step's time goes; waiting in a synchronize counts here too)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60), flush=True)
     for e in events:
         if any(s in e.key for s in SYNCS) and e.count:
             print(f"  reads the device on the host: {e.key} x{e.count // 3} per step", flush=True)
