@@ -588,8 +588,8 @@ def init_continuous_batching(base_model, *args, **kwargs):
     names = ("generation_config", "continuous_batching_config", "workload_hints")
     bound = dict(zip(names, args))
     bound.update(kwargs)
-    asked = bound.get("continuous_batching_config")
-    asked = asked is not None and _asks_graphs(asked)
+    given = bound.get("continuous_batching_config")
+    asked = _asks_graphs(given)  # (None: transformers' defaults, which ask for none)
     # A model off CUDA has no graph to capture: graphs off there (transformers 5.17 captured empty ones for a model on
     # the CPU of a CUDA machine, and replayed them).
     on_cuda = getattr(getattr(base_model, "device", None), "type", None) == "cuda"
@@ -597,8 +597,7 @@ def init_continuous_batching(base_model, *args, **kwargs):
         why = _graphs_refusal(model._csgmv)
         if why is not None:
             raise ValueError(f"csgmv cannot run continuous batching with CUDA graphs here: {why}")
-    config = _eager_config(bound.get("continuous_batching_config"), graphs=on_cuda)
-    bound["continuous_batching_config"] = config
+    bound["continuous_batching_config"] = _eager_config(given, graphs=on_cuda)
     manager = own(**bound)
     router = manager.__dict__.get("_csgmv_router") or Router(manager, model)
     router.graphs_asked = asked and (on_cuda or GRAPHED_ON_CPU)
