@@ -35,6 +35,7 @@ SYNCS = ("Synchronize", "aten::item", "aten::nonzero", "_local_scalar_dense")
 def profile_step(label: str, target, ids, mask, step, smask, prompt: int, rows: int, **extra) -> None:
     """Wall time of ``target``'s decode step over a cache of ``prompt`` tokens (median of 9), then 3 steps under the
     profiler: GPU kernel time per step, the ``rows`` ops with the most GPU time and those with the most host time."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     kw = cache_kwarg(target)
@@ -59,7 +60,9 @@ def profile_step(label: str, target, ids, mask, step, smask, prompt: int, rows: 
                 decode()
             torch.cuda.synchronize()
     events = prof.key_averages()
-    gpu = sum(e.self_device_time_total for e in events) / 3 / 1e3
+    # (the kernels' own events: an op's row carries its kernels' time too, which summing every row counts twice)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    gpu = sum(e.self_device_time_total for e in kernels) / 3 / 1e3
     print(f"| {label} | {statistics.median(times):.2f} | {gpu:.2f} |", flush=True)
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60), flush=True)
     # (the host's side: where a host-bound step's time goes; waiting in a synchronize counts here too)
