@@ -42,8 +42,8 @@
 #            answers 16-512): base model and csgmv 32 distinct, both with use_cuda_graph=True (~6 min)
 #            -> continuous_1b_graphs.json
 #   cbgraphs8b the same for 8B over 256 requests (~6 min) -> continuous_8b_graphs.json
-#   cligraphs  the batch command on the uneven work of cligoal: continuous batching eager, then --cuda-graphs (~7 min)
-#            -> cli_1b_graphs.json
+#   cligraphs  the batch command on the uneven work of cligoal: continuous batching with --cuda-graphs, then
+#            static-cache batches (~8 min) -> cli_1b_graphs.json
 #   cbtier   continuous batching over 1000 adapters (copies of 32), 1B, 96 requests (answers 16-256): all resident, then
 #            max_resident_adapters=64 (~5 min) -> continuous_1b_tier.json
 #   peer     PEFT's own mixed-batch tests through csgmv's Triton kernels, fp32 then bf16 models (needs
@@ -204,7 +204,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b_tier.log"
       grep "^|\|host tier\|enable" "$OUT/continuous_1b_tier.log" || tail -25 "$OUT/continuous_1b_tier.log" ;;
     cligraphs)
-      cli_uneven continuous,graphs cli_1b_graphs ;;
+      cli_uneven graphs,static cli_1b_graphs ;;
     cbgraphs|cbgraphs8b)
       [ "$stage" = cbgraphs ] && m=1b n=1024 || m=8b n=256
       python3 benchmarks/bench_continuous.py --model $m --requests $n --rows base-graphs,csgmv-graphs \

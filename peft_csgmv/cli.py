@@ -370,7 +370,8 @@ def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
     full and without MoE expert LoRA (whose compiled path has not yet run on a GPU)."""
     from .model import csgmv_stats
 
-    asked = args.static_batches or args.continuous_batching or args.cuda_graphs or args.cache_implementation is not None
+    asked = args.static_batches or args.continuous_batching or args.cuda_graphs is not None
+    asked = asked or args.cache_implementation is not None
     sized = any(v is not None for v in _sizing(args).values())
     if asked or sized or device.type not in AUTO_STATIC_DEVICES or any(r.max_new_tokens for r in rows):
         return None
@@ -382,6 +383,15 @@ def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
         f"{len(rows)} rows x {args.max_new_tokens} new tokens on a GPU: past where compiled static-cache batches beat "
         "continuous batching, which runs eagerly (--continuous-batching keeps it)"
     )
+
+
+def _graphs(args, device: torch.device) -> bool:
+    """Whether continuous batching runs its steps as CUDA graphs: as --cuda-graphs / --no-cuda-graphs say, else on a
+    CUDA device with the Triton kernels and the model on that one device (no --device-map: graphs cannot replay
+    accelerate's placement)."""
+    if args.cuda_graphs is not None:
+        return args.cuda_graphs
+    return device.type == "cuda" and args.backend != "torch" and not args.device_map
 
 
 def generate_command(args, prog: str = "peft-csgmv generate") -> int:
@@ -493,7 +503,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
                     cache_memory=args.cache_memory,
                     max_requests=args.batch_size,
                     seed=args.seed,
-                    cuda_graphs=args.cuda_graphs,
+                    cuda_graphs=_graphs(args, next(model.parameters()).device),
                 )
             elif first:
                 say(f"static batches, not continuous batching: {static_reason}")
@@ -583,9 +593,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     p_gen.add_argument(
         "--cuda-graphs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="continuous batching: run each step as transformers' CUDA graph, captured once per step size and "
-        "replayed (a CUDA device; on the CPU steps stay eager; default: eager steps)",
+        "replayed (default: on a CUDA device with the Triton kernels and no --device-map; on the CPU steps stay "
+        "eager); --no-cuda-graphs: eager steps",
     )
     p_gen.add_argument(
         "--batch-size",

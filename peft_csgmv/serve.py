@@ -876,27 +876,41 @@ class _Run:
         self._close()
 
     async def events(self) -> AsyncIterator[tuple[int, str, str | None]]:
-        """``(choice index, new text, finish reason or None)`` as results arrive, until every choice is done."""
+        """``(choice index, new text, finish reason or None)`` as results arrive, until every choice is done. Results
+        that queued up while the client was being written to are taken together: each choice's newest only (a
+        result holds every token generated so far), so a stream that fell behind catches up in one event."""
         while self.open:
-            index, output = await self.queue.get()
-            if index not in self.open:
-                continue
-            if isinstance(output, Exception):
-                raise ApiError(503, str(output), code="unavailable")
-            if output.error is not None:
-                raise ApiError(500, f"generation failed: {output.error}", code="generation_failed")
-            choice = self.choices[index]
-            text = choice.feed(list(output.generated_tokens), output.is_finished())
-            if choice.finish_reason is not None:
-                request_id = self.open.pop(index)
-                if not output.is_finished():  # a stop sequence: the manager need not go on
-                    self.engine.cancel([request_id])
-            if text or choice.finish_reason is not None:
-                yield index, text, choice.finish_reason
+            pending = [await self.queue.get()]
+            while not self.queue.empty():
+                pending.append(self.queue.get_nowait())
+            newest: dict[int, object] = {}
+            for index, output in pending:
+                if not _failed(newest.get(index)):  # (a failure ends its choice: what follows it is not read)
+                    newest[index] = output
+            for index, output in newest.items():
+                if index not in self.open:
+                    continue
+                if isinstance(output, Exception):
+                    raise ApiError(503, str(output), code="unavailable")
+                if output.error is not None:
+                    raise ApiError(500, f"generation failed: {output.error}", code="generation_failed")
+                choice = self.choices[index]
+                text = choice.feed(list(output.generated_tokens), output.is_finished())
+                if choice.finish_reason is not None:
+                    request_id = self.open.pop(index)
+                    if not output.is_finished():  # a stop sequence: the manager need not go on
+                        self.engine.cancel([request_id])
+                if text or choice.finish_reason is not None:
+                    yield index, text, choice.finish_reason
 
     @property
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices)
+
+
+def _failed(output) -> bool:
+    """Whether a queued result is a failure (an exception, or an output with an error)."""
+    return isinstance(output, Exception) or getattr(output, "error", None) is not None
 
 
 def _sse(data) -> str:
@@ -1138,9 +1152,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"tokens per model step at most (default: {CPU_MAX_BATCH_TOKENS} on a CPU; transformers' choice on CUDA)",
     )  # fmt: skip
     p.add_argument(
-        "--cuda-graphs", action="store_true",
-        help="run each model step as transformers' CUDA graph, captured once per step size and replayed (a CUDA "
-        "device; on the CPU steps stay eager; default: eager steps)",
+        "--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+        help="run each model step as transformers' CUDA graph, captured once per step size and replayed (default: on "
+        "a CUDA device; on the CPU steps stay eager); --no-cuda-graphs: eager steps",
     )  # fmt: skip
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="uvicorn's")
     return p
@@ -1187,7 +1201,7 @@ def load_engine(args) -> Engine:
     return Engine(
         model, tokenizer, base_name, dict(args.adapter), base_path=args.base, num_blocks=num_blocks,
         max_batch_tokens=args.max_batch_tokens,  # (None: batch.Continuous's default)
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=args.cuda_graphs if args.cuda_graphs is not None else torch.device(device).type == "cuda",
     )  # fmt: skip
 
 

@@ -523,6 +523,23 @@ def test_cuda_graphs_flag(checkout, static_reference, tmp_path, capsys, monkeypa
     assert out.read_bytes() == reference.read_bytes()
 
 
+def test_cuda_graphs_by_default_where_they_replay():
+    """Continuous batching's steps run as CUDA graphs unless --no-cuda-graphs says otherwise on a CUDA device with
+    the Triton kernels and the model on it alone; never on the CPU, with the torch backend or accelerate's
+    placement."""
+    from peft_csgmv.cli import _graphs, build_parser
+
+    def graphs(device, *flags):
+        args = build_parser()[0].parse_args(
+            ["generate", "--base", "b", "--adapter", "a=p", "--input", "i", "--output", "o", *flags]
+        )
+        return _graphs(args, torch.device(device))
+
+    assert graphs("cuda") and graphs("cuda:1", "--backend", "triton") and graphs("cpu", "--cuda-graphs")
+    assert not graphs("cuda", "--no-cuda-graphs")
+    assert not graphs("cpu") and not graphs("cuda", "--backend", "torch") and not graphs("cuda", "--device-map", "auto")
+
+
 # --- identity -----------------------------------------------------------------------------------------------------
 
 
