@@ -1,7 +1,8 @@
-"""The batch command on one GPU: ``peft-csgmv generate`` by continuous batching (``--continuous-batching``) against
-static batches with the dynamic cache (eager decode, ``--static-batches``) and with the static cache (transformers'
-compiled decode, ``--static-batches --cache-implementation static``), and the command's own choice (``default``: no
-batching flag), on the same JSONL, in one run. ``--limits LOW,HIGH`` gives each line its own ``max_new_tokens``.
+"""The batch command on one GPU: ``peft-csgmv generate`` by continuous batching (``--continuous-batching``, eager
+steps or CUDA graphs) against static batches with the dynamic cache (eager decode, ``--static-batches``) and with the
+static cache (transformers' compiled decode, ``--static-batches --cache-implementation static``), and the command's
+own choice (``default``: no batching flag), on the same JSONL, in one run. ``--limits LOW,HIGH`` gives each line its
+own ``max_new_tokens``.
 
     python benchmarks/bench_cli.py --out results/cli_1b.json
 
@@ -57,8 +58,9 @@ def main(argv=None) -> int:
         "--runs",
         "--caches",
         default="continuous,dynamic,static",
-        help="the runs, in order: continuous (--continuous-batching), uncapped (the same with --batch-size 1024, "
-        "transformers' own cap of requests per step), graphs (continuous with --cuda-graphs), dynamic "
+        help="the runs, in order: continuous (--continuous-batching --no-cuda-graphs: eager steps), uncapped (the "
+        "same with --batch-size 1024, transformers' own cap of requests per step), graphs (--continuous-batching "
+        "--cuda-graphs: each step a CUDA graph, the default on CUDA), dynamic "
         "(--static-batches), static (--static-batches --cache-implementation static), default (no batching flag: "
         "the command's choice)",
     )
@@ -83,8 +85,8 @@ def main(argv=None) -> int:
         static = ["--static-batches", "--batch-size", str(args.batch_size)]
         flags = {
             "default": [],
-            "continuous": ["--continuous-batching"],
-            "uncapped": ["--continuous-batching", "--batch-size", "1024"],  # (transformers' own default)
+            "continuous": ["--continuous-batching", "--no-cuda-graphs"],
+            "uncapped": ["--continuous-batching", "--no-cuda-graphs", "--batch-size", "1024"],  # (transformers' own)
             "graphs": ["--continuous-batching", "--cuda-graphs"],
             "dynamic": static + ["--cache-implementation", "dynamic"],
             "static": static + ["--cache-implementation", "static"],

@@ -143,13 +143,14 @@ static: --static-batches runs padded batches of --batch-size rows through genera
 sizing: continuous batching's paged KV cache and its steps: --max-batch-tokens (tokens per step), --num-blocks
         (cache blocks of 256 tokens) or --cache-memory (a share of the free GPU memory), --batch-size (requests
         per step at most; 128 by default on a GPU whose attention is SDPA or eager).
-speed:  --static-batches --cache-implementation static runs transformers' compiled decode (CUDA), one compile per
-        batch shape: prompts are padded to a power of two and the last batch filled, so a run compiles a few
-        shapes. A run on a GPU with rows x --max-new-tokens of 65536 or more (and none of the options above that
-        choose the batching or size continuous batching) takes these static-cache batches, 64 rows each, by
-        itself, saying so in one line: there they were twice as fast as continuous batching, which runs eagerly
-        (docs/benchmarks.md); --continuous-batching keeps continuous batching. --adapter-dtype model: bf16
-        adapters on a bf16 model (the default, fp32, is PEFT's).
+speed:  on a CUDA device continuous batching runs each step as transformers' CUDA graph, captured once per step
+        size (--no-cuda-graphs: eager steps). --static-batches --cache-implementation static runs transformers'
+        compiled decode (CUDA), one compile per batch shape: prompts are padded to a power of two and the last
+        batch filled, so a run compiles a few shapes, and each batch decodes until its longest answer is done. A
+        run on a GPU whose lines share one length limit, with rows x --max-new-tokens of 65536 or more (and none
+        of the options above that choose the batching or size continuous batching), takes these static-cache
+        batches, 64 rows each, by itself, saying so in one line (docs/benchmarks.md); --continuous-batching keeps
+        continuous batching. --adapter-dtype model: bf16 adapters on a bf16 model (the default, fp32, is PEFT's).
 memory: --max-resident-adapters N keeps N adapters on the GPU, the rest in host memory; a step (or a static
         batch) then holds at most N distinct adapters, requests of others waiting for a slot.
 gpus:   accelerate launch --num_processes N -m peft_csgmv generate ... (or torchrun) runs N processes, one per GPU,
@@ -352,12 +353,14 @@ def _static_reason(args) -> str | None:
     return None
 
 
-# On a GPU, continuous batching runs eagerly (no CUDA graphs) and static-cache batches run transformers' compiled
-# decode, whose compile (one per batch shape) a long enough run pays back. Measured in one run on an H100 (the 1B
-# layout, 32 adapters, prompts of 140-236 tokens, 64 new tokens; docs/benchmarks.md, "The batch command"): 512 rows,
-# continuous batching 1687 tok/s against static-cache batches of 64 at 949 (their compiles included); 2048 rows, 1184
-# against 2469. A run that asks for neither takes static-cache batches from about the midpoint of the two, counted in
-# rows times --max-new-tokens.
+# On a GPU static-cache batches run transformers' compiled decode, whose compile (one per batch shape) a long enough
+# run pays back, and pay for each batch's longest answer. Measured on an H100 (the 1B layout, 32 adapters;
+# docs/benchmarks.md, "The batch command"): lines of one --max-new-tokens (prompts of 140-236 tokens, 64 new tokens),
+# continuous batching with eager steps 1687 tok/s against static-cache batches of 64 at 949 over 512 rows (their
+# compiles included), 1184 against 2469 over 2048; uneven lines (1024, prompts of ~32-1024 tokens, limits of 16-512
+# new tokens), continuous batching under CUDA graphs (the default on CUDA since) 1234 against 987. A run that asks
+# for neither takes static-cache batches where every line has the same limit, from about the midpoint of the two
+# even runs, counted in rows times --max-new-tokens (not yet measured against CUDA graphs on even lines).
 STATIC_PAYS_TOKENS = 1024 * 64
 AUTO_STATIC_DEVICES = ("cuda",)  # where the static cache's decode step is compiled
 AUTO_STATIC_BATCH_SIZE = 64  # the static-cache batches' rows per generate call where the command picks them
@@ -381,7 +384,7 @@ def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
         return None
     return (
         f"{len(rows)} rows x {args.max_new_tokens} new tokens on a GPU: past where compiled static-cache batches beat "
-        "continuous batching, which runs eagerly (--continuous-batching keeps it)"
+        "continuous batching on lines of one length limit (--continuous-batching keeps it)"
     )
 
 
