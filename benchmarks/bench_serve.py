@@ -8,7 +8,8 @@ A checkout saved to a temporary folder (a built-in Llama layout's random bf16 we
 LoRA adapters r=16 on all 7 projections) and a seeded workload of ``--requests`` prompts of ``--words`` random words,
 each with one of the adapters (in turn) and its own ``max_tokens`` in ``--new-min``..``--new-max``. Decoding is greedy
 in both rows (the server's ``temperature: 0`` is top-k 1 over transformers' per-request processors; ``generate_batch``
-runs the same settings).
+runs the same settings). Every row's steps run as CUDA graphs on CUDA (the server's default; ``--no-cuda-graphs``:
+eager steps everywhere).
 
 1. ``generate_batch``: the checkout loaded as the server loads it (``peft_csgmv.batch.load_model``, csgmv enabled), with
    the server's continuous-batching sizing, twice: all requests given at once, then fed as the clients feed the server
@@ -67,7 +68,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def batch_rows(
-    base: str, adapters: dict[str, str], requests: list[dict], device: str, dtype: str, clients: int
+    base: str, adapters: dict[str, str], requests: list[dict], device: str, dtype: str, clients: int, graphs: bool
 ) -> list[tuple[dict, list]]:
     """``generate_batch`` with the server's sizing and greedy decoding, twice on one loaded model: every request given
     at once, then fed as the clients feed the server (the first ``clients`` requests, then one more as each ends), so
@@ -79,7 +80,7 @@ def batch_rows(
 
     model, tokenizer = load_model(base, adapters, dtype, None, device)
     on_cpu = torch.device(device).type == "cpu"
-    sizing = Continuous(num_blocks=serve.CPU_NUM_BLOCKS if on_cpu else None)
+    sizing = Continuous(num_blocks=serve.CPU_NUM_BLOCKS if on_cpu else None, cuda_graphs=graphs)
     inputs = [tokenizer(r["prompt"])["input_ids"] for r in requests]
     longest = max(r["max_tokens"] for r in requests)
     gen = GenerationConfig(do_sample=True, top_k=1, temperature=1.0, max_new_tokens=longest,
@@ -211,16 +212,23 @@ def main(argv=None) -> int:
     p.add_argument("--new-max", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if there is one)")
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every row's steps as CUDA graphs (default: on CUDA, as the server's default)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    graphs = args.cuda_graphs if args.cuda_graphs is not None else torch.device(device).type == "cuda"
     dtype = "bf16" if torch.device(device).type == "cuda" else "fp32"
     requests = workload(args)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         base, adapters = save_checkout(folder, args.model, "cuda:0" if device == "cuda" else device)
         adapters = {name: adapters[name] for name in sorted({r["adapter"] for r in requests})}
-        batches = batch_rows(base, adapters, requests, device, dtype, args.clients)
+        batches = batch_rows(base, adapters, requests, device, dtype, args.clients, graphs)
         for row, texts in batches:
             rows.append(row)
             print(f"{row['row']}: {row['tokens']} tokens in {row['seconds']:.1f} s", flush=True)
@@ -230,7 +238,8 @@ def main(argv=None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "peft_csgmv", "serve", "--base", base, "--port", str(port), "--device", device,
-                   "--dtype", dtype, "--log-level", "warning"]  # fmt: skip
+                   "--dtype", dtype, "--log-level", "warning",
+                   "--cuda-graphs" if graphs else "--no-cuda-graphs"]  # fmt: skip
         for name, path in adapters.items():
             command += ["--adapter", f"{name}={path}"]
         server = subprocess.Popen(command, env=dict(os.environ))
