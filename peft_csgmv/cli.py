@@ -388,13 +388,17 @@ def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
     )
 
 
-def _graphs(args, device: torch.device) -> bool:
+def _graphs(args, device: torch.device, model=None) -> bool:
     """Whether continuous batching runs its steps as CUDA graphs: as --cuda-graphs / --no-cuda-graphs say, else on a
     CUDA device with the Triton kernels and the model on that one device (no --device-map: graphs cannot replay
-    accelerate's placement)."""
+    accelerate's placement), where the loaded ``model`` can replay them (:func:`continuous.graphs_refusal`)."""
     if args.cuda_graphs is not None:
         return args.cuda_graphs
-    return device.type == "cuda" and args.backend != "torch" and not args.device_map
+    if device.type != "cuda" or args.backend == "torch" or args.device_map:
+        return False
+    from .continuous import graphs_refusal
+
+    return model is None or graphs_refusal(model) is None
 
 
 def generate_command(args, prog: str = "peft-csgmv generate") -> int:
@@ -506,7 +510,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
                     cache_memory=args.cache_memory,
                     max_requests=args.batch_size,
                     seed=args.seed,
-                    cuda_graphs=_graphs(args, next(model.parameters()).device),
+                    cuda_graphs=_graphs(args, next(model.parameters()).device, model),
                 )
             elif first:
                 say(f"static batches, not continuous batching: {static_reason}")

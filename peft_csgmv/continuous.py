@@ -136,6 +136,18 @@ def _graphs_refusal(state) -> str | None:
     return None
 
 
+def graphs_refusal(model) -> str | None:
+    """Why continuous batching on this model cannot run CUDA graphs, in a line (``None``: it can): not enabled, not
+    on CUDA, layers accelerate offloads, the torch backend."""
+    state = model.__dict__.get("_csgmv")
+    if state is None:
+        return "csgmv is not enabled on the model"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(getattr(base, "device", None), "type", None) != "cuda":
+        return "the model is not on a CUDA device"
+    return _graphs_refusal(state)
+
+
 def graph_slots(state) -> int:
     """The slots a graphed step's tokens may use: the host tier's resident ones, else the registry's."""
     return state.max_resident or state.registry.capacity

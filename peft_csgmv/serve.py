@@ -1196,12 +1196,17 @@ def load_engine(args) -> Engine:
         args.base, dict(args.adapter), args.dtype, None, device, max_resident_adapters=args.max_resident_adapters
     )
     on_cpu = torch.device(device).type == "cpu"
+    graphs = args.cuda_graphs
+    if graphs is None:  # (on CUDA where the model can replay them)
+        from .continuous import graphs_refusal
+
+        graphs = graphs_refusal(model) is None
     num_blocks = args.num_blocks if args.num_blocks is not None else (CPU_NUM_BLOCKS if on_cpu else None)
     base_name = args.served_model_name or args.base
     return Engine(
         model, tokenizer, base_name, dict(args.adapter), base_path=args.base, num_blocks=num_blocks,
         max_batch_tokens=args.max_batch_tokens,  # (None: batch.Continuous's default)
-        cuda_graphs=args.cuda_graphs if args.cuda_graphs is not None else torch.device(device).type == "cuda",
+        cuda_graphs=graphs,
     )  # fmt: skip
 
 

@@ -321,6 +321,21 @@ def test_no_graphs_for_a_model_on_the_cpu():
     disable_csgmv(model)
 
 
+def test_graphs_refusal_says_why_a_model_cannot_replay_graphs():
+    """``continuous.graphs_refusal``, which the batch command and the server consult before taking CUDA graphs by
+    default: a model csgmv does not run, or one off CUDA, cannot replay them."""
+    from peft_csgmv.cli import _graphs, build_parser
+
+    model = make("llama").to("cpu")
+    assert continuous.graphs_refusal(model) == "csgmv is not enabled on the model"
+    enable_csgmv(model, backend="torch")
+    assert continuous.graphs_refusal(model) == "the model is not on a CUDA device"
+    flags = ["generate", "--base", "b", "--adapter", "a=p", "--input", "i", "--output", "o"]
+    args = build_parser()[0].parse_args(flags)
+    assert not _graphs(args, torch.device("cuda"), model)  # (the model says no, whatever the device given)
+    disable_csgmv(model)
+
+
 def test_graphs_are_refused_where_they_cannot_replay():
     """CUDA graphs are refused, before anything runs, with layers offloaded by accelerate (their weights move on
     every forward) and with the torch backend on CUDA (it reads each step's plan on the host); asynchronous batching
