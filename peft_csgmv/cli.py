@@ -388,17 +388,15 @@ def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
     )
 
 
-def _graphs(args, device: torch.device, model=None) -> bool:
-    """Whether continuous batching runs its steps as CUDA graphs: as --cuda-graphs / --no-cuda-graphs say, else on a
-    CUDA device with the Triton kernels and the model on that one device (no --device-map: graphs cannot replay
-    accelerate's placement), where the loaded ``model`` can replay them (:func:`continuous.graphs_refusal`)."""
+def _graphs(args, model) -> bool:
+    """Whether continuous batching runs its steps as CUDA graphs: as --cuda-graphs / --no-cuda-graphs say, else
+    wherever the loaded ``model`` can replay them (:func:`continuous.graphs_refusal`: on CUDA, the Triton kernels, no
+    layer offloaded)."""
     if args.cuda_graphs is not None:
         return args.cuda_graphs
-    if device.type != "cuda" or args.backend == "torch" or args.device_map:
-        return False
     from .continuous import graphs_refusal
 
-    return model is None or graphs_refusal(model) is None
+    return graphs_refusal(model) is None
 
 
 def generate_command(args, prog: str = "peft-csgmv generate") -> int:
@@ -510,7 +508,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
                     cache_memory=args.cache_memory,
                     max_requests=args.batch_size,
                     seed=args.seed,
-                    cuda_graphs=_graphs(args, next(model.parameters()).device, model),
+                    cuda_graphs=_graphs(args, model),
                 )
             elif first:
                 say(f"static batches, not continuous batching: {static_reason}")
@@ -603,7 +601,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         action=argparse.BooleanOptionalAction,
         default=None,
         help="continuous batching: run each step as transformers' CUDA graph, captured once per step size and "
-        "replayed (default: on a CUDA device with the Triton kernels and no --device-map; on the CPU steps stay "
+        "replayed (default: on a CUDA device with the Triton kernels and no layer offloaded; on the CPU steps stay "
         "eager); --no-cuda-graphs: eager steps",
     )
     p_gen.add_argument(
