@@ -110,6 +110,14 @@ class MoePlan:
     def device(self) -> torch.device:
         return self.permutation.device
 
+    @functools.cached_property
+    def kernel_arrays(self) -> tuple[torch.Tensor, ...]:
+        """``permutation``, ``seg_start``, ``seg_end``, ``seg_slot``, ``seg_expert`` as the MoE kernels read them
+        (densely: a strided one copied), worked out once per plan (its four launches read them)."""
+        from .kernels.common import dense
+
+        return tuple(dense(v) for v in (self.permutation, self.seg_start, self.seg_end, self.seg_slot, self.seg_expert))
+
     @classmethod
     def build(
         cls,

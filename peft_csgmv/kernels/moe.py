@@ -208,11 +208,6 @@ def _precision(weight: torch.Tensor, act: torch.Tensor) -> str:
     return "ieee" if weight.dtype == act.dtype == torch.float32 else "tf32"
 
 
-def _plan_args(plan: MoePlan) -> tuple:
-    """The plan's arrays in the kernels' argument order."""
-    return tuple(dense(v) for v in (plan.permutation, plan.seg_start, plan.seg_end, plan.seg_slot, plan.seg_expert))
-
-
 def moe_shrink(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -260,7 +255,7 @@ def moe_shrink(
     block_k = config.get("block_k", 64)
     options = tuple((key, config[key]) for key in ("num_warps", "num_stages") if key in config)
     args = (
-        x, a, t, *_plan_args(plan), dense(ranks), k, plan.top_k, *x.stride(), *a.stride(), *t.stride(),
+        x, a, t, *plan.kernel_arrays, dense(ranks), k, plan.top_k, *x.stride(), *a.stride(), *t.stride(),
     )  # fmt: skip
     constexprs = dict(
         BLOCK_M=block_size(plan.chunk_size),
@@ -321,7 +316,8 @@ def moe_expand(
     block_n = config.get("block_n", 64 if n <= 64 else 128)
     options = tuple((key, config[key]) for key in ("num_warps", "num_stages") if key in config)
     args = (
-        t, b, y, *_plan_args(plan), dense(ranks), dense(scalings), n, plan.top_k, *t.stride(), *b.stride(), *y.stride(),
+        t, b, y, *plan.kernel_arrays, dense(ranks), dense(scalings), n, plan.top_k, *t.stride(), *b.stride(),
+        *y.stride(),
     )  # fmt: skip
     constexprs = dict(
         BLOCK_M=block_size(plan.chunk_size),
@@ -331,5 +327,5 @@ def moe_expand(
         DOT_PRECISION=_precision(b, y),
         OWN_RANK=bool(own_rank),
     )
-    _launch_moe_expand((plan.num_segments, triton.cdiv(n, block_n), 1), args, constexprs, options)
+    _launch_moe_expand((plan.num_segments, -(-n // block_n), 1), args, constexprs, options)
     return y

@@ -25,10 +25,13 @@ in the same places, the same empty tail.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from .common import pow2
 from .launch import Launcher
 
 # The largest plan one program builds: routed pairs (decode steps; a prefill's pairs take the torch path, whose ops
@@ -143,6 +146,21 @@ def fits(num_pairs: int, num_experts: int, num_slots: int) -> bool:
     return 0 < num_pairs <= MAX_PAIRS and max(64, num_experts * (num_slots + 1) + 2) <= MAX_KEYS
 
 
+@functools.lru_cache(maxsize=256)
+def _constexprs(num_pairs: int, num_experts: int, num_slots: int) -> dict:
+    """The plan kernel's tiles for these shapes, worked out once (a launch reads them, never changes them)."""
+    block_p = pow2(num_pairs)
+    return dict(
+        BLOCK_P=block_p,
+        BLOCK_Q=max(1, 8192 // block_p),
+        # (one key past every pair's; at least 64 bins: a GPU histogram gives each thread of a warp a bin or more)
+        BLOCK_KEYS=max(64, pow2(num_experts * (num_slots + 1) + 2)),
+        BLOCK_E=pow2(num_experts),
+        BLOCK_G=pow2(num_experts * num_slots),
+        BLOCK_M=256,
+    )
+
+
 def moe_plan_arrays(
     token_group: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -157,23 +175,14 @@ def moe_plan_arrays(
     token_groups`); ``top_k_index``: ``(T, top_k)`` integer, any strides. The shapes must :func:`fit`."""
     num_tokens, top_k = top_k_index.shape
     num_pairs = num_tokens * top_k
-    # (one key past every pair's; at least 64 bins: a GPU histogram gives each thread of a warp a bin or more)
-    block_keys = max(64, triton.next_power_of_2(num_experts * (num_slots + 1) + 2))
+    constexprs = _constexprs(num_pairs, num_experts, num_slots)
+    block_keys = constexprs["BLOCK_KEYS"]
     out = torch.empty(num_pairs + num_experts + 4 * num_segments + block_keys, dtype=torch.int32,
                       device=top_k_index.device)  # fmt: skip
     seg_at = num_pairs + num_experts
     permutation, offsets = out[:num_pairs], out[num_pairs:seg_at]
     segments, below = out[seg_at : seg_at + 4 * num_segments], out[seg_at + 4 * num_segments :]
-    block_p = triton.next_power_of_2(num_pairs)
     args = (token_group, top_k_index, permutation, offsets, segments, below, num_pairs, top_k, *top_k_index.stride(),
             num_experts, num_slots, chunk_size, num_segments)  # fmt: skip
-    constexprs = dict(
-        BLOCK_P=block_p,
-        BLOCK_Q=max(1, 8192 // block_p),
-        BLOCK_KEYS=block_keys,
-        BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_G=triton.next_power_of_2(num_experts * num_slots),
-        BLOCK_M=256,
-    )
     _launch_moe_plan((1, 1, 1), args, constexprs, (("num_warps", 8),))
     return permutation, offsets, segments.view(4, num_segments)
