@@ -42,8 +42,9 @@ class ModuleRecord:
         experts_scalings: the scalings an experts layer's stacks were built with, by parameter name.
         offload: where accelerate runs a kernel layer whose weights it offloads (:mod:`peft_csgmv.offload`: its
             adapters are read from accelerate's weights maps, its stack waits in host memory); ``None`` for others.
-        experts_module: an experts layer's experts module (under PEFT's wrappers), and ``experts_slots`` the slots of
-            its stacks (both set with ``experts``).
+        experts_module: an experts layer's experts module (under PEFT's wrappers), ``experts_wrappers`` its PEFT
+            ``ParamWrapper`` of each adapted parameter, and ``experts_slots`` the slots of its stacks (all set with
+            ``experts``).
     """
 
     def __init__(self) -> None:
@@ -56,6 +57,7 @@ class ModuleRecord:
         self.experts_scalings: dict = {}
         self.offload: "torch.device | None" = None
         self.experts_module: nn.Module | None = None
+        self.experts_wrappers: dict = {}
         self.experts_slots: int = 0
 
 

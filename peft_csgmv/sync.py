@@ -503,6 +503,7 @@ class CsgmvState:
             stack.release_shared(keep)
         record.experts = stacks
         record.experts_module = experts
+        record.experts_wrappers = wrappers
         record.experts_slots = len(slotted)
         record.experts_scalings = {param: dict(w.scaling) for param, w in wrappers.items()}
         record.peft_rows = frozenset(refused)
@@ -626,9 +627,9 @@ class CsgmvState:
             if layer.scaling is not layer._csgmv_record.stack.scaling_src:
                 self.stack_layer(layer, force=True)
         for wrapper in self.experts.values():  # (their scalings are copies: any change of a scaling restacks)
-            _, wrappers = _experts_parts(wrapper)
-            held = wrapper._csgmv_record.experts_scalings
-            if any(held.get(param) != w.scaling for param, w in wrappers.items()):
+            record = wrapper._csgmv_record
+            held = record.experts_scalings
+            if any(held.get(param) != w.scaling for param, w in record.experts_wrappers.items()):
                 self.stack_experts(wrapper)
 
     def follow_weights(self) -> None:
@@ -638,8 +639,8 @@ class CsgmvState:
         tensors are dropped. One read per call; a layer whose stack is not where its input is runs PEFT's own
         forward."""
         for wrapper in self.experts.values():  # (a few experts layers: read on every call)
-            _, wrappers = _experts_parts(wrapper)
-            stacks = wrapper._csgmv_record.experts
+            record = wrapper._csgmv_record
+            stacks, wrappers = record.experts, record.experts_wrappers
             if any(stacks[p].a.device != w.get_param().device for p, w in wrappers.items() if p in stacks):
                 self.stack_experts(wrapper)
         place = self.place
