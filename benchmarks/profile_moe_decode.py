@@ -33,8 +33,9 @@ SYNCS = ("Synchronize", "aten::item", "aten::nonzero", "_local_scalar_dense")
 
 
 def profile_step(label: str, target, ids, mask, step, smask, prompt: int, rows: int, **extra) -> None:
-    """Wall time of ``target``'s decode step over a cache of ``prompt`` tokens (median of 9), then 3 steps under the
-    profiler: GPU kernel time per step, the ``rows`` ops with the most GPU time and those with the most host time."""
+    """Wall time of ``target``'s decode step over a cache of ``prompt`` tokens (median of 30 after 10 warm-up steps:
+    fewer did not hold still on an H100), then 3 steps under the profiler: GPU kernel time per step, the ``rows`` ops
+    with the most GPU time and those with the most host time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -46,10 +47,10 @@ def profile_step(label: str, target, ids, mask, step, smask, prompt: int, rows: 
             crop_cache(cache, prompt)
             target(input_ids=step, attention_mask=smask, use_cache=True, **{kw: cache}, **extra)
 
-        for _ in range(3):
+        for _ in range(10):
             decode()
         times = []
-        for _ in range(9):
+        for _ in range(30):
             torch.cuda.synchronize()
             start = time.perf_counter()
             decode()
