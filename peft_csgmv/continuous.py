@@ -24,9 +24,10 @@ a copy-in stream beside the running steps, and their requests start once the cop
 A step's preparation (the mapping's plan, the adapters' copies in) runs on the stream transformers runs the step's
 forward on (:func:`compute_stream`), so it comes before the step's kernels in stream order.
 
-What runs: synchronous batching (a configuration that asks for asynchronous batching or compiled forwards is refused),
-eager steps unless the configuration asks for CUDA graphs (``use_cuda_graph=True`` or a pair; left unset, off; off for a
-model on the CPU, where there is no graph to capture). Under graphs transformers captures a step of each size once and
+What runs: synchronous batching (a configuration that asks for asynchronous batching or compiled forwards gets
+transformers' own manager, as stock PEFT does, whose requests take no adapter: :func:`stock_only`), eager steps unless
+the configuration asks for CUDA graphs (``use_cuda_graph=True`` or a pair; left unset, off; off for a model on the
+CPU, where there is no graph to capture). Under graphs transformers captures a step of each size once and
 replays it for every later step of that size without running any layer's Python, so each step's mapping is
 :attr:`~peft_csgmv.mapping.Mapping.graphed`: padded to the step's padded size, every step csgmv's (requests without an
 adapter take the active one's slot), its plans and MoE token groups at fixed addresses rewritten before the step, sized
@@ -86,24 +87,40 @@ def _require() -> None:
         )
 
 
+def stock_only(config) -> str | None:
+    """What in ``config`` (a ``ContinuousBatchingConfig`` or ``None``) per-request adapters cannot run under, named as
+    its fields (``None``: nothing): asynchronous batching (the next step's inputs are prepared while a step runs,
+    where csgmv fills each step's mapping before its forward) or compiled forwards (a compile configuration, or a
+    default compile level). An enabled model's manager for such a configuration is transformers' own, as stock PEFT
+    runs it: every request the model's active adapter, through PEFT's own forward; a request given an adapter is
+    refused (:func:`stock_refusal`)."""
+    asked = [name for name in ("use_async_batching", "varlen_compile_config", "decode_compile_config")
+             if getattr(config, name, None) not in (None, False)]  # fmt: skip
+    if (getattr(config, "default_compile_level", 0) or 0) > 0:
+        asked.append("default_compile_level")
+    return " and ".join(f"ContinuousBatchingConfig.{name}" for name in asked) or None
+
+
+def stock_refusal(asked: str) -> str:
+    """Why a request of a manager for a configuration that asks for ``asked`` (:func:`stock_only`) cannot take an
+    adapter."""
+    return (
+        f"per-request adapters run under synchronous, uncompiled continuous batching; this configuration sets {asked}, "
+        "so its manager is transformers' own, every request running the model's active adapter as in stock PEFT: "
+        "leave it unset to give requests their own adapters"
+    )
+
+
 def _eager_config(config, graphs: bool = True):
-    """A copy of ``config`` (a ``ContinuousBatchingConfig``, or ``None``: transformers' defaults) with asynchronous
-    batching off (csgmv fills each step's mapping in Python, before the step's forward; a configuration that asks for
-    it is refused), CUDA graphs only where asked for (``use_cuda_graph``: True or a pair) and ``graphs`` allows them,
-    and prompt blocks not shared between requests (their adapters may differ)."""
+    """A copy of ``config`` (a ``ContinuousBatchingConfig``, or ``None``: transformers' defaults; not one that
+    :func:`stock_only` names) with asynchronous batching off (transformers' default may turn it on: csgmv fills each
+    step's mapping in Python, before the step's forward), CUDA graphs only where asked for (``use_cuda_graph``: True or
+    a pair) and ``graphs`` allows them, and prompt blocks not shared between requests (their adapters may differ)."""
     import copy
 
     from transformers import ContinuousBatchingConfig
 
     config = ContinuousBatchingConfig() if config is None else copy.copy(config)
-    if getattr(config, "use_async_batching", None):
-        raise ValueError(
-            "csgmv runs continuous batching with per-request adapters synchronously: leave "
-            "ContinuousBatchingConfig.use_async_batching unset (or False)"
-        )
-    for name in ("varlen_compile_config", "decode_compile_config"):
-        if getattr(config, name, None) is not None:
-            raise ValueError(f"csgmv runs continuous batching eagerly: leave ContinuousBatchingConfig.{name} unset")
     if hasattr(config, "allow_block_sharing"):
         # transformers shares a cached prompt block between requests by its tokens alone: a request with another
         # adapter would read keys and values computed under the first one's.
@@ -492,6 +509,18 @@ def _add_request(router: Router, own, input_ids, request_id: str | None = None, 
     return out
 
 
+def _add_stock_request(own, asked: str, *args, adapter_id=STOCK, **kwargs):
+    if adapter_id is not STOCK:
+        raise ValueError(stock_refusal(asked))
+    return own(*args, **kwargs)
+
+
+def _add_stock_requests(own, asked: str, *args, adapter_ids=None, **kwargs):
+    if adapter_ids is not None:
+        raise ValueError(stock_refusal(asked))
+    return own(*args, **kwargs)
+
+
 def _add_requests(
     router: Router,
     inputs: list,
@@ -590,8 +619,9 @@ def _finish_request(router: Router, own, request_id, *args, **kwargs):
 
 
 def init_continuous_batching(base_model, *args, **kwargs):
-    """The base model's ``init_continuous_batching`` on an enabled model: transformers' manager, made without CUDA
-    graphs and asynchronous batching, whose requests take an adapter (:class:`Router`)."""
+    """The base model's ``init_continuous_batching`` on an enabled model: transformers' manager, made synchronous with
+    CUDA graphs only where asked for, whose requests take an adapter (:class:`Router`); for a configuration that asks
+    for asynchronous batching or compiled forwards, transformers' own, whose requests take none (:func:`stock_only`)."""
     own = type(base_model).init_continuous_batching.__get__(base_model)
     ref = base_model.__dict__.get("_csgmv_peft_model")
     model = None if ref is None else ref()
@@ -601,6 +631,13 @@ def init_continuous_batching(base_model, *args, **kwargs):
     bound = dict(zip(names, args))
     bound.update(kwargs)
     given = bound.get("continuous_batching_config")
+    stock = stock_only(given)
+    if stock is not None:  # transformers' own manager, as stock PEFT's: its requests take no adapter
+        manager = own(*args, **kwargs)
+        state = manager.__dict__
+        for name, patched in (("add_request", _add_stock_request), ("add_requests", _add_stock_requests)):
+            state[name] = functools.partial(patched, getattr(manager, name), stock)
+        return manager
     asked = _asks_graphs(given)  # (None: transformers' defaults, which ask for none)
     # A model off CUDA has no graph to capture: graphs off there (transformers 5.17 captured empty ones for a model on
     # the CPU of a CUDA machine, and replayed them).
@@ -626,6 +663,10 @@ def generate_batch(model, inputs, generation_config=None, *args, adapter_ids: Se
         raise TypeError(f"Got adapter_ids of type {type(adapter_ids)}, expected a list of str.")
     if len(adapter_ids) != len(inputs):
         raise ValueError(f"`adapter_ids` has {len(adapter_ids)} entries for {len(inputs)} inputs")
+    names = ("generation_config", "continuous_batching_config")
+    asked = stock_only(dict(zip(names, (generation_config, *args)), **kw).get("continuous_batching_config"))
+    if asked is not None:
+        raise ValueError(stock_refusal(asked))
     state = model._csgmv
     check_adapters(model, adapter_ids)
     thread = threading.get_ident()

@@ -138,7 +138,7 @@ def test_refusals_change_nothing():
     with pytest.raises(ValueError, match="2 inputs"):
         model.generate_batch(PROMPTS[:2], generation_config=gen, continuous_batching_config=cbc, adapter_ids=["a0"])
     asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
-    with pytest.raises(ValueError, match="synchronously"):
+    with pytest.raises(ValueError, match="synchronous, uncompiled .* sets ContinuousBatchingConfig.use_async_batching"):
         model.generate_batch(
             PROMPTS[:2], generation_config=gen, continuous_batching_config=asynchronous, adapter_ids=IDS[:2]
         )
@@ -149,6 +149,45 @@ def test_refusals_change_nothing():
     assert "init_continuous_batching" in base.__dict__
     disable_csgmv(model)
     assert "init_continuous_batching" not in base.__dict__ and "_csgmv_peft_model" not in base.__dict__
+
+
+def test_asynchronous_or_compiled_batching_is_stock_peft():
+    """A configuration asking for asynchronous batching or compiled forwards gets transformers' own manager, as stock
+    PEFT does: without ids, every request runs the active adapter with stock PEFT's tokens (compiled forwards) or
+    transformers' own error (asynchronous batching off CUDA); a request given an adapter is refused as it is added, in
+    the caller's thread, and ``generate_batch`` with ``adapter_ids`` before anything runs."""
+    from transformers import CompileConfig, ContinuousBatchingConfig
+
+    from peft_csgmv.continuous import stock_only
+
+    model = make("llama")
+    model.get_base_model().generation_config.eos_token_id = None
+    gen, _ = _configs()
+    eager_compile = CompileConfig(fullgraph=False, backend="eager")
+    compiled = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, varlen_compile_config=eager_compile)
+    assert stock_only(compiled) == "ContinuousBatchingConfig.varlen_compile_config"
+    leveled = ContinuousBatchingConfig(default_compile_level=1)
+    assert stock_only(leveled) == "ContinuousBatchingConfig.default_compile_level"
+    assert stock_only(ContinuousBatchingConfig(use_async_batching=False)) is None and stock_only(None) is None
+    asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
+    want = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=compiled)
+    with pytest.raises(Exception) as stock_error:
+        model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=asynchronous)
+    enable_csgmv(model, backend="torch")
+    got = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=compiled)
+    assert {k: v.generated_tokens for k, v in got.items()} == {k: v.generated_tokens for k, v in want.items()}
+    active = model.active_adapter
+    assert [got[f"req_{i}"].generated_tokens for i in range(2)] == [_alone(model, p, active, 5) for p in PROMPTS[:2]]
+    with pytest.raises(type(stock_error.value), match=str(stock_error.value)[:40]):
+        model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=asynchronous)
+    with pytest.raises(ValueError, match="sets ContinuousBatchingConfig.varlen_compile_config"):
+        model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=compiled, adapter_ids=IDS)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=compiled)
+    with pytest.raises(ValueError, match="every request running the model's active adapter"):
+        manager.add_request(PROMPTS[0], request_id="r0", max_new_tokens=5, adapter_id="a0")
+    with pytest.raises(ValueError, match="every request running the model's active adapter"):
+        manager.add_requests(PROMPTS, max_new_tokens=5, adapter_ids=IDS)
+    disable_csgmv(model)
 
 
 def test_calls_beside_a_running_manager_keep_their_ids():

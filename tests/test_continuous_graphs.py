@@ -338,7 +338,7 @@ def test_graphs_refusal_says_why_a_model_cannot_replay_graphs():
 def test_graphs_are_refused_where_they_cannot_replay():
     """CUDA graphs are refused, before anything runs, with layers offloaded by accelerate (their weights move on
     every forward) and with the torch backend on CUDA (it reads each step's plan on the host); asynchronous batching
-    is refused as before."""
+    with per-request adapters is refused too."""
     from transformers import ContinuousBatchingConfig
 
     state = types.SimpleNamespace(offloaded=[object()], devices=(), executor=None)
@@ -351,7 +351,7 @@ def test_graphs_are_refused_where_they_cannot_replay():
     model = _llama("torch")
     gen, _ = _configs()
     asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
-    with pytest.raises(ValueError, match="synchronously"):
+    with pytest.raises(ValueError, match="sets ContinuousBatchingConfig.use_async_batching"):
         model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=asynchronous, adapter_ids=IDS)
     disable_csgmv(model)
 
