@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -282,3 +283,21 @@ def test_steps_past_one_launch_take_torch_ops(monkeypatch):
     index = torch.randint(0, 8, (MAX_PAIRS // 2 + 1, 2))
     plan = MoePlan.from_groups(torch.zeros(index.shape[0], dtype=torch.int64), index, 8, 2)
     assert not launched and plan.permutation.shape == (index.numel(),)
+
+
+def test_host_tile_helpers_are_tritons():
+    """The plain-Python powers of two the launch paths size tiles with (Triton's own helpers cost microseconds per
+    call on the host) are Triton's ``next_power_of_2``, and a plan's kernel arrays are its arrays, read densely."""
+    import triton
+
+    from peft_csgmv.kernels.common import block_size, pow2
+
+    assert all(pow2(n) == triton.next_power_of_2(n) for n in range(1, 5000))
+    assert [block_size(n) for n in (1, 16, 17, 64, 65)] == [16, 16, 32, 64, 128]
+    plan = MoePlan.build([1, -1, 0, 1], torch.tensor([[0, 2], [2, 1], [2, 0], [0, 1]]), 3, 2, chunk_size=16)
+    arrays = (plan.permutation, plan.seg_start, plan.seg_end, plan.seg_slot, plan.seg_expert)
+    assert all(a is b for a, b in zip(plan.kernel_arrays, arrays))
+    strided = torch.zeros(2 * plan.num_segments, dtype=torch.int32)[::2]
+    strided.copy_(plan.seg_slot)
+    other = dataclasses.replace(plan, seg_slot=strided)
+    assert other.kernel_arrays[3].is_contiguous() and torch.equal(other.kernel_arrays[3], plan.seg_slot)

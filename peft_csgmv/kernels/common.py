@@ -69,17 +69,17 @@ def a_product(
     return acc
 
 
-@functools.lru_cache(maxsize=None)
-def block_size(n: int) -> int:
-    """Tile size for a dimension of ``n`` (at least 16, as ``tl.dot`` needs). Plain Python: Triton's own helpers
-    cost microseconds per call on the launch path."""
-    return max(16, 1 << (n - 1).bit_length())
-
-
 def pow2(n: int) -> int:
     """The smallest power of two at least ``n`` (``n >= 1``): ``triton.next_power_of_2`` without its cost per call
     on the host (Triton's helpers are constexpr functions there)."""
     return 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def block_size(n: int) -> int:
+    """Tile size for a dimension of ``n`` (at least 16, as ``tl.dot`` needs). Plain Python: Triton's own helpers
+    cost microseconds per call on the launch path."""
+    return max(16, pow2(n))
 
 
 def dense(v: torch.Tensor) -> torch.Tensor:
