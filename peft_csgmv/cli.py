@@ -391,12 +391,12 @@ def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
 def _graphs(args, model) -> bool:
     """Whether continuous batching runs its steps as CUDA graphs: as --cuda-graphs / --no-cuda-graphs say, else
     wherever the loaded ``model`` can replay them (:func:`continuous.graphs_refusal`: on CUDA, the Triton kernels, no
-    layer offloaded)."""
+    layer offloaded) and no --device-map placed it (the checks refuse --cuda-graphs with one: accelerate's hooks)."""
     if args.cuda_graphs is not None:
         return args.cuda_graphs
     from .continuous import graphs_refusal
 
-    return graphs_refusal(model) is None
+    return not args.device_map and graphs_refusal(model) is None
 
 
 def generate_command(args, prog: str = "peft-csgmv generate") -> int:
@@ -601,7 +601,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         action=argparse.BooleanOptionalAction,
         default=None,
         help="continuous batching: run each step as transformers' CUDA graph, captured once per step size and "
-        "replayed (default: on a CUDA device with the Triton kernels and no layer offloaded; on the CPU steps stay "
+        "replayed (default: on a CUDA device with the Triton kernels and no --device-map; on the CPU steps stay "
         "eager); --no-cuda-graphs: eager steps",
     )
     p_gen.add_argument(

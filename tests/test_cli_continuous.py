@@ -525,8 +525,8 @@ def test_cuda_graphs_flag(checkout, static_reference, tmp_path, capsys, monkeypa
 
 def test_cuda_graphs_by_default_where_they_replay(monkeypatch):
     """Continuous batching's steps run as CUDA graphs where the loaded model can replay them
-    (``continuous.graphs_refusal``), unless --no-cuda-graphs says otherwise; --cuda-graphs asks for them whatever the
-    model (its refusals come from the checks and the manager)."""
+    (``continuous.graphs_refusal``) and no --device-map placed it, unless --no-cuda-graphs says otherwise;
+    --cuda-graphs asks for them whatever the model (its refusals come from the checks and the manager)."""
     from peft_csgmv import continuous
     from peft_csgmv.cli import _graphs, build_parser
 
@@ -537,6 +537,7 @@ def test_cuda_graphs_by_default_where_they_replay(monkeypatch):
 
     assert graphs(None) and graphs("the model is not on a CUDA device", "--cuda-graphs")
     assert not graphs(None, "--no-cuda-graphs") and not graphs("the model is not on a CUDA device")
+    assert not graphs(None, "--device-map", "auto")  # (accelerate's placement: refused when asked for, so not taken)
 
 
 # --- identity -----------------------------------------------------------------------------------------------------
