@@ -159,10 +159,14 @@ def graphs_refusal(model) -> str | None:
     state = model.__dict__.get("_csgmv")
     if state is None:
         return "csgmv is not enabled on the model"
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(getattr(base, "device", None), "type", None) != "cuda":
+    if not _on_cuda(model.get_base_model() if hasattr(model, "get_base_model") else model):
         return "the model is not on a CUDA device"
     return _graphs_refusal(state)
+
+
+def _on_cuda(base_model) -> bool:
+    """Whether a base model is on a CUDA device (a model elsewhere has no CUDA graph to capture)."""
+    return getattr(getattr(base_model, "device", None), "type", None) == "cuda"
 
 
 def graph_slots(state) -> int:
@@ -641,7 +645,7 @@ def init_continuous_batching(base_model, *args, **kwargs):
     asked = _asks_graphs(given)  # (None: transformers' defaults, which ask for none)
     # A model off CUDA has no graph to capture: graphs off there (transformers 5.17 captured empty ones for a model on
     # the CPU of a CUDA machine, and replayed them).
-    on_cuda = getattr(getattr(base_model, "device", None), "type", None) == "cuda"
+    on_cuda = _on_cuda(base_model)
     if asked and on_cuda:
         why = _graphs_refusal(model._csgmv)
         if why is not None:
