@@ -2,6 +2,7 @@
 and peft_csgmv with 32 distinct adapters (the same step as ``bench_e2e.py``'s decode column).
 
     python benchmarks/profile_decode.py --model 1b --out results/profile_decode_1b.txt
+    python benchmarks/profile_decode.py --model qwen3-30b-a3b --layers 16   # a MoE layout: LoRA on the experts too
 
 Prints, per row, the wall time per step with and without the profiler and the functions with the most own time;
 the text file holds the full listings. cProfile slows Python down, so read the shares, not the absolute times.
@@ -20,7 +21,9 @@ import torch
 
 from peft_csgmv import enable_csgmv
 from peft_csgmv._compat import cache_kwarg, output_cache
-from peft_csgmv.bench import MODELS, add_adapters, build_model, crop_cache, device_and_dtype
+from peft_csgmv.bench import (
+    EXPERT_PARAMETERS, MODELS, MOE_TARGETS, TARGETS, add_adapters, build_model, crop_cache, device_and_dtype, is_moe,
+)  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -29,13 +32,15 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--layers", type=int, default=None, help="cut the layout to this many layers")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default=None)
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
     device, dtype = device_and_dtype(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    model = build_model(args.model, device, dtype)
+    model = build_model(args.model, device, dtype, layers=args.layers)
+    moe = is_moe(args.model)
     g = torch.Generator().manual_seed(1)
     input_ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=g).to(device)
     step_ids = torch.randint(3, model.config.vocab_size, (args.batch, 1), generator=g).to(device)
@@ -75,7 +80,9 @@ def main(argv=None) -> int:
         report.write(head + "\n" + by_own + "\n" + listing("cumulative") + "\n")
 
     profile("base model, no LoRA", model)
-    pm = add_adapters(model, 32, [16], device)
+    # (a MoE layout: r=16 on the attention projections and the experts' parameters, as bench_e2e.py's MoE rows)
+    targets, experts = (MOE_TARGETS, EXPERT_PARAMETERS) if moe else (TARGETS, None)
+    pm = add_adapters(model, 32, [16], device, False, targets, experts)
     profile("PEFT one adapter", pm)
     enable_csgmv(pm)
     profile("peft_csgmv, 32 distinct", pm, adapter_ids=[f"a{i}" for i in range(args.batch)])
