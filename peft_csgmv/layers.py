@@ -481,9 +481,9 @@ def _eager_group(ex: Executor, record, stack: "LoraStack", base: nn.Module, x: t
     place by one shrink and one expand launch (:mod:`peft_csgmv.kernels.group`, bound on a plan's second use as a
     layer's launches are); the other members' outputs wait in the executor's stash, each with the input and stack it
     belongs to, for their own forwards, which return them. ``None`` (nothing done) where a member cannot join this call
-    (:func:`_joins`, switched off, another dtype), the Triton kernels do not run here or no token has an adapter: each
-    layer then runs its own path. A member that is then called with another input than ``x`` (or with another stack)
-    computes its own output; the group's work for it is wasted, not wrong."""
+    (:func:`_joins`, switched off, another dtype) or the Triton kernels do not run here: each layer then runs its own
+    path. A member that is then called with another input than ``x`` (or with another stack) computes its own output;
+    the group's work for it is wasted, not wrong."""
     if not ex.triton_on(device) or (device.type == "cuda" and device.index != torch.cuda.current_device()):
         return None
     names = ex.mapping.name_set
@@ -500,32 +500,31 @@ def _eager_group(ex: Executor, record, stack: "LoraStack", base: nn.Module, x: t
             return None
         stacks.append(s)
         bases.append(b)
+    ys = [b.forward(x) for b in bases]
     x2 = x.reshape(-1, x.shape[-1])
     run = ex.mapping.plan(x.shape[0], x2.shape[0] // x.shape[0], device)  # (prepared by the driver: a lookup)
     plan = run.plan
-    if plan.is_empty:  # (no adapter token: each layer its base product, on its own)
-        return None
-    ys = [b.forward(x) for b in bases]
-    flat = [y.view(-1, y.shape[-1]) for y in ys]
-    key = (stack, _GROUP)
-    bound = run.bound.get(key) if kernels.BoundLayer.direct else _UNBINDABLE
-    launched = False
-    if bound.__class__ is kernels.BoundGroup:
-        try:
-            launched = bound.run_if_fits(x2, flat, stacks)
-        except TypeError:  # this Triton's compiled-kernel launcher takes other arguments: Triton's path
-            kernels.BoundLayer.direct = False
-            bound = _UNBINDABLE
-    if not launched:
-        r, splits = max(s.a.shape[1] for s in stacks), group_splits(plan, x2.shape[1])
-        t = run.workspace(r, len(stacks) * splits).view(len(stacks), splits, plan.num_tokens, r)
-        ranks = [s.ranks for s in stacks]
-        shrink_group(x2, [s.a for s in stacks], ranks, plan, t)
-        expand_group(t, [s.b for s in stacks], ranks, [s.scalings for s in stacks], plan, flat, x2.dtype, True)
-        if bound is None:  # (bound on the plan's second use, as apply_lora binds a layer's launches)
-            run.bound[key] = _SEEN
-        elif bound is _SEEN:
-            run.bound[key] = kernels.BoundGroup.bind(x2, flat, t, stacks, plan) or _UNBINDABLE
+    if not plan.is_empty:
+        flat = [y.view(-1, y.shape[-1]) for y in ys]
+        key = (stack, _GROUP)
+        bound = run.bound.get(key) if kernels.BoundLayer.direct else _UNBINDABLE
+        launched = False
+        if bound.__class__ is kernels.BoundGroup:
+            try:
+                launched = bound.run_if_fits(x2, flat, stacks)
+            except TypeError:  # this Triton's compiled-kernel launcher takes other arguments: Triton's path
+                kernels.BoundLayer.direct = False
+                bound = _UNBINDABLE
+        if not launched:
+            r, splits = max(s.a.shape[1] for s in stacks), group_splits(plan, x2.shape[1])
+            t = run.workspace(r, len(stacks) * splits).view(len(stacks), splits, plan.num_tokens, r)
+            ranks = [s.ranks for s in stacks]
+            shrink_group(x2, [s.a for s in stacks], ranks, plan, t)
+            expand_group(t, [s.b for s in stacks], ranks, [s.scalings for s in stacks], plan, flat, x2.dtype, True)
+            if bound is None:  # (bound on the plan's second use, as apply_lora binds a layer's launches)
+                run.bound[key] = _SEEN
+            elif bound is _SEEN:
+                run.bound[key] = kernels.BoundGroup.bind(x2, flat, t, stacks, plan) or _UNBINDABLE
     for (_, place), s, y in zip(record.eager_lead, stacks[1:], ys[1:]):
         ex.stash[place] = (x, s, y)
     return ys[0]
