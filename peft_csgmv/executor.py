@@ -182,17 +182,14 @@ class Executor:
         :meth:`check_groups`)."""
         from .kernels.group import MAX_MEMBERS
 
-        def has_weight(layer) -> bool:
+        def joins_eagerly(layer) -> bool:
             record = layer._csgmv_record
             weight = getattr(layer._modules.get("base_layer"), "weight", None)
             # (an offloaded layer's weights are accelerate's to bring, for each forward: never read by a group's op)
             return record.stack is not None and isinstance(weight, torch.Tensor) and record.offload is None
 
-        def joins_eagerly(layer) -> bool:  # (eager code computes the members' products: plain Linear bases only)
-            return has_weight(layer) and type(layer._modules["base_layer"]) is torch.nn.Linear
-
         def joins(layer) -> bool:
-            if not has_weight(layer):
+            if not joins_eagerly(layer):
                 return False
             stack, weight = layer._csgmv_record.stack, layer._modules["base_layer"].weight
             if self.groups_beside:
