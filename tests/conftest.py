@@ -108,8 +108,8 @@ class Recorder:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Every shrink / expand launch (a layer's, a sibling group's) recorded instead of run, as on a GPU (the direct
-    launch path on, the layers on the Triton backend): the launch log."""
+    """Every shrink / expand launch recorded instead of run, as on a GPU (the direct launch path on, the layers on the
+    Triton backend): the launch log."""
     import peft_csgmv.layers as csgmv_layers
     from peft_csgmv.kernels import launch
 
@@ -120,9 +120,8 @@ def recorded(monkeypatch):
     )
     monkeypatch.setattr(csgmv_layers, "use_triton", lambda backend, device: True)
     bound_mod = importlib.import_module("peft_csgmv.kernels.bound")
-    kernels = (("shrink", "shrink"), ("expand", "expand"), ("group", "shrink_group"), ("group", "expand_group"))
-    for module, name in kernels:
-        mod = importlib.import_module(f"peft_csgmv.kernels.{module}")
+    for name in ("shrink", "expand"):
+        mod = importlib.import_module(f"peft_csgmv.kernels.{name}")
         attr = f"_launch_{name}"
         launcher = launch.Launcher(Recorder(name, log), getattr(mod, attr).num_tensors)
         launcher.direct = True

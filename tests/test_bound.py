@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from peft_csgmv import disable_csgmv, enable_csgmv
-from peft_csgmv.kernels import BoundGroup, BoundLayer
+from peft_csgmv.kernels import BoundLayer
 from peft_csgmv.mapping import Mapping
 
 
@@ -54,70 +54,6 @@ def _two_adapters_in_a_call():
     executor = model._csgmv.executor
     executor.begin(Mapping(row_slots=slots, names=names, arg_name="adapter_ids"))
     return model, model.base_model.model.proj, executor, torch.randn(4, 1, 40)
-
-
-class Siblings(torch.nn.Module):
-    """Three layers that read the same input (a block's q/k/v)."""
-
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v = (torch.nn.Linear(40, n, bias=False) for n in (24, 8, 16))
-
-    def forward(self, x):
-        return self.q(x), self.k(x), self.v(x)
-
-
-def test_bound_group_launches_match_the_checked_path(recorded):
-    """An eager sibling group's two launches, bound on its plan's second grouped call, pass what the checked path
-    passes (each member's output apart: new tensors each call, padded to three with the first)."""
-    torch.manual_seed(0)
-    config = LoraConfig(r=4, target_modules=["q", "k", "v"], init_lora_weights=False)
-    model = get_peft_model(Siblings(), config, "a0")
-    model.add_adapter("a1", LoraConfig(r=8, target_modules=["q", "k", "v"], init_lora_weights=False))
-    model.eval()
-    enable_csgmv(model, backend="triton")
-    names = ("a0", "a1", "a0", "a1")
-    slots = tuple(model._csgmv.registry.index[n] for n in names)
-    executor, x = model._csgmv.executor, torch.randn(4, 1, 40)
-    q = model.base_model.model.q
-
-    def call():
-        recorded.clear()
-        executor.begin(Mapping(row_slots=slots, names=names, arg_name="adapter_ids"))
-        try:
-            with torch.no_grad():
-                outs = model.base_model.model(x)
-        finally:
-            executor.end()
-        return [(e[0], e[1]) for e in recorded], outs
-
-    try:
-        kinds, _ = call()  # learns the group: each layer on its own
-        assert [kernel for kernel, _ in kinds] == ["shrink", "expand"] * 3
-        assert q._csgmv_record.eager_lead is not None
-        kinds, _ = call()  # the group: Triton compiles its two kernels
-        assert kinds == [("shrink_group", "triton"), ("expand_group", "triton")]
-        kinds, _ = call()  # the checked path's direct launches, then bound
-        assert kinds == [("shrink_group", "direct"), ("expand_group", "direct")]
-        via_checked = list(recorded)
-        run = next(iter(executor.plans.values()))
-        assert any(isinstance(b, BoundGroup) for b in run.bound.values())
-        kinds, outs = call()  # bound
-        assert kinds == [("shrink_group", "direct"), ("expand_group", "direct")]
-        via_bound = list(recorded)
-        assert not any(isinstance(a, torch.Tensor) for e in via_bound for a in e[3]), "bound: addresses only"
-        ptrs = [y.data_ptr() for y in outs]
-        assert list(via_bound[1][3][16:19]) == ptrs, "each member's own output, in place"
-        for got, expected, skip in zip(via_bound, via_checked, ((), (16, 17, 18))):
-            got_args = tuple(None if i in skip else _addr(a) for i, a in enumerate(got[3]))
-            want_args = tuple(None if i in skip else _addr(a) for i, a in enumerate(expected[3]))
-            _assert_same_launch((*got[:3], got_args), (*expected[:3], want_args))
-        # A member's stack replaced (an adapter of a larger rank): the binding no longer fits, and is dropped.
-        model.add_adapter("a2", LoraConfig(r=16, target_modules=["q", "k", "v"], init_lora_weights=False))
-        model._csgmv.sync(model)
-        assert not any(isinstance(b, BoundGroup) for r in executor.plans.values() for b in r.bound.values())
-    finally:
-        disable_csgmv(model)
 
 
 def test_bound_launches_match_the_checked_path(recorded):
