@@ -17,7 +17,7 @@ SWITCHES = {
     "PEFT_CSGMV_FUSED_DECODE": "1: compiled decode-sized LoRA layers as one fused launch (default 0)",
     "PEFT_CSGMV_BESIDE": "0: compiled LoRA after its base product; 1: beside it on every device (default: on CUDA)",
     "PEFT_CSGMV_BESIDE_MIN_MIB": "only layers whose base weight holds this many MiB run beside it (16 on CUDA)",
-    "PEFT_CSGMV_GROUPS": "0: no sibling groups; beside: compiled groups run beside their base products (default 1)",
+    "PEFT_CSGMV_GROUPS": "0: no sibling groups; beside: groups run beside their base products (default 1)",
     # Process-wide, read when used:
     "PEFT_CSGMV_COMPILE_AHEAD": "0: compile every kernel where it is first launched; N: on N threads (default: a "
     "worker process for compiled code, threads for eager calls)",
@@ -54,9 +54,8 @@ class Options:
             product ends before its LoRA does, and the fork and join then cost more than they hide (H200, static
             cache: 1B 0.59 -> 0.71x the base model with a 16 MiB floor; 8B a tie). 0 with ``PEFT_CSGMV_BESIDE=1``.
         groups: sibling groups (layers that read the same input tensor one after another, learned from the first
-            eager call with ids, run by compiled code as one op per group and by eager code as one shrink and one
-            expand launch; H200, static cache, 32 distinct: 1B +3..9%, 8B +6..7%): ``"on"``, ``"off"``, or
-            ``"beside"``: layers that run beside their base product join
+            eager call with ids, run by compiled code as one op per group; H200, static cache, 32 distinct: 1B
+            +3..9%, 8B +6..7%): ``"on"``, ``"off"``, or ``"beside"``: layers that run beside their base product join
             groups too, and a group whose members' base weights hold ``beside_min_bytes`` together runs beside its base
             products (``ops.lora_group_linear``; it lowered the GPU time of compiled 1B blocks but varied more from run
             to run, and full static-cache generates did not show it faster).

@@ -65,25 +65,17 @@ def static_caches(monkeypatch):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts calls of the patched layers' LoRA kernels (both backends go through ``layers.apply_lora``; an eager
-    sibling group, Triton only, counts once per member)."""
+    """Counts calls of the patched layers' LoRA kernels (both backends go through ``layers.apply_lora``)."""
     calls = []
     import peft_csgmv.layers as csgmv_layers
 
-    original, original_group = csgmv_layers.apply_lora, csgmv_layers._eager_group
+    original = csgmv_layers.apply_lora
 
     def counting(*args, **kwargs):
         calls.append(args[-1])  # the triton flag
         return original(*args, **kwargs)
 
-    def counting_group(ex, record, *args):
-        out = original_group(ex, record, *args)
-        if out is not None:
-            calls.extend([True] * (1 + len(record.eager_lead)))
-        return out
-
     monkeypatch.setattr(csgmv_layers, "apply_lora", counting)
-    monkeypatch.setattr(csgmv_layers, "_eager_group", counting_group)
     return calls
 
 

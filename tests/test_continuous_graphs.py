@@ -144,9 +144,6 @@ def test_graphed_steps_of_one_size_launch_the_same_whatever_their_requests(monke
     model = _llama("triton")
     steps = _Steps(model, monkeypatch)
     gen, cbc = _configs(new_tokens=3, max_batch_tokens=16)
-    # (the first batch's first step learns the sibling groups, which later steps launch as one group each)
-    model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=cbc, adapter_ids=IDS)
-    steps.steps.clear()
     for ids in (IDS, [None] * len(PROMPTS), ["a1", "a0", None, "a1", "a0"]):
         model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
     by_size: dict = collections.defaultdict(list)
