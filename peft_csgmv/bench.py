@@ -332,11 +332,6 @@ def main(argv=None) -> int:
     )
     p.add_argument("--fp32-adapters", action="store_true", help="keep adapter weights in fp32 (PEFT's default)")
     p.add_argument("--csgmv-only", action="store_true", help="skip the PEFT adapter_names rows")
-    p.add_argument(
-        "--no-groups-row",
-        action="store_true",
-        help="in each round, csgmv with the most distinct adapters again without sibling groups (PEFT_CSGMV_GROUPS=0)",
-    )
     p.add_argument("--out", default=None, help="JSON file for the results")
     p.add_argument("--plot", default=None, help="PNG plot of decode-step time against distinct adapters")
     p.add_argument("--device", default=None)
@@ -510,22 +505,6 @@ def main(argv=None) -> int:
             )
         finally:
             disable_csgmv(pm)
-        if args.no_groups_row:
-            groups = os.environ.get("PEFT_CSGMV_GROUPS")
-            os.environ["PEFT_CSGMV_GROUPS"] = "0"  # (read when the model is enabled)
-            try:
-                enable_csgmv(pm)
-            finally:
-                if groups is None:
-                    del os.environ["PEFT_CSGMV_GROUPS"]
-                else:
-                    os.environ["PEFT_CSGMV_GROUPS"] = groups
-            try:
-                d = max(distinct)
-                measure(f"peft_csgmv, {d} distinct, no sibling groups", runner(pm, adapter_ids=names_for(d)),
-                        gen_repeats=gen_reps, cache_call=runner(pm))  # fmt: skip
-            finally:
-                disable_csgmv(pm)
     results[:] = _median_over_rounds(results)
 
     ref = {r["row"]: r for r in results}

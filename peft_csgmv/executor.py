@@ -108,7 +108,6 @@ class Executor:
         self.groups_beside = options.groups == "beside"
         self.groups_learned = not self.groups_on
         self._groups: list[list] = []  # the groups given to layers, each its layers in call order
-        self._eager_groups: list[list] = []  # eager code's groups (layers._eager_group), likewise
         self.unforeseen = 0  # plans made on a layer's first read, over every call (Mapping.unforeseen)
         # A group's members' outputs, computed by its first member in compiled code, for the others: (group leader's
         # id, member index) -> (input, output). Emptied as they are taken, and at the end of every call.
@@ -171,62 +170,61 @@ class Executor:
             self._group(run)
 
     def _group(self, run: list) -> None:
-        """``run``'s layers (siblings, in call order) as groups of up to three layers with a stack and a base weight,
-        twice. For eager code, every such layer: the first member's ``eager_lead`` holds the others, each member's
-        ``eager_member`` its place (``layers._eager_group``; compiled code never reads them). For compiled code (unless
-        ``PEFT_CSGMV_GROUPS=beside``, leaving out layers that compiled code runs beside their base product): each
-        group's first member holds its key, the other members' stack handles and (``PEFT_CSGMV_GROUPS=beside``) their
-        base layers' ``(weight, bias)`` (their records' ``siblings``; a group that runs beside computes its members'
-        base products too), and the other members hold the key and their place (``member``). No module holds another
-        there: compiled code would guard each such reference in Python at every step (a replaced base parameter:
+        """``run``'s layers (siblings, in call order) as groups of up to three layers with a stack and a base weight
+        (unless ``PEFT_CSGMV_GROUPS=beside``, leaving out layers that compiled code runs beside their base product):
+        each group's first member holds its key, the other members' stack handles and (``PEFT_CSGMV_GROUPS=beside``)
+        their base layers' ``(weight, bias)`` (their records' ``siblings``; a group that runs beside computes its
+        members' base products too), and the other members hold the key and their place (``member``). No module holds
+        another: compiled code would guard each such reference in Python at every step (a replaced base parameter:
         :meth:`check_groups`)."""
         from .kernels.group import MAX_MEMBERS
 
-        def joins_eagerly(layer) -> bool:
-            record = layer._csgmv_record
-            weight = getattr(layer._modules.get("base_layer"), "weight", None)
-            # (an offloaded layer's weights are accelerate's to bring, for each forward: never read by a group's op)
-            return record.stack is not None and isinstance(weight, torch.Tensor) and record.offload is None
-
         def joins(layer) -> bool:
-            if not joins_eagerly(layer):
+            record = layer._csgmv_record
+            stack, base = record.stack, layer._modules.get("base_layer")
+            weight = getattr(base, "weight", None)
+            # (an offloaded layer's weights are accelerate's to bring, for each forward: never read by a group's op)
+            if stack is None or not isinstance(weight, torch.Tensor) or record.offload is not None:
                 return False
-            stack, weight = layer._csgmv_record.stack, layer._modules["base_layer"].weight
             if self.groups_beside:
                 return True
             return not (self.beside_on(stack.device) and weight.nbytes >= self.beside_min_bytes)
 
-        for chunk in _chunks(run, joins_eagerly, MAX_MEMBERS):
-            # Eager code's groups: every layer with a stack and a base weight (eager code runs nothing beside), the
-            # first member holding the others (eager code only reads them: no guard).
-            key = ("eager", id(chunk[0]))
-            chunk[0]._csgmv_record.eager_lead = tuple((m, (key, i)) for i, m in enumerate(chunk[1:], start=1))
-            for index, member in enumerate(chunk[1:], start=1):
-                member._csgmv_record.eager_member = (key, index)
-            self._eager_groups.append(chunk)
-        for chunk in _chunks(run, joins, MAX_MEMBERS):
-            key = id(chunk[0])
-            handles = tuple(m._csgmv_record.stack.handle for m in chunk[1:])
-            # (only groups that may run beside their base products read the members' weights)
-            bases = (
-                tuple((m.base_layer.weight, getattr(m.base_layer, "bias", None)) for m in chunk[1:])
-                if self.groups_beside
-                else ()
-            )
-            self._groups.append(chunk)
-            chunk[0]._csgmv_record.siblings = (key, handles, bases)
-            for index, member in enumerate(chunk[1:], start=1):
-                member._csgmv_record.member = (key, index)
-            bump_routes()
+        parts, part = [], []
+        for layer in run:
+            if joins(layer):
+                part.append(layer)
+            else:
+                parts.append(part)
+                part = []
+        parts.append(part)
+        for part in parts:
+            for i in range(0, len(part) - 1, MAX_MEMBERS):
+                chunk = part[i : i + MAX_MEMBERS]
+                if len(chunk) < 2:
+                    continue
+                key = id(chunk[0])
+                handles = tuple(m._csgmv_record.stack.handle for m in chunk[1:])
+                # (only groups that may run beside their base products read the members' weights)
+                bases = (
+                    tuple((m.base_layer.weight, getattr(m.base_layer, "bias", None)) for m in chunk[1:])
+                    if self.groups_beside
+                    else ()
+                )
+                self._groups.append(chunk)
+                chunk[0]._csgmv_record.siblings = (key, handles, bases)
+                for index, member in enumerate(chunk[1:], start=1):
+                    member._csgmv_record.member = (key, index)
+                bump_routes()
 
     def forget_groups(self, layers) -> None:
         """A layer got a new stack (another handle), or a call failed while learning: the groups (of ``layers`` and
         those given so far) are learned again from the next eager call."""
-        for layer in itertools.chain(layers, *self._groups, *self._eager_groups):
+        for layer in itertools.chain(layers, *self._groups):
             record = layer.__dict__.get("_csgmv_record")
             if record is not None:
-                record.siblings = record.member = record.eager_lead = record.eager_member = None
-        self._groups, self._eager_groups = [], []
+                record.siblings = record.member = None
+        self._groups = []
         self.groups_learned = not self.groups_on
         bump_routes()
 
@@ -321,17 +319,3 @@ class Executor:
         name = f"_static_moe_{len(self.moe_statics) - 1}"
         setattr(self, name, static)
         return name
-
-
-def _chunks(run: list, joins, size: int) -> list[list]:
-    """The parts of ``run`` (layers in call order) whose layers all ``join``, cut into chunks of up to ``size``
-    layers, those of two or more."""
-    parts, part = [], []
-    for layer in run:
-        if joins(layer):
-            part.append(layer)
-        else:
-            parts.append(part)
-            part = []
-    parts.append(part)
-    return [c for part in parts for i in range(0, len(part) - 1, size) if len(c := part[i : i + size]) >= 2]

@@ -29,7 +29,6 @@ from torch import nn
 from . import kernels, ops
 from . import slots as _slots
 from .executor import _LIVE, Executor, executor_of, static_moe_attr, static_plan_attr, use_triton
-from .kernels.group import expand_group, group_splits, shrink_group
 from .mapping import PlanRun
 from .moe import experts_products, moe_lora_forward
 from .moe_plan import MoePlan
@@ -47,8 +46,6 @@ VARIANT_KWARGS = frozenset(_VARIANT_KEYS)
 
 # PlanRun.bound values besides a BoundLayer: used once (bind on the next use) / the launches cannot be bound here.
 _SEEN, _UNBINDABLE = "seen", "unbindable"
-# PlanRun.bound's key of an eager sibling group's launches: (its first member's stack, _GROUP).
-_GROUP = "group"
 
 
 def apply_lora(
@@ -206,16 +203,6 @@ def kernel_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
         # An offloaded layer (its stack in host memory, lent to its execution device for each eager forward): the
         # input elsewhere, or compiled code, which reads stacks where they live: PEFT's own path.
         return _peft_forward(self, ex.mapping, x, args, kwargs)
-    if not compiling and not (args or kwargs):
-        member = record.eager_member
-        if member is not None:  # a sibling group's later member: its output, where the group's first member left it
-            taken = ex.stash.pop(member, None)
-            if taken is not None and taken[0] is x and taken[1] is stack:
-                return taken[2]
-        elif record.eager_lead is not None and not hooked:
-            grouped = _eager_group(ex, record, stack, base, x, device)
-            if grouped is not None:
-                return grouped
     peft_rows = record.peft_rows
     if peft_rows and not peft_rows.isdisjoint(ex.mapping.name_set):
         # Adapters the kernels do not serve here: PEFT's mixed-batch forward for their rows (base output included).
@@ -459,75 +446,6 @@ def _compiled_group(layer: nn.Module, ex: Executor, stack: "LoraStack", base, x,
     # output's reader)
     y = base.forward(x) if y is None else y
     return (y + delta).to(y.dtype)
-
-
-def _joins(record, stack: "LoraStack", base: nn.Module, x: torch.Tensor, names: frozenset) -> bool:
-    """Whether a layer (its record, stack and base layer) runs its part of an eager sibling group for input ``x`` in a
-    call of adapters ``names``: the kernels serve every row here (no adapter of PEFT's path), its stack is where it
-    runs (not offloaded), and its base is a plain ``nn.Linear`` without hooks (its product is computed for it, with the
-    class's ``F.linear``) as :func:`_groupable` asks."""
-    peft_rows = record.peft_rows
-    return (
-        stack.runs_on is None
-        and not (peft_rows and not peft_rows.isdisjoint(names))
-        and not _hooked(base)
-        and _groupable(base, stack, x)
-    )
-
-
-def _eager_group(ex: Executor, record, stack: "LoraStack", base: nn.Module, x: torch.Tensor, device):
-    """A sibling group's first member in eager code (``record.eager_lead``; groups: :meth:`Executor._group`): every
-    member's base product (``F.linear``, as each would compute it), then the group's LoRA added to each of them in
-    place by one shrink and one expand launch (:mod:`peft_csgmv.kernels.group`, bound on a plan's second use as a
-    layer's launches are); the other members' outputs wait in the executor's stash, each with the input and stack it
-    belongs to, for their own forwards, which return them. ``None`` (nothing done) where a member cannot join this call
-    (:func:`_joins`, switched off, another dtype) or the Triton kernels do not run here: each layer then runs its own
-    path. A member that is then called with another input than ``x`` (or with another stack) computes its own output;
-    the group's work for it is wasted, not wrong."""
-    if not ex.triton_on(device) or (device.type == "cuda" and device.index != torch.cuda.current_device()):
-        return None
-    names = ex.mapping.name_set
-    if not _joins(record, stack, base, x, names):
-        return None
-    stacks, bases = [stack], [base]
-    for layer, _ in record.eager_lead:
-        state = layer.__dict__
-        member = state["_csgmv_record"]
-        s, b = member.stack, layer._modules["base_layer"]
-        if s is None or state.get("_disable_adapters", False) or s.a.dtype != stack.a.dtype:
-            return None
-        if not _joins(member, s, b, x, names):
-            return None
-        stacks.append(s)
-        bases.append(b)
-    ys = [b.forward(x) for b in bases]
-    x2 = x.reshape(-1, x.shape[-1])
-    run = ex.mapping.plan(x.shape[0], x2.shape[0] // x.shape[0], device)  # (prepared by the driver: a lookup)
-    plan = run.plan
-    if not plan.is_empty:
-        flat = [y.view(-1, y.shape[-1]) for y in ys]
-        key = (stack, _GROUP)
-        bound = run.bound.get(key) if kernels.BoundLayer.direct else _UNBINDABLE
-        launched = False
-        if bound.__class__ is kernels.BoundGroup:
-            try:
-                launched = bound.run_if_fits(x2, flat, stacks)
-            except TypeError:  # this Triton's compiled-kernel launcher takes other arguments: Triton's path
-                kernels.BoundLayer.direct = False
-                bound = _UNBINDABLE
-        if not launched:
-            r, splits = max(s.a.shape[1] for s in stacks), group_splits(plan, x2.shape[1])
-            t = run.workspace(r, len(stacks) * splits).view(len(stacks), splits, plan.num_tokens, r)
-            ranks = [s.ranks for s in stacks]
-            shrink_group(x2, [s.a for s in stacks], ranks, plan, t)
-            expand_group(t, [s.b for s in stacks], ranks, [s.scalings for s in stacks], plan, flat, x2.dtype, True)
-            if bound is None:  # (bound on the plan's second use, as apply_lora binds a layer's launches)
-                run.bound[key] = _SEEN
-            elif bound is _SEEN:
-                run.bound[key] = kernels.BoundGroup.bind(x2, flat, t, stacks, plan) or _UNBINDABLE
-    for (_, place), s, y in zip(record.eager_lead, stacks[1:], ys[1:]):
-        ex.stash[place] = (x, s, y)
-    return ys[0]
 
 
 def peft_path_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:

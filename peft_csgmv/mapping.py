@@ -476,7 +476,3 @@ class PlanCache(collections.OrderedDict):
         """Bindings to ``stack``'s old tensors would keep them alive and launch on them: drop them."""
         for run in [*self.values(), *(packed.run for packed in self.packed.values())]:
             run.bound.pop(stack, None)
-            for key, bound in list(run.bound.items()):  # a sibling group's, keyed (its first stack, "group")
-                holds = getattr(bound, "holds", None)  # (a marker: none)
-                if key.__class__ is tuple and (key[0] is stack or (holds is not None and holds(stack))):
-                    del run.bound[key]

@@ -37,9 +37,6 @@ class ModuleRecord:
         adapters: the adapter names a PEFT-path module holds (rows of others run its base module).
         siblings: a sibling group's first member: ``(key, the others' stack handles, their base weights)``.
         member: a sibling group's later member: ``(the group's key, its place)``.
-        eager_lead: eager code's sibling group's first member: ``(the other members, where each one's output waits
-            in the executor's stash)`` (``layers._eager_group``; compiled code never reads it).
-        eager_member: an eager group's later member: where its output waits in the stash.
         experts: an experts layer's stacks, ``{parameter name: MoeStack}`` (:mod:`peft_csgmv.moe`), of the slots'
             adapters; ``None`` for other modules.
         experts_scalings: the scalings an experts layer's stacks were built with, by parameter name.
@@ -56,8 +53,6 @@ class ModuleRecord:
         self.adapters: frozenset = frozenset()
         self.siblings: tuple | None = None
         self.member: tuple | None = None
-        self.eager_lead: tuple | None = None
-        self.eager_member: tuple | None = None
         self.experts: dict | None = None
         self.experts_scalings: dict = {}
         self.offload: "torch.device | None" = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, ID_LISTS, add_adapters, close, compile_config, make_batch, per_adapter, stitch, tiny_model
+from helpers import DEVICE, ID_LISTS, add_adapters, compile_config, make_batch, tiny_model
 
 from peft_csgmv import enable_csgmv, kernels
 from peft_csgmv.kernels.group import expand_group, group_splits, shrink_group
@@ -57,121 +57,6 @@ def test_group_kernels_match_the_layer_kernels(dtype, view):
         kernels.expand(tt, s.b, s.ranks, s.scalings, plan, None, out=want, act_dtype=dtype)
         assert want[0].abs().max() > 0 and not torch.equal(want[0], torch.full_like(want[0], 7.0))
         torch.testing.assert_close(out[[0, 2, 3, 4]], want[[0, 2, 3, 4]], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)], ids=str
-)
-def test_group_expand_adds_in_place(dtype):
-    """expand_group(accumulate=True) adds each member's LoRA into its own output (of the activations' dtype) as the
-    per-layer expand updates ``y`` in place: the same values, one rounding, base rows left bit for bit; an x read
-    every 2nd row of a taller tensor. Outputs of two dtypes, or a non-contiguous one, are refused."""
-    model = _model(dtype)
-    enable_csgmv(model, backend="triton")
-    attn = model.base_model.model.model.layers[0].self_attn
-    stacks = [attn.q_proj._csgmv_record.stack, attn.k_proj._csgmv_record.stack, attn.v_proj._csgmv_record.stack]
-    slots = model._csgmv.slots_for(["a1", None, "a0", "a1", "a0"])
-    plan = BatchPlan.build(list(slots), 1, DEVICE)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(10, 48, generator=g).to(DEVICE, dtype)[::2]
-    t = torch.zeros(3, group_splits(plan, 48), 5, max(s.a.shape[1] for s in stacks), device=DEVICE)
-    shrink_group(x, [s.a for s in stacks], [s.ranks for s in stacks], plan, t)
-    ys = [torch.randn(5, s.out_features, generator=g).to(DEVICE, dtype) for s in stacks]
-    before = [y.clone() for y in ys]
-    ranks, scalings = [s.ranks for s in stacks], [s.scalings for s in stacks]
-    expand_group(t, [s.b for s in stacks], ranks, scalings, plan, ys, dtype, accumulate=True)
-    for s, y, y0 in zip(stacks, ys, before):
-        want = y0.clone()
-        kernels.expand(kernels.shrink(x, s.a, s.ranks, plan), s.b, s.ranks, s.scalings, plan, want)
-        assert torch.equal(y[1], y0[1]), "a base row was written"
-        assert not torch.equal(y[0], y0[0]), "no LoRA was added: the test proves nothing"
-        atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
-        torch.testing.assert_close(y, want, atol=atol, rtol=rtol)
-    with pytest.raises(ValueError, match="one float dtype"):
-        expand_group(t, [s.b for s in stacks], ranks, scalings, plan, [ys[0], ys[1].double(), ys[2]], dtype, True)
-    wide = torch.zeros(5, 2 * stacks[1].out_features, device=DEVICE, dtype=dtype)[:, ::2]
-    with pytest.raises(ValueError, match="contiguous"):
-        expand_group(t, [s.b for s in stacks], ranks, scalings, plan, [ys[0], wide, ys[2]], dtype, True)
-
-
-def _launch_counter(monkeypatch):
-    """Every Triton launch of csgmv's kernels by kernel name (counted, then run)."""
-    import collections
-
-    from peft_csgmv.kernels import launch
-
-    calls, launch_ = collections.Counter(), launch.Launcher.__call__
-
-    def counted(self, grid, args, constexprs, options=()):
-        calls[self.kernel.fn.__name__] += 1
-        return launch_(self, grid, args, constexprs, options)
-
-    monkeypatch.setattr(launch.Launcher, "__call__", counted)
-    monkeypatch.setattr(kernels.BoundLayer, "direct", False)  # (every launch through the Launcher: counted)
-    return calls
-
-
-def test_eager_groups_give_each_layer_its_own_output(monkeypatch):
-    """Eager calls after the first run each block's q/k/v and gate/up as one group (two launches each: 2 blocks, 4
-    groups; o and down alone), each member's output its own path's (logits equal to PEFT's own runs per adapter, and
-    to groups off), nothing left in the stash. A member whose base layer has a hook, or that is handed another input
-    than its group's first member read (a pre-hook copying it), runs on its own: the same logits."""
-    monkeypatch.delenv("PEFT_CSGMV_GROUPS", raising=False)
-    model = _model()
-    enable_csgmv(model, backend="triton")
-    ex = model._csgmv.executor
-    input_ids, mask = make_batch(3, 5)
-    input_ids, mask = input_ids.to(DEVICE), mask.to(DEVICE)
-    ids = ["a1", None, "a0"]
-    want = stitch(per_adapter(model, ids, lambda: model(input_ids=input_ids, attention_mask=mask).logits), ids)
-    calls = _launch_counter(monkeypatch)
-
-    def logits():
-        calls.clear()
-        with torch.no_grad():
-            out = model(input_ids=input_ids, attention_mask=mask, adapter_ids=ids).logits
-        assert ex.stash == {}
-        return out
-
-    logits()  # (learns the groups)
-    close(logits(), want, "grouped")
-    assert (calls["_shrink_group_kernel"], calls["_expand_group_kernel"]) == (4, 4)
-    assert (calls["_shrink_kernel"], calls["_expand_kernel"]) == (4, 4), "o and down alone"
-
-    block = model.base_model.model.model.layers[0]
-    handle = block.self_attn.k_proj.base_layer.register_forward_hook(lambda m, i, o: None)
-    close(logits(), want, "a member's base hooked")
-    assert calls["_shrink_group_kernel"] == 3, "block 0's q/k/v on their own"
-    handle.remove()
-    handle = block.mlp.up_proj.register_forward_pre_hook(lambda m, args: (args[0].clone(),))
-    close(logits(), want, "a member handed another input")
-    assert calls["_shrink_group_kernel"] == 4 and calls["_shrink_kernel"] == 5, "up_proj's group output unused"
-    handle.remove()
-
-    monkeypatch.setenv("PEFT_CSGMV_GROUPS", "0")
-    model = _model()
-    enable_csgmv(model, backend="triton")
-    calls.clear()
-    with torch.no_grad():
-        model(input_ids=input_ids, attention_mask=mask, adapter_ids=ids)
-        off = model(input_ids=input_ids, attention_mask=mask, adapter_ids=ids).logits
-    close(off, want, "groups off")
-    assert calls["_shrink_group_kernel"] == 0
-
-
-@pytest.mark.gpu
-def test_eager_groups_bind_their_launches():
-    """On a GPU, a plan's second grouped call binds each group's launches (BoundGroup) and later calls run them:
-    the same logits as the unbound calls."""
-    model = _model(torch.bfloat16)
-    enable_csgmv(model, backend="triton")
-    input_ids, mask = (t.to(DEVICE) for t in make_batch(3, 5))
-    with torch.no_grad():
-        outs = [model(input_ids=input_ids, attention_mask=mask, adapter_ids=["a1", None, "a0"]).logits for _ in "1234"]
-    runs = list(model._csgmv.executor.plans.values())
-    assert any(isinstance(b, kernels.BoundGroup) for run in runs for b in run.bound.values())
-    for out in outs[2:]:
-        assert torch.equal(out, outs[1])
 
 
 def _graph_capture():

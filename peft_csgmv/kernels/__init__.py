@@ -2,7 +2,7 @@
 reference with the same semantics; expert LoRA over a :class:`~peft_csgmv.moe_plan.MoePlan` (``moe_shrink``,
 ``moe_expand`` and their reference)."""
 
-from .bound import BoundGroup, BoundLayer
+from .bound import BoundLayer
 from .embedding import embedding_shrink
 from .expand import expand, fused_fits
 from .moe import moe_expand, moe_shrink
@@ -11,7 +11,6 @@ from .reference import embedding_shrink_reference, expand_reference, shrink_refe
 from .shrink import shrink, shrink_splits
 
 __all__ = [
-    "BoundGroup",
     "BoundLayer",
     "embedding_shrink",
     "embedding_shrink_reference",

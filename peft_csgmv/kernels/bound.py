@@ -21,13 +21,6 @@ import torch
 from . import launch
 from .common import block_size
 from .expand import _launch_expand, expand_launch_args, expand_tiles
-from .group import (
-    MAX_MEMBERS,
-    _launch_expand_group,
-    _launch_shrink_group,
-    expand_group_launch_args,
-    shrink_group_launch_args,
-)
 from .shrink import _launch_shrink, shrink_launch_args, shrink_tiles
 
 
@@ -138,82 +131,3 @@ class BoundLayer:
         self.s_run(*self.s_grid, stream, self.s_fn, self.s_meta, None, None, None, x_ptr, *self.s_tail)
         e_fn, e_meta = self.e_fn, self.e_meta
         self.e_run(*self.e_grid, stream, e_fn, e_meta, None, None, None, *self.e_head, y_ptr, y_ptr, *self.e_tail)
-
-
-class BoundGroup:
-    """A sibling group's two launches (:func:`~.group.shrink_group`, :func:`~.group.expand_group` adding in place) for
-    one plan, bound as :class:`BoundLayer` binds a layer's: eager code's group (``layers._eager_group``) passes the
-    input's address and each member's output's, and the rest is filled in once."""
-
-    __slots__ = (
-        "tensors", "x_dtype", "x_stride", "x_aligned", "y_dtype", "y_aligned", "y_widths", "device", "t", "members",
-        "s_run", "s_grid", "s_fn", "s_meta", "s_tail", "e_run", "e_grid", "e_fn", "e_meta", "e_head", "e_tail",
-    )  # fmt: skip
-
-    @classmethod
-    def bind(cls, x: torch.Tensor, ys: list, t: torch.Tensor, stacks: list, plan) -> "BoundGroup | None":
-        """Bind the launches that ``shrink_group(x, …, t)`` and ``expand_group(t, …, ys, accumulate=True)`` of
-        ``stacks`` just made; ``None`` where the direct launch path is off or the kernels are not compiled for these
-        arguments."""
-        if plan.num_segments == 0 or launch.interpreting():
-            return None
-        vectors = [v for s in stacks for v in (s.ranks, s.scalings, s.a.offsets, s.b.offsets)]
-        if any(not v.is_contiguous() for v in vectors):
-            return None  # (the launches copied them; a binding would keep the copies' addresses)
-        ranks, scalings = [s.ranks for s in stacks], [s.scalings for s in stacks]
-        s_grid, s_args, s_cx, s_opts = shrink_group_launch_args(x, [s.a for s in stacks], ranks, plan, t)
-        e_grid, e_args, e_cx, e_opts = expand_group_launch_args(
-            t, [s.b for s in stacks], ranks, scalings, plan, ys, x.dtype, True
-        )
-        shrink_k = _launch_shrink_group.compiled_for(s_args, s_cx, s_opts)
-        expand_k = _launch_expand_group.compiled_for(e_args, e_cx, e_opts)
-        if shrink_k is None or expand_k is None:
-            return None
-        self = cls()
-        self.tensors = tuple((s.a, s.b, s.ranks, s.scalings) for s in stacks)
-        self.t, self.members = t, len(stacks)
-        self.x_dtype, self.x_stride, self.x_aligned = x.dtype, x.stride(), x.data_ptr() & 15 == 0
-        self.y_dtype = ys[0].dtype
-        self.y_aligned = tuple(y.data_ptr() & 15 == 0 for y in ys)
-        self.y_widths = tuple(y.shape[1] for y in ys)
-        self.device = x.get_device()
-        self.s_run, self.s_grid, self.s_fn = shrink_k.run, s_grid, shrink_k.function
-        self.s_meta, self.s_tail = shrink_k.packed_metadata, _ptrs((*s_args[1:], *s_cx.values()))
-        self.e_run, self.e_grid, self.e_fn = expand_k.run, e_grid, expand_k.function
-        outs = 16  # (the outputs' place in the expand's arguments: expand_group_launch_args)
-        self.e_meta, self.e_head = expand_k.packed_metadata, _ptrs(e_args[:outs])
-        self.e_tail = _ptrs((*e_args[outs + MAX_MEMBERS :], *e_cx.values()))
-        return self
-
-    def holds(self, stack) -> bool:
-        """Whether the binding launches on ``stack``'s weights (a member's)."""
-        return any(stack.a is a or stack.b is b for a, b, _, _ in self.tensors)
-
-    def run_if_fits(self, x: torch.Tensor, ys: list, stacks: list) -> bool:
-        """Both launches, if the binding launches exactly what the unbound ones would for these arguments now (the
-        same stack tensors; ``x`` and each output with the dtype, strides and 16-byte alignment it was bound with);
-        ``False`` (nothing launched) when it does not fit."""
-        x_ptr = x.data_ptr()
-        if (
-            x.dtype is not self.x_dtype
-            or x.stride() != self.x_stride
-            or (x_ptr & 15 == 0) is not self.x_aligned
-            or len(stacks) != self.members
-            or launch._hooks_installed()
-        ):
-            return False
-        for s, (a, b, ranks, scalings) in zip(stacks, self.tensors):
-            if s.a is not a or s.b is not b or s.ranks is not ranks or s.scalings is not scalings:
-                return False
-        y_ptrs = [y.data_ptr() for y in ys]
-        for y, ptr, aligned, width in zip(ys, y_ptrs, self.y_aligned, self.y_widths):
-            if y.dtype is not self.y_dtype or (ptr & 15 == 0) is not aligned or y.shape[1] != width:
-                return False
-            if not y.is_contiguous():
-                return False
-        while len(y_ptrs) < MAX_MEMBERS:  # (the kernels' unused members: the first's, never read)
-            y_ptrs.append(y_ptrs[0])
-        stream = launch._driver.active.get_current_stream(self.device)
-        self.s_run(*self.s_grid, stream, self.s_fn, self.s_meta, None, None, None, x_ptr, *self.s_tail)
-        self.e_run(*self.e_grid, stream, self.e_fn, self.e_meta, None, None, None, *self.e_head, *y_ptrs, *self.e_tail)
-        return True

@@ -10,8 +10,6 @@ Semantics, for each member ``g`` (its stack's ranks, scalings, pooled ``A`` and 
     t[g, p]  = x[rows, Kp] @ A_g[slot, :r]ᵀ                       (shrink_group, split-K planes p as in .shrink)
     out_g[i] = (Σ_p t[g, p, i, :r]) @ B_g[slot, :, :r]ᵀ · scaling_g[slot]   for every token i of a segment,
                0 for the tokens of base segments and of rank-0 slots   (expand_group: the LoRA alone, fp32)
-    y_g[i] += the same                                                   (expand_group(accumulate=True): each
-               member's own output, in place, one rounding to its dtype; base rows and rank-0 slots untouched)
 
 Members' stacks are pooled (:class:`~.pool.Pooled`) and of one dtype; ``x`` is read through its strides, ``t`` and the
 outputs are the contiguous buffers these functions allocate or are given. No programmatic dependent launch (the group
@@ -105,7 +103,7 @@ def _expand_group_kernel(
     perm_ptr,
     seg_indptr_ptr,
     seg_slot_ptr,
-    b0_ptr,  # member g's pooled B data, offsets, ranks, scalings and (T, N_g) output (fp32, or its own: ACCUMULATE)
+    b0_ptr,  # member g's pooled B data, offsets, ranks, scalings and (T, N_g) fp32 output
     b1_ptr,
     b2_ptr,
     bo0_ptr,
@@ -135,7 +133,6 @@ def _expand_group_kernel(
     DOT_PRECISION: tl.constexpr,
     ALIGN: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
 ):
     seg = tl.program_id(0)
     pid = tl.program_id(1)
@@ -162,12 +159,9 @@ def _expand_group_kernel(
     seg_slot = tl.load(seg_slot_ptr + seg)
     slot = tl.maximum(seg_slot, 0)
     rank = tl.where(seg_slot < 0, 0, tl.load(rank_ptr + slot))
-    # Out of place: every token of a live segment is written (zeros for base segments and rank-0 slots); in place
-    # (ACCUMULATE), those are left as they are.
+    # Out of place: every token of a live segment is written (zeros for base segments and rank-0 slots).
     live = tl.load(seg_indptr_ptr + seg + 1) > tl.load(seg_indptr_ptr + seg)
     if not live:
-        return
-    if ACCUMULATE and rank == 0:
         return
     scaling = tl.load(scaling_ptr + slot)
     rows, m_mask = segment_rows(seg, seg_indptr_ptr, perm_ptr, BLOCK_M)
@@ -186,10 +180,7 @@ def _expand_group_kernel(
     acc = tl.dot(t.to(b.dtype), b, input_precision=DOT_PRECISION) * scaling
     acc = tl.where(rank > 0, acc, 0.0)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if ACCUMULATE:  # (y + LoRA) in fp32, one rounding to the output's dtype, as expand's in-place update
-        acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
 _launch_shrink_group = Launcher(_shrink_group_kernel, num_tensors=14)
@@ -210,15 +201,6 @@ def shrink_group(x: torch.Tensor, a: list[Pooled], ranks: list[torch.Tensor], pl
     """Every member's shrink in one launch: ``t`` ``(G, P, T, R)`` fp32, ``P`` = :func:`group_splits`, ``R`` at least
     every member's largest rank (only each segment's rows and rank are written). ``a``: the members' pooled A stacks
     (one dtype, ``K`` = ``x``'s width); ``ranks``: their dense int32 per-slot ranks."""
-    if plan.num_segments:
-        _launch_shrink_group(*shrink_group_launch_args(x, a, ranks, plan, t))
-    else:
-        shrink_group_launch_args(x, a, ranks, plan, t)  # (the checks)
-    return t
-
-
-def shrink_group_launch_args(x: torch.Tensor, a: list[Pooled], ranks: list[torch.Tensor], plan: BatchPlan, t):
-    """``(grid, args, constexprs, options)`` of :func:`shrink_group`'s launch (checked arguments; ``x`` first)."""
     g, k = len(a), x.shape[1]
     if not 1 <= g <= MAX_MEMBERS or any(not isinstance(w, Pooled) or w.shape[2] != k for w in a):
         raise ValueError(f"shrink_group: 1 to {MAX_MEMBERS} pooled A stacks of width {k}")
@@ -226,6 +208,8 @@ def shrink_group_launch_args(x: torch.Tensor, a: list[Pooled], ranks: list[torch
     block_k, splits, k_per_split, options = shrink_tiles(block_m, plan.num_segments, k, x.device)
     if t.shape[:2] != (g, splits) or t.shape[2] != plan.num_tokens or not t.is_contiguous():
         raise ValueError(f"shrink_group: t {tuple(t.shape)} is not a contiguous ({g}, {splits}, {plan.num_tokens}, R)")
+    if plan.num_segments == 0:
+        return t
     r = t.shape[3]
     args = (
         x, t, plan.permutation, plan.seg_indptr, plan.seg_slot, *_padded([w.data for w in a]),
@@ -236,7 +220,8 @@ def shrink_group_launch_args(x: torch.Tensor, a: list[Pooled], ranks: list[torch
         BLOCK_M=block_m, BLOCK_R=block_size(r), BLOCK_K=block_k,
         DOT_PRECISION="ieee" if a[0].dtype == x.dtype == torch.float32 else "tf32", ALIGN=ALIGN,
     )  # fmt: skip
-    return (plan.num_segments, splits, g), args, constexprs, options
+    _launch_shrink_group((plan.num_segments, splits, g), args, constexprs, options)
+    return t
 
 
 def expand_group(
@@ -247,32 +232,19 @@ def expand_group(
     plan: BatchPlan,
     outs: list[torch.Tensor],
     act_dtype: torch.dtype,
-    accumulate: bool = False,
 ) -> list[torch.Tensor]:
     """Every member's expand in one launch, the LoRA alone: ``outs[g]`` ``(T, N_g)`` contiguous fp32 gets member
     ``g``'s LoRA of every token of the plan's segments (zeros on base rows and rank-0 slots). ``t``: what
     :func:`shrink_group` wrote; ``act_dtype``: the activations' dtype (fp32 activations and fp32 weights: full fp32
-    products, else TF32 for fp32 weights, as :func:`~.expand.expand` decides). With ``accumulate``, ``outs`` are the
-    members' own outputs, contiguous, of one float dtype: each gets its LoRA added in place (the sum in fp32, rounded
-    once to its dtype, as :func:`~.expand.expand` updates ``y``), base rows and rank-0 slots left as they are."""
-    if plan.num_segments:
-        _launch_expand_group(*expand_group_launch_args(t, b, ranks, scalings, plan, outs, act_dtype, accumulate))
-    else:
-        expand_group_launch_args(t, b, ranks, scalings, plan, outs, act_dtype, accumulate)  # (the checks)
-    return outs
-
-
-def expand_group_launch_args(t, b, ranks, scalings, plan: BatchPlan, outs, act_dtype, accumulate: bool) -> tuple:
-    """``(grid, args, constexprs, options)`` of :func:`expand_group`'s launch (checked arguments; the outputs, padded
-    to :data:`MAX_MEMBERS` with the first, are ``args[16:19]``)."""
+    products, else TF32 for fp32 weights, as :func:`~.expand.expand` decides)."""
     g = len(b)
-    dtypes = {o.dtype for o in outs} if accumulate else {torch.float32}
-    if len(outs) != g or g != t.shape[0] or len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point or any(
-        not isinstance(w, Pooled) or o.shape != (plan.num_tokens, w.shape[1]) or o.dtype not in dtypes
+    if len(outs) != g or g != t.shape[0] or any(
+        not isinstance(w, Pooled) or o.shape != (plan.num_tokens, w.shape[1]) or o.dtype != torch.float32
         or not o.is_contiguous() for w, o in zip(b, outs)
     ):  # fmt: skip
-        kind = "of one float dtype" if accumulate else "fp32"
-        raise ValueError(f"expand_group: one contiguous {kind} (T, N) output per pooled B stack and plane group of t")
+        raise ValueError("expand_group: one contiguous fp32 (T, N) output per pooled B stack and plane group of t")
+    if plan.num_segments == 0:
+        return outs
     r = max(w.shape[2] for w in b)
     block_n, options = expand_tiles(block_size(plan.chunk_size), plan.num_segments, r)
     ends = list(itertools.accumulate(-(-w.shape[1] // block_n) for w in b))
@@ -287,6 +259,7 @@ def expand_group_launch_args(t, b, ranks, scalings, plan: BatchPlan, outs, act_d
     constexprs = dict(
         BLOCK_M=block_size(plan.chunk_size), BLOCK_N=block_n, BLOCK_R=block_size(t.shape[3]),
         DOT_PRECISION="ieee" if b[0].dtype == act_dtype == torch.float32 else "tf32", ALIGN=ALIGN,
-        RANK_ALIGN=min(w.rank_align for w in b), ACCUMULATE=bool(accumulate),
+        RANK_ALIGN=min(w.rank_align for w in b),
     )  # fmt: skip
-    return (plan.num_segments, ends[-1], 1), args, constexprs, options
+    _launch_expand_group((plan.num_segments, ends[-1], 1), args, constexprs, options)
+    return outs
