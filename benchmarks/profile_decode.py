@@ -22,7 +22,15 @@ import torch
 from peft_csgmv import enable_csgmv
 from peft_csgmv._compat import cache_kwarg, output_cache
 from peft_csgmv.bench import (
-    EXPERT_PARAMETERS, MODELS, MOE_TARGETS, TARGETS, add_adapters, build_model, crop_cache, device_and_dtype, is_moe,
+    EXPERT_PARAMETERS,
+    MODELS,
+    MOE_TARGETS,
+    TARGETS,
+    add_adapters,
+    build_model,
+    crop_cache,
+    device_and_dtype,
+    is_moe,
 )  # fmt: skip
 
 

@@ -505,6 +505,14 @@ def main(argv=None) -> int:
             )
         finally:
             disable_csgmv(pm)
+    if args.rounds > 1:
+        # The base model again after the rounds, on a fresh copy (the first now holds the adapters): its row is the
+        # median of both (a host that is slow at the start, or at the end, then does not set every ratio alone).
+        del pm, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        model = build_model(args.model, device, dtype, args.config, args.layers)
+        measure("base model, no LoRA", runner(model))
     results[:] = _median_over_rounds(results)
 
     ref = {r["row"]: r for r in results}
