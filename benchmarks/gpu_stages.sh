@@ -83,10 +83,17 @@
 #            repeats), csgmv 1/8/32 distinct; 2 rounds (~3-4 min each, ~8 min; a row out of memory reads NaN)
 #            -> e2e_moe_{qwen3,gptoss}.json
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
+# TRANSFORMERS=newest runs the stages under the newer transformers of wheels/tf (benchmarks/tf_wheels.sh; carry
+# wheels/tf) instead of the image's; give it an OUT of its own (the result files keep their names), e.g.
+#   OUT=$OUT/image bash benchmarks/gpu_stages.sh cbgraphs; TRANSFORMERS=newest OUT=$OUT/newest bash ... cbgraphs
 set -u
 export PYTHONUNBUFFERED=1
 # The package from this checkout (the GPU image has no editable install of it): scripts import peft_csgmv.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${TRANSFORMERS:-image}" = newest ]; then
+  bash benchmarks/tf_wheels.sh install || exit 1
+  export PYTHONPATH="$PWD/wheels/tf/site:$PYTHONPATH"
+fi
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 tier_host() {  # the host tier's bookkeeping per move (stages memory and tier)
