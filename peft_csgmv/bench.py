@@ -10,8 +10,10 @@ r=16 LoRA on the attention projections and on the experts' 3D ``gate_up_proj`` /
 no LoRA; PEFT with one active adapter; PEFT ``adapter_names`` with 1 / 8 / 32 distinct adapters; peft_csgmv with the
 same batches (and one with base rows mixed in); a measurement out of GPU memory reads NaN. Columns: prefill ms (batch
 × prompt tokens), decode-step ms (one token per row over a KV cache of the prompt length), generate tok/s
-(``max_new_tokens`` = ``min_new_tokens``). Medians of CUDA-event timings after a warm-up. The table is printed last;
-the JSON holds GPU name, versions and date.
+(``max_new_tokens`` = ``min_new_tokens``). Medians of CUDA-event timings after a warm-up; PEFT's one-adapter row and
+csgmv's rows alternate over ``--rounds``, each reporting its median over them, and with more than one round the base
+model is measured before and after them (its row their median). The table is printed last; the JSON holds GPU name,
+versions and date.
 """
 
 from __future__ import annotations
