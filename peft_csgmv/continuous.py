@@ -24,19 +24,22 @@ a copy-in stream beside the running steps, and their requests start once the cop
 A step's preparation (the mapping's plan, the adapters' copies in) runs on the stream transformers runs the step's
 forward on (:func:`compute_stream`), so it comes before the step's kernels in stream order.
 
-What runs: synchronous batching (a configuration that asks for asynchronous batching or compiled forwards gets
-transformers' own manager, as stock PEFT does, whose requests take no adapter: :func:`stock_only`), eager steps unless
-the configuration asks for CUDA graphs (``use_cuda_graph=True`` or a pair; left unset, off; off for a model on the
-CPU, where there is no graph to capture). Under graphs transformers captures a step of each size once and
-replays it for every later step of that size without running any layer's Python, so each step's mapping is
-:attr:`~peft_csgmv.mapping.Mapping.graphed`: padded to the step's padded size, every step csgmv's (requests without an
-adapter take the active one's slot), its plans and MoE token groups at fixed addresses rewritten before the step, sized
-for any step of its size; graphs captured under other stacks or plans are dropped before a step
-(:meth:`Router.fresh_graphs`), and transformers' warmup runs inside a step of base tokens (:func:`_compute_batch`).
-Refused with graphs: accelerate-offloaded layers, the torch backend on CUDA. Adapters whose modules run PEFT's own path
-somewhere, aLoRA adapters and LoRA on the output embedding cannot be given per request (PEFT's mixed-batch path is per
-row, and a packed step has one): such a request is refused when it is added. A step with no request that was given an
-adapter is transformers' own step, as stock PEFT runs it (eager steps; graphed, csgmv's).
+What runs: synchronous batching (a configuration that asks for asynchronous batching gets transformers' own manager, as
+stock PEFT does, whose requests take no adapter: :func:`stock_only`), eager steps unless the configuration asks for CUDA
+graphs (``use_cuda_graph=True`` or a pair; left unset, off; off for a model on the CPU, where there is no graph to
+capture) or compiled forwards (a ``varlen_compile_config`` / ``decode_compile_config``, a ``default_compile_level``).
+Under graphs transformers captures a step of each size once and replays it for every later step of that size without
+running any layer's Python; compiled, each padded step size is one graph (compiled with fixed shapes:
+:func:`_fixed_shape_compiles`), whose layers read their plans from the executor's static plans of that size
+(:class:`~peft_csgmv.mapping.StaticPlan` of a packed step, rewritten as each step opens, as compiled ``generate`` reads
+its own). Either way each step's mapping is :attr:`~peft_csgmv.mapping.Mapping.graphed`: padded to the step's padded
+size, every step csgmv's (requests without an adapter take the active one's slot), its plans and MoE token groups at
+fixed addresses rewritten before the step, sized for any step of its size; graphs captured under other stacks or plans
+are dropped before a step (:meth:`Router.fresh_graphs`), and transformers' warmup runs inside a step of base tokens
+(:func:`_compute_batch`). Refused with graphs: accelerate-offloaded layers, the torch backend on CUDA. Adapters whose
+modules run PEFT's own path somewhere, aLoRA adapters and LoRA on the output embedding cannot be given per request
+(PEFT's mixed-batch path is per row, and a packed step has one): such a request is refused when it is added. A step with
+no request that was given an adapter is transformers' own step, as stock PEFT runs it (eager steps; graphed, csgmv's).
 """
 
 from __future__ import annotations
@@ -90,14 +93,10 @@ def _require() -> None:
 def stock_only(config) -> str | None:
     """What in ``config`` (a ``ContinuousBatchingConfig`` or ``None``) per-request adapters cannot run under, named as
     its fields (``None``: nothing): asynchronous batching (the next step's inputs are prepared while a step runs,
-    where csgmv fills each step's mapping before its forward) or compiled forwards (a compile configuration, or a
-    default compile level). An enabled model's manager for such a configuration is transformers' own, as stock PEFT
-    runs it: every request the model's active adapter, through PEFT's own forward; a request given an adapter is
-    refused (:func:`stock_refusal`)."""
-    asked = [name for name in ("use_async_batching", "varlen_compile_config", "decode_compile_config")
-             if getattr(config, name, None) not in (None, False)]  # fmt: skip
-    if (getattr(config, "default_compile_level", 0) or 0) > 0:
-        asked.append("default_compile_level")
+    where csgmv fills each step's mapping before its forward). An enabled model's manager for such a configuration is
+    transformers' own, as stock PEFT runs it: every request the model's active adapter, through PEFT's own forward; a
+    request given an adapter is refused (:func:`stock_refusal`)."""
+    asked = [name for name in ("use_async_batching",) if getattr(config, name, None) not in (None, False)]
     return " and ".join(f"ContinuousBatchingConfig.{name}" for name in asked) or None
 
 
@@ -105,7 +104,7 @@ def stock_refusal(asked: str) -> str:
     """Why a request of a manager for a configuration that asks for ``asked`` (:func:`stock_only`) cannot take an
     adapter."""
     return (
-        f"per-request adapters run under synchronous, uncompiled continuous batching; this configuration sets {asked}, "
+        f"per-request adapters run under synchronous continuous batching; this configuration sets {asked}, "
         "so its manager is transformers' own, every request running the model's active adapter as in stock PEFT: "
         "leave it unset to give requests their own adapters"
     )
@@ -143,6 +142,12 @@ def _asks_graphs(config) -> bool:
     return graphs is True or (isinstance(graphs, tuple) and any(graphs))
 
 
+def _asks_compile(config) -> bool:
+    """Whether ``config`` asks for compiled forwards (a compile configuration, or a default compile level)."""
+    given = any(getattr(config, name, None) is not None for _, name in _COMPILED)
+    return given or (getattr(config, "default_compile_level", 0) or 0) > 0
+
+
 def _graphs_refusal(state) -> str | None:
     """Why this enabled model's continuous batching cannot run CUDA graphs (``None``: it can)."""
     if state.offloaded:
@@ -175,9 +180,31 @@ def graph_slots(state) -> int:
 
 
 def _graphs_on(processor) -> bool:
-    """Whether transformers runs (some of) this batch processor's steps as CUDA graphs."""
+    """Whether transformers runs (some of) this batch processor's steps as CUDA graphs, or compiled (a compiled
+    forward, as a graph, reads each step's plans from fixed buffers, of the step's padded size)."""
     runner = getattr(processor, "model_runner", None)
-    return bool(getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False))
+    graphs = getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False)
+    return bool(graphs or any(getattr(runner, attr, None) is not None for attr, _ in _COMPILED))
+
+
+# transformers' model runner: its compiled forwards and the configurations they were compiled with (transformers 5.2x)
+_COMPILED = (("_compiled_varlen", "varlen_compile_config"), ("_compiled_decode", "decode_compile_config"))
+
+
+def _fixed_shape_compiles(runner) -> None:
+    """transformers' compiled forwards of this model runner, compiled with fixed shapes (``dynamic=False``) where
+    their configuration leaves shapes dynamic (``default_compile_level`` 1 and 2 do): csgmv's layers read each step's
+    plan from buffers of the step's padded size, one graph per padded size (transformers pads compiled steps to a few
+    sizes), where a graph of symbolic size would have none to read."""
+    import torch
+
+    for attr, name in _COMPILED:
+        config = getattr(getattr(runner, "cb_config", None), name, None)
+        if getattr(runner, attr, None) is None or config is None or getattr(config, "dynamic", None) is False:
+            continue
+        options = config.to_dict()
+        options["dynamic"] = False
+        setattr(runner, attr, torch.compile(runner._forward_process_and_sample, **options))
 
 
 def _drop_graphs(processor) -> None:
@@ -203,7 +230,7 @@ class Router:
         self.rounds = 0  # admission rounds (steps) with the host tier
         self.since: dict[str, int] = {}  # waiting request id -> the round it was first a candidate in
         self.graphed = False  # whether the steps run as CUDA graphs (set when the batch processor is made)
-        self.graphs_asked = False  # whether the manager's configuration asks for them (set when it is made)
+        self.graphs_asked = False  # whether its configuration asks for graphs or compiled forwards (set when made)
         self.graph_key = None  # (route epoch, plans' generation, slots) the processor's graphs were captured under
         state = manager.__dict__
         own = {name: getattr(manager, name) for name in ("add_request", "add_requests", "_create_batch_processor")}
@@ -262,8 +289,9 @@ class Router:
         own_step = processor._generation_step
         processor.__dict__["_csgmv_step"] = own_step
         processor.__dict__["_generation_step"] = functools.partial(_generation_step, self, processor, own_step)
-        self.graphed = GRAPHED_ON_CPU or _graphs_on(processor)
         runner = getattr(processor, "model_runner", None)
+        _fixed_shape_compiles(runner)
+        self.graphed = GRAPHED_ON_CPU or _graphs_on(processor)
         if self.graphed and runner is not None and hasattr(runner, "compute_batch"):
             # transformers' warmup captures graphs of steps without requests, outside a step: csgmv's layers must be
             # in them (every later step of their size replays them)
@@ -625,7 +653,7 @@ def _finish_request(router: Router, own, request_id, *args, **kwargs):
 def init_continuous_batching(base_model, *args, **kwargs):
     """The base model's ``init_continuous_batching`` on an enabled model: transformers' manager, made synchronous with
     CUDA graphs only where asked for, whose requests take an adapter (:class:`Router`); for a configuration that asks
-    for asynchronous batching or compiled forwards, transformers' own, whose requests take none (:func:`stock_only`)."""
+    for asynchronous batching, transformers' own, whose requests take none (:func:`stock_only`)."""
     own = type(base_model).init_continuous_batching.__get__(base_model)
     ref = base_model.__dict__.get("_csgmv_peft_model")
     model = None if ref is None else ref()
@@ -650,10 +678,17 @@ def init_continuous_batching(base_model, *args, **kwargs):
         why = _graphs_refusal(model._csgmv)
         if why is not None:
             raise ValueError(f"csgmv cannot run continuous batching with CUDA graphs here: {why}")
+    if _asks_compile(given) and model._csgmv.offloaded:
+        # (compiled code reads each layer's stack where it lives, an offloaded one in host memory: its layers would
+        # run PEFT's path, which serves a packed step no adapter)
+        raise ValueError(
+            "csgmv cannot run continuous batching with compiled forwards here: layers offloaded by accelerate move "
+            "their weights on every forward, which compiled code does not follow"
+        )
     bound["continuous_batching_config"] = _eager_config(given, graphs=on_cuda)
     manager = own(**bound)
     router = manager.__dict__.get("_csgmv_router") or Router(manager, model)
-    router.graphs_asked = asked and (on_cuda or GRAPHED_ON_CPU)
+    router.graphs_asked = (asked and (on_cuda or GRAPHED_ON_CPU)) or _asks_compile(given)
     return manager
 
 

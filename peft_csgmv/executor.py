@@ -243,11 +243,18 @@ class Executor:
 
     def _open(self, mapping: Mapping) -> None:
         """The mapping's call is in progress: the static plans of its number of ids hold it, and layers read it."""
+        packed = mapping.token_slots
         for static in self.statics:
-            if static.n == len(mapping.row_slots):
+            if packed is not None:  # (a packed step: the plans of its token count, n 0)
+                if static.n == 0 and static.num_tokens == len(packed):
+                    static.fill_tokens(packed)
+            elif static.n == len(mapping.row_slots):
                 static.fill(mapping.row_slots, mapping.row_keep)
         for moe_static in self.moe_statics:
-            if moe_static.n == len(mapping.row_slots):
+            if packed is not None:
+                if moe_static.n == 0 and moe_static.num_tokens == len(packed):
+                    moe_static.fill(mapping)
+            elif moe_static.n == len(mapping.row_slots):
                 moe_static.fill(mapping)
         self.mapping, self.active, self.num_ids = mapping, True, len(mapping.row_slots)
         # Until the groups are learned, the call's eager layers tell its mapping what they read (Mapping.observe),
@@ -292,8 +299,9 @@ class Executor:
         with torch.inference_mode(False):  # every later call rewrites its buffer in place
             static = StaticPlan(n, rows, tokens_per_row, device)
         if self.mapping is not None and self.mapping.token_slots is not None:
-            raise NotImplementedError("csgmv serves packed continuous-batching steps eagerly, not in compiled code")
-        if self.mapping is not None:
+            # A packed continuous-batching step (n 0) of rows × tokens_per_row tokens, padding as base tokens.
+            static.fill_tokens(self.mapping._packed(rows * tokens_per_row))
+        elif self.mapping is not None:
             self.mapping.repeat(rows)  # the rows must be a whole multiple of the ids
             static.fill(self.mapping.row_slots, self.mapping.row_keep)
         self.statics.append(static)
@@ -309,8 +317,6 @@ class Executor:
         for i, static in enumerate(self.moe_statics):
             if static.key == key:
                 return f"_static_moe_{i}"
-        if self.mapping is not None and self.mapping.token_slots is not None:
-            raise NotImplementedError("csgmv serves packed continuous-batching steps eagerly, not in compiled code")
         with torch.inference_mode(False):  # every later call rewrites its buffer in place
             static = StaticMoePlan(n, num_tokens, top_k, experts, slots, device)
         if self.mapping is not None:

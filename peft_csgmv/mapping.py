@@ -283,7 +283,8 @@ def max_segments(rows: int, num_tokens: int, chunk: int) -> int:
 
 
 class StaticPlan:
-    """The plan of one compiled shape at fixed device addresses: ``n`` ids, ``rows × tokens_per_row`` tokens.
+    """The plan of one compiled shape at fixed device addresses: ``n`` ids, ``rows × tokens_per_row`` tokens (``n``
+    0: a packed continuous-batching step of that many tokens, each token its own slot: :meth:`fill_tokens`).
 
     One int32 buffer ``[permutation (T) | seg_indptr (S + 1) | seg_slot (S)]`` with ``S`` = :func:`max_segments`;
     :meth:`fill` rewrites it for each call's ids (one host-to-device copy). The adapter segments come first, then the
@@ -295,7 +296,8 @@ class StaticPlan:
         self.n, self.rows, self.tokens_per_row, self.device = n, rows, tokens_per_row, device
         self.num_tokens = rows * tokens_per_row
         self.chunk = chunk_size_for(self.num_tokens)
-        self.max_segments = max_segments(rows, self.num_tokens, self.chunk)
+        # (a packed step's tokens may take a run of slots each: at most one segment per token)
+        self.max_segments = max_segments(rows, self.num_tokens, self.chunk) if n else self.num_tokens
         t, s = self.num_tokens, self.max_segments
         indptr_at, slot_at, length = aligned_parts(t, s)  # (fill lays its contents out the same: aligned_tail)
         self.buf = torch.zeros(length, dtype=torch.int32, device=device)
@@ -310,7 +312,13 @@ class StaticPlan:
         repeat = self.rows // self.n
         slots = [s for s in row_slots for _ in range(repeat)] if repeat > 1 else row_slots
         keep = row_tokens(row_keep, self.rows, self.tokens_per_row)
-        plan = BatchPlan.build(slots, self.tokens_per_row, "cpu", chunk_size=self.chunk, row_tokens=keep)
+        self._write(BatchPlan.build(slots, self.tokens_per_row, "cpu", chunk_size=self.chunk, row_tokens=keep))
+
+    def fill_tokens(self, token_slots: tuple[int, ...]) -> None:
+        """Rewrite the buffer of a packed step (``n`` 0) for each token's slot (-1: a base token)."""
+        self._write(BatchPlan.from_token_slots(token_slots, "cpu", chunk_size=self.chunk))
+
+    def _write(self, plan: BatchPlan) -> None:
         # The base tokens (after the adapter tokens in the permutation) in segments of slot -1, so that the segments
         # cover every token and the op's expand writes its whole output out of place.
         bounds = plan.seg_indptr.tolist()

@@ -138,7 +138,7 @@ def test_refusals_change_nothing():
     with pytest.raises(ValueError, match="2 inputs"):
         model.generate_batch(PROMPTS[:2], generation_config=gen, continuous_batching_config=cbc, adapter_ids=["a0"])
     asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
-    with pytest.raises(ValueError, match="synchronous, uncompiled .* sets ContinuousBatchingConfig.use_async_batching"):
+    with pytest.raises(ValueError, match="synchronous continuous batching; .* sets .*use_async_batching"):
         model.generate_batch(
             PROMPTS[:2], generation_config=gen, continuous_batching_config=asynchronous, adapter_ids=IDS[:2]
         )
@@ -151,43 +151,97 @@ def test_refusals_change_nothing():
     assert "init_continuous_batching" not in base.__dict__ and "_csgmv_peft_model" not in base.__dict__
 
 
-def test_asynchronous_or_compiled_batching_is_stock_peft():
-    """A configuration asking for asynchronous batching or compiled forwards gets transformers' own manager, as stock
-    PEFT does: without ids, every request runs the active adapter with stock PEFT's tokens (compiled forwards) or
-    transformers' own error (asynchronous batching off CUDA); a request given an adapter is refused as it is added, in
-    the caller's thread, and ``generate_batch`` with ``adapter_ids`` before anything runs."""
-    from transformers import CompileConfig, ContinuousBatchingConfig
+def test_asynchronous_batching_is_stock_peft():
+    """A configuration asking for asynchronous batching gets transformers' own manager, as stock PEFT does: without
+    ids, transformers' own error off CUDA, as stock PEFT gets it; a request given an adapter is refused as it is added,
+    in the caller's thread, and ``generate_batch`` with ``adapter_ids`` before anything runs."""
+    from transformers import ContinuousBatchingConfig
 
     from peft_csgmv.continuous import stock_only
 
     model = make("llama")
     model.get_base_model().generation_config.eos_token_id = None
     gen, _ = _configs()
-    eager_compile = CompileConfig(fullgraph=False, backend="eager")
-    compiled = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, varlen_compile_config=eager_compile)
-    assert stock_only(compiled) == "ContinuousBatchingConfig.varlen_compile_config"
-    leveled = ContinuousBatchingConfig(default_compile_level=1)
-    assert stock_only(leveled) == "ContinuousBatchingConfig.default_compile_level"
     assert stock_only(ContinuousBatchingConfig(use_async_batching=False)) is None and stock_only(None) is None
+    assert stock_only(ContinuousBatchingConfig(default_compile_level=1)) is None
     asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
-    want = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=compiled)
+    assert stock_only(asynchronous) == "ContinuousBatchingConfig.use_async_batching"
     with pytest.raises(Exception) as stock_error:
         model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=asynchronous)
     enable_csgmv(model, backend="torch")
-    got = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=compiled)
-    assert {k: v.generated_tokens for k, v in got.items()} == {k: v.generated_tokens for k, v in want.items()}
-    active = model.active_adapter
-    assert [got[f"req_{i}"].generated_tokens for i in range(2)] == [_alone(model, p, active, 5) for p in PROMPTS[:2]]
     with pytest.raises(type(stock_error.value), match=str(stock_error.value)[:40]):
         model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=asynchronous)
-    with pytest.raises(ValueError, match="sets ContinuousBatchingConfig.varlen_compile_config"):
-        model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=compiled, adapter_ids=IDS)
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=compiled)
+    with pytest.raises(ValueError, match="sets ContinuousBatchingConfig.use_async_batching"):
+        model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=asynchronous, adapter_ids=IDS)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=asynchronous)
     with pytest.raises(ValueError, match="every request running the model's active adapter"):
         manager.add_request(PROMPTS[0], request_id="r0", max_new_tokens=5, adapter_id="a0")
     with pytest.raises(ValueError, match="every request running the model's active adapter"):
         manager.add_requests(PROMPTS, max_new_tokens=5, adapter_ids=IDS)
     disable_csgmv(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_forwards_give_each_request_its_adapter(arch, backend):
+    """Compiled continuous-batching forwards (``varlen_compile_config`` and ``decode_compile_config``; shapes left
+    dynamic, which csgmv compiles fixed, one graph per padded step size): each request gets its own adapter, the tokens
+    of stock PEFT running it alone, MoE expert LoRA included; the layers read a packed step's static plan (no eager
+    fallback); a request added without an adapter runs the active one, as stock PEFT runs it."""
+    from transformers import CompileConfig, ContinuousBatchingConfig
+
+    if arch == "llama":
+        model = make("llama")
+    else:
+        from test_moe import EXPERTS, moe_peft
+
+        specs = {
+            "a0": dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS),
+            "a1": dict(r=8, lora_alpha=4, target_modules=["v_proj"], target_parameters=EXPERTS),
+        }
+        model = moe_peft(arch, specs)
+    model.get_base_model().generation_config.eos_token_id = None
+    gen, _ = _configs()
+    compile_config = CompileConfig(fullgraph=False, backend="aot_eager", dynamic=True)
+    compile_config._compile_all_devices = True
+    compiled = ContinuousBatchingConfig(
+        num_blocks=32, max_batch_tokens=64, varlen_compile_config=compile_config, decode_compile_config=compile_config
+    )
+    enable_csgmv(model, backend=backend)
+    try:
+        got = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=compiled, adapter_ids=IDS)
+        want = [_alone(model, p, a, 5) for p, a in zip(PROMPTS, IDS)]
+        assert [got[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))] == want
+        assert len({tuple(w) for w in want}) > 2, "the adapters generate the same tokens: the test proves nothing"
+        statics = model._csgmv.executor.statics
+        assert statics and all(s.n == 0 for s in statics), "the compiled layers read no packed step's static plan"
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=compiled)
+        manager.start()
+        try:
+            rid = manager.add_request(PROMPTS[2], max_new_tokens=5)  # (no adapter_id: the active adapter)
+            result = manager.get_result(request_id=rid, timeout=120)
+        finally:
+            manager.stop(block=True)
+        assert result.generated_tokens == _alone(model, PROMPTS[2], model.active_adapter, 5)
+    finally:
+        disable_csgmv(model)
+
+
+def test_compiled_forwards_refused_on_an_offloaded_model():
+    """Compiled code reads each layer's stack where it lives: a model whose layers accelerate offloads gets no
+    compiled continuous batching with adapters (a ``ValueError`` as the manager is made, nothing started)."""
+    from accelerate import cpu_offload
+    from transformers import CompileConfig, ContinuousBatchingConfig
+
+    model = cpu_offload(make("llama"), execution_device="cpu")
+    enable_csgmv(model)
+    gen, _ = _configs()
+    compiled = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, decode_compile_config=CompileConfig())
+    try:
+        with pytest.raises(ValueError, match="compiled forwards here: layers offloaded by accelerate"):
+            model.init_continuous_batching(generation_config=gen, continuous_batching_config=compiled)
+    finally:
+        disable_csgmv(model)
 
 
 def test_calls_beside_a_running_manager_keep_their_ids():
