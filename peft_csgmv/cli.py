@@ -743,9 +743,31 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if demo(getattr(args, "device", None)) else 1
         return generate_command(args, subparsers["generate"].prog)
     except KeyboardInterrupt:
-        hint = ": rerun the same command to resume" if command == "generate" else ""
-        say(f"\ninterrupted{hint}")
-        return 130
+        return _interrupted(command)
+    except Exception as exc:
+        # Ctrl-C inside some of torch's own code (vmap, which transformers' masks use) raises KeyboardInterrupt there,
+        # and torch's cleanup of that state then raises an error of its own while the interrupt is being handled: an
+        # interrupt all the same.
+        if not _during_interrupt(exc):
+            raise
+        return _interrupted(command)
+
+
+def _interrupted(command: str) -> int:
+    hint = ": rerun the same command to resume" if command == "generate" else ""
+    say(f"\ninterrupted{hint}")
+    return 130
+
+
+def _during_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while a ``KeyboardInterrupt`` was being handled (one in its chain of contexts)."""
+    seen: set = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__context__ or exc.__cause__
+    return False
 
 
 if __name__ == "__main__":

@@ -968,6 +968,31 @@ def test_real_ctrl_c_while_importing_and_while_generating(checkout, tmp_path):
     assert all("completion" in r for r in records)
 
 
+def test_an_error_raised_while_ctrl_c_is_handled_is_an_interrupt(monkeypatch, capsys):
+    """Ctrl-C inside torch's vmap (transformers' masks) raises KeyboardInterrupt there, and torch's cleanup then raises
+    a RuntimeError while it is handled: the command stops with its one line and 130 all the same; any other error is
+    raised as it is."""
+    from peft_csgmv import cli
+
+    def interrupted_inside_torch(args, prog):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("!dynamicLayerStack.empty() INTERNAL ASSERT FAILED") from None
+
+    monkeypatch.setattr(cli, "generate_command", interrupted_inside_torch)
+    argv = ["generate", "--base", "b", "--adapter", "a=p", "--input", "i", "--output", "o"]
+    assert cli.main(argv) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted: rerun the same command to resume"
+
+    def failed(args, prog):
+        raise RuntimeError("a real error")
+
+    monkeypatch.setattr(cli, "generate_command", failed)
+    with pytest.raises(RuntimeError, match="a real error"):
+        cli.main(argv)
+
+
 LIMITS = {1: 2, 3: 4, 5: 1, 6: 9}  # input line -> its own max_new_tokens (the run's: 6)
 
 
