@@ -3,6 +3,7 @@ tokens equal stock PEFT running that request alone with its adapter (fp32, greed
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -223,6 +224,26 @@ def test_compiled_forwards_give_each_request_its_adapter(arch, backend):
         finally:
             manager.stop(block=True)
         assert result.generated_tokens == _alone(model, PROMPTS[2], model.active_adapter, 5)
+    finally:
+        disable_csgmv(model)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor needs a C++ compiler on the CPU")
+def test_a_default_compile_level_gives_each_request_its_adapter():
+    """``default_compile_level=1``: transformers compiles both paths with inductor and dynamic shapes, which csgmv
+    compiles fixed; each request gets its own adapter, the tokens of stock PEFT running it alone."""
+    from transformers import ContinuousBatchingConfig
+
+    model = make("llama")
+    model.get_base_model().generation_config.eos_token_id = None
+    gen, _ = _configs()
+    leveled = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, default_compile_level=1)
+    enable_csgmv(model, backend="torch")
+    try:
+        got = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=leveled, adapter_ids=IDS)
+        assert model._csgmv.executor.statics, "no compiled layer read a packed step's static plan"
+        want = [_alone(model, p, a, 5) for p, a in zip(PROMPTS, IDS)]
+        assert [got[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))] == want
     finally:
         disable_csgmv(model)
 
