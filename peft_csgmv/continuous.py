@@ -96,8 +96,7 @@ def stock_only(config) -> str | None:
     where csgmv fills each step's mapping before its forward). An enabled model's manager for such a configuration is
     transformers' own, as stock PEFT runs it: every request the model's active adapter, through PEFT's own forward; a
     request given an adapter is refused (:func:`stock_refusal`)."""
-    asked = [name for name in ("use_async_batching",) if getattr(config, name, None) not in (None, False)]
-    return " and ".join(f"ContinuousBatchingConfig.{name}" for name in asked) or None
+    return "ContinuousBatchingConfig.use_async_batching" if getattr(config, "use_async_batching", None) else None
 
 
 def stock_refusal(asked: str) -> str:
@@ -140,6 +139,10 @@ def _asks_graphs(config) -> bool:
     if graphs is None:
         return any(getattr(config, name, None) for name in ("q_padding_interval_size", "kv_padding_interval_size"))
     return graphs is True or (isinstance(graphs, tuple) and any(graphs))
+
+
+# transformers' model runner: its compiled forwards and the configurations they were compiled with (transformers 5.2x)
+_COMPILED = (("_compiled_varlen", "varlen_compile_config"), ("_compiled_decode", "decode_compile_config"))
 
 
 def _asks_compile(config) -> bool:
@@ -185,10 +188,6 @@ def _graphs_on(processor) -> bool:
     runner = getattr(processor, "model_runner", None)
     graphs = getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False)
     return bool(graphs or any(getattr(runner, attr, None) is not None for attr, _ in _COMPILED))
-
-
-# transformers' model runner: its compiled forwards and the configurations they were compiled with (transformers 5.2x)
-_COMPILED = (("_compiled_varlen", "varlen_compile_config"), ("_compiled_decode", "decode_compile_config"))
 
 
 def _fixed_shape_compiles(runner) -> None:
@@ -678,7 +677,8 @@ def init_continuous_batching(base_model, *args, **kwargs):
         why = _graphs_refusal(model._csgmv)
         if why is not None:
             raise ValueError(f"csgmv cannot run continuous batching with CUDA graphs here: {why}")
-    if _asks_compile(given) and model._csgmv.offloaded:
+    compiled = _asks_compile(given)
+    if compiled and model._csgmv.offloaded:
         # (compiled code reads each layer's stack where it lives, an offloaded one in host memory: its layers would
         # run PEFT's path, which serves a packed step no adapter)
         raise ValueError(
@@ -688,7 +688,7 @@ def init_continuous_batching(base_model, *args, **kwargs):
     bound["continuous_batching_config"] = _eager_config(given, graphs=on_cuda)
     manager = own(**bound)
     router = manager.__dict__.get("_csgmv_router") or Router(manager, model)
-    router.graphs_asked = (asked and (on_cuda or GRAPHED_ON_CPU)) or _asks_compile(given)
+    router.graphs_asked = (asked and (on_cuda or GRAPHED_ON_CPU)) or compiled
     return manager
 
 

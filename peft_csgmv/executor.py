@@ -242,19 +242,24 @@ class Executor:
                     return
 
     def _open(self, mapping: Mapping) -> None:
-        """The mapping's call is in progress: the static plans of its number of ids hold it, and layers read it."""
+        """The mapping's call is in progress: the static plans of its number of ids (a packed step: of its token
+        count) hold it, and layers read it."""
         packed = mapping.token_slots
-        for static in self.statics:
-            if packed is not None:  # (a packed step: the plans of its token count, n 0)
-                if static.n == 0 and static.num_tokens == len(packed):
-                    static.fill_tokens(packed)
-            elif static.n == len(mapping.row_slots):
-                static.fill(mapping.row_slots, mapping.row_keep)
-        for moe_static in self.moe_statics:
+
+        def holds(static) -> bool:  # a packed step's: the plans of its token count (n 0); a call's: of its ids
             if packed is not None:
-                if moe_static.n == 0 and moe_static.num_tokens == len(packed):
-                    moe_static.fill(mapping)
-            elif moe_static.n == len(mapping.row_slots):
+                return static.n == 0 and static.num_tokens == len(packed)
+            return static.n == len(mapping.row_slots)
+
+        for static in self.statics:
+            if not holds(static):
+                continue
+            if packed is None:
+                static.fill(mapping.row_slots, mapping.row_keep)
+            else:
+                static.fill_tokens(packed)
+        for moe_static in self.moe_statics:
+            if holds(moe_static):
                 moe_static.fill(mapping)
         self.mapping, self.active, self.num_ids = mapping, True, len(mapping.row_slots)
         # Until the groups are learned, the call's eager layers tell its mapping what they read (Mapping.observe),
