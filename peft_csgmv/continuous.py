@@ -24,23 +24,24 @@ a copy-in stream beside the running steps, and their requests start once the cop
 A step's preparation (the mapping's plan, the adapters' copies in) runs on the stream transformers runs the step's
 forward on (:func:`compute_stream`), so it comes before the step's kernels in stream order.
 
-What runs: synchronous batching (a configuration that asks for asynchronous batching gets transformers' own manager, as
-stock PEFT does, whose requests take no adapter: :func:`stock_only`), eager steps unless the configuration asks for CUDA
-graphs (``use_cuda_graph=True`` or a pair; left unset, off; off for a model on the CPU, where there is no graph to
-capture) or compiled forwards (a ``varlen_compile_config`` / ``decode_compile_config``, a ``default_compile_level``).
-Under graphs transformers captures a step of each size once and replays it for every later step of that size without
-running any layer's Python; compiled, each padded step size is one graph (compiled with fixed shapes:
-:func:`_fixed_shape_compiles`), whose layers read their plans from the executor's static plans of that size
-(:class:`~peft_csgmv.mapping.StaticPlan` of a packed step, rewritten as each step opens, as compiled ``generate`` reads
-its own). Either way each step's mapping is :attr:`~peft_csgmv.mapping.Mapping.graphed`: padded to the step's padded
-size, every step csgmv's (requests without an adapter take the active one's slot), its plans and MoE token groups at
-fixed addresses rewritten before the step, sized for any step of its size; graphs captured under other stacks or plans
-are dropped before a step (:meth:`Router.fresh_graphs`), and transformers' warmup runs inside a step of base tokens
-(:func:`_compute_batch`). Refused with graphs: accelerate-offloaded layers, the torch backend on CUDA. Adapters whose
-modules run PEFT's own path somewhere, aLoRA adapters and LoRA on the output embedding cannot be given per request
-(PEFT's mixed-batch path is per row, and a packed step has one): such a request is refused when it is added. A step with
-no request that was given an adapter is transformers' own step, as stock PEFT runs it (eager steps; graphed, csgmv's).
-"""
+What runs: synchronous or asynchronous batching, as the configuration asks (asynchronously, transformers prepares a step
+while the one before runs on the device, each on its own pair of input and output buffers; a step's mapping, plan and
+adapters' copies in are queued on the compute stream after the step before, from host memory of their own, so the step
+before reads what it was given), eager steps unless the configuration asks for CUDA graphs (``use_cuda_graph=True`` or a
+pair; left unset, off; off for a model on the CPU, where there is no graph to capture) or compiled forwards (a
+``varlen_compile_config`` / ``decode_compile_config``, a ``default_compile_level``). Under graphs transformers captures
+a step of each size once and replays it for every later step of that size without running any layer's Python; compiled,
+each padded step size is one graph (compiled with fixed shapes: :func:`_fixed_shape_compiles`), whose layers read their
+plans from the executor's static plans of that size (:class:`~peft_csgmv.mapping.StaticPlan` of a packed step, rewritten
+as each step opens, as compiled ``generate`` reads its own). Either way each step's mapping is
+:attr:`~peft_csgmv.mapping.Mapping.graphed`: padded to the step's padded size, every step csgmv's (requests without an
+adapter take the active one's slot), its plans and MoE token groups at fixed addresses rewritten before the step, sized
+for any step of its size; graphs captured under other stacks or plans are dropped before a step
+(:meth:`Router.fresh_graphs`), and transformers' warmup runs inside a step of base tokens (:func:`_compute_batch`).
+Refused with graphs: accelerate-offloaded layers, the torch backend on CUDA. Adapters whose modules run PEFT's own path
+somewhere, aLoRA adapters and LoRA on the output embedding cannot be given per request (PEFT's mixed-batch path is per
+row, and a packed step has one): such a request is refused when it is added. A step with no request that was given an
+adapter is transformers' own step, as stock PEFT runs it (eager steps; graphed, csgmv's)."""
 
 from __future__ import annotations
 
@@ -90,30 +91,11 @@ def _require() -> None:
         )
 
 
-def stock_only(config) -> str | None:
-    """What in ``config`` (a ``ContinuousBatchingConfig`` or ``None``) per-request adapters cannot run under, named as
-    its fields (``None``: nothing): asynchronous batching (the next step's inputs are prepared while a step runs,
-    where csgmv fills each step's mapping before its forward). An enabled model's manager for such a configuration is
-    transformers' own, as stock PEFT runs it: every request the model's active adapter, through PEFT's own forward; a
-    request given an adapter is refused (:func:`stock_refusal`)."""
-    return "ContinuousBatchingConfig.use_async_batching" if getattr(config, "use_async_batching", None) else None
-
-
-def stock_refusal(asked: str) -> str:
-    """Why a request of a manager for a configuration that asks for ``asked`` (:func:`stock_only`) cannot take an
-    adapter."""
-    return (
-        f"per-request adapters run under synchronous continuous batching; this configuration sets {asked}, "
-        "so its manager is transformers' own, every request running the model's active adapter as in stock PEFT: "
-        "leave it unset to give requests their own adapters"
-    )
-
-
 def _eager_config(config, graphs: bool = True):
-    """A copy of ``config`` (a ``ContinuousBatchingConfig``, or ``None``: transformers' defaults; not one that
-    :func:`stock_only` names) with asynchronous batching off (transformers' default may turn it on: csgmv fills each
-    step's mapping in Python, before the step's forward), CUDA graphs only where asked for (``use_cuda_graph``: True or
-    a pair) and ``graphs`` allows them, and prompt blocks not shared between requests (their adapters may differ)."""
+    """A copy of ``config`` (a ``ContinuousBatchingConfig``, or ``None``: transformers' defaults) with CUDA graphs
+    only where asked for (``use_cuda_graph``: True or a pair) and ``graphs`` allows them, and prompt blocks not shared
+    between requests (their adapters may differ). Asynchronous batching stays as asked (left unset, transformers
+    decides from the graphs it runs)."""
     import copy
 
     from transformers import ContinuousBatchingConfig
@@ -127,8 +109,6 @@ def _eager_config(config, graphs: bool = True):
         # (transformers' default turns them on where the attention needs no mask, flash attention: csgmv only where
         # asked for, as a request without adapter_id then runs through csgmv, checked as it is added)
         config.use_cuda_graph = False
-    if hasattr(config, "use_async_batching"):
-        config.use_async_batching = False
     return config
 
 
@@ -206,17 +186,29 @@ def _fixed_shape_compiles(runner) -> None:
         setattr(runner, attr, torch.compile(runner._forward_process_and_sample, **options))
 
 
+def _step_io(processor):
+    """The inputs and outputs of the step being run: the batch processor's, or with asynchronous batching its current
+    pair's host side (the pair the step was prepared in and runs on)."""
+    io = processor.inputs_and_outputs
+    pairs = getattr(io, "io_pairs", None)
+    return io if pairs is None else pairs[io.current_pair].host_io
+
+
 def _drop_graphs(processor) -> None:
     """Forget the CUDA graphs transformers captured for this batch processor (they read stacks or buffers that are
-    gone, or were captured without csgmv's layers): the next step of each size captures its graph again."""
+    gone, or were captured without csgmv's layers): the next step of each size captures its graph again. With
+    asynchronous batching, each of its two pairs of buffers holds graphs of its own: both are dropped."""
     io = getattr(processor, "inputs_and_outputs", None)
-    graphs = getattr(io, "graphs", None)
-    if graphs is None:
+    pairs = getattr(io, "io_pairs", None)
+    holders = [io] if pairs is None else [pair.device_io for pair in pairs]
+    holders = [h for h in holders if getattr(h, "graphs", None) is not None]
+    if not holders:
         return
     stream = getattr(io, "compute_stream", None)
     if stream is not None:
         stream.synchronize()  # (a replay still running reads what the graphs hold)
-    io.graphs = type(graphs)()  # (the old buffer resets its graphs as it goes)
+    for holder in holders:
+        holder.graphs = type(holder.graphs)()  # (the old buffer resets its graphs as it goes)
 
 
 class Router:
@@ -372,7 +364,7 @@ class Router:
         """One step: its mapping filled and opened, the step run, the mapping closed (under the model's lock)."""
         peft_model = self.model_ref()
         state = None if peft_model is None else peft_model.__dict__.get("_csgmv")
-        io = processor.inputs_and_outputs
+        io = _step_io(processor)
         scheduled = list(io.requests_in_batch)
         names = [self.name_of(fs.state.request_id) for fs in scheduled]
         graphed = self.graphed and state is not None
@@ -408,6 +400,11 @@ class Router:
                 executor.end(failed=True)
                 raise
             executor.end()
+            if getattr(processor, "use_async_batching", False):
+                # (the step's kernels may still run while the next step is prepared: see Executor.in_flight)
+                stream = compute_stream(processor)
+                if stream is not None:
+                    executor.in_flight = (stream, stream.record_event())
             return out
 
     def fresh_graphs(self, processor, state) -> None:
@@ -540,18 +537,6 @@ def _add_request(router: Router, own, input_ids, request_id: str | None = None, 
     return out
 
 
-def _add_stock_request(own, asked: str, *args, adapter_id=STOCK, **kwargs):
-    if adapter_id is not STOCK:
-        raise ValueError(stock_refusal(asked))
-    return own(*args, **kwargs)
-
-
-def _add_stock_requests(own, asked: str, *args, adapter_ids=None, **kwargs):
-    if adapter_ids is not None:
-        raise ValueError(stock_refusal(asked))
-    return own(*args, **kwargs)
-
-
 def _add_requests(
     router: Router,
     inputs: list,
@@ -650,9 +635,8 @@ def _finish_request(router: Router, own, request_id, *args, **kwargs):
 
 
 def init_continuous_batching(base_model, *args, **kwargs):
-    """The base model's ``init_continuous_batching`` on an enabled model: transformers' manager, made synchronous with
-    CUDA graphs only where asked for, whose requests take an adapter (:class:`Router`); for a configuration that asks
-    for asynchronous batching, transformers' own, whose requests take none (:func:`stock_only`)."""
+    """The base model's ``init_continuous_batching`` on an enabled model: transformers' manager, with CUDA graphs only
+    where asked for, whose requests take an adapter (:class:`Router`)."""
     own = type(base_model).init_continuous_batching.__get__(base_model)
     ref = base_model.__dict__.get("_csgmv_peft_model")
     model = None if ref is None else ref()
@@ -662,13 +646,6 @@ def init_continuous_batching(base_model, *args, **kwargs):
     bound = dict(zip(names, args))
     bound.update(kwargs)
     given = bound.get("continuous_batching_config")
-    stock = stock_only(given)
-    if stock is not None:  # transformers' own manager, as stock PEFT's: its requests take no adapter
-        manager = own(*args, **kwargs)
-        state = manager.__dict__
-        for name, patched in (("add_request", _add_stock_request), ("add_requests", _add_stock_requests)):
-            state[name] = functools.partial(patched, getattr(manager, name), stock)
-        return manager
     asked = _asks_graphs(given)  # (None: transformers' defaults, which ask for none)
     # A model off CUDA has no graph to capture: graphs off there (transformers 5.17 captured empty ones for a model on
     # the CPU of a CUDA machine, and replayed them).
@@ -702,10 +679,6 @@ def generate_batch(model, inputs, generation_config=None, *args, adapter_ids: Se
         raise TypeError(f"Got adapter_ids of type {type(adapter_ids)}, expected a list of str.")
     if len(adapter_ids) != len(inputs):
         raise ValueError(f"`adapter_ids` has {len(adapter_ids)} entries for {len(inputs)} inputs")
-    names = ("generation_config", "continuous_batching_config")
-    asked = stock_only(dict(zip(names, (generation_config, *args)), **kw).get("continuous_batching_config"))
-    if asked is not None:
-        raise ValueError(stock_refusal(asked))
     state = model._csgmv
     check_adapters(model, adapter_ids)
     thread = threading.get_ident()

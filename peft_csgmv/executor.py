@@ -96,6 +96,10 @@ class Executor:
         # sequences, tokens flattened into rows) run PEFT's forward, PEFT's result or PEFT's error.
         self.masked = False
         self.num_ids = 0  # ids of the call in progress (compiled code reads this: a guard per batch shape)
+        # ``(stream, event)``: the work an asynchronous continuous-batching step left queued on its stream when its host
+        # part ended (the next step is prepared while it runs). Work that is not ordered after it on that stream (a
+        # call on another stream, stacks restacked or freed) waits for it first: :meth:`settle`.
+        self.in_flight: tuple | None = None
         self.ahead_stacks: dict = {}  # device -> (route epoch, a stack per kind of launch): eager_ahead.kernel_stacks
         # The launch-path choices (see Options), as attributes compiled code reads (each a guard with a fixed value).
         self.options = options = options if options is not None else Options.from_env()
@@ -131,8 +135,19 @@ class Executor:
 
     # -- a call -----------------------------------------------------------------------------------------------------
 
+    def settle(self, stream=None) -> None:
+        """Wait for the work an asynchronous step left in flight (:attr:`in_flight`), unless ``stream`` is the stream
+        it runs on (work queued there is ordered after it)."""
+        in_flight = self.in_flight
+        if in_flight is None or (stream is not None and stream == in_flight[0]):
+            return
+        in_flight[1].synchronize()
+        self.in_flight = None
+
     def begin(self, mapping: Mapping) -> None:
         """Open ``call``: the layers see it until :meth:`end`. Static plans of this many ids are rewritten for it."""
+        if self.in_flight is not None:
+            self.settle(torch.cuda.current_stream(self.in_flight[0].device))
         if self.mapping is not None:
             self._outer.append(self.mapping)
         if mapping.cache is None:

@@ -265,6 +265,8 @@ class CsgmvState:
             force = True  # the model was cast: every stack follows its adapters' new dtype, and is shared again
         if unchanged and not force:
             return
+        # (stacks may be freed, reallocated or rewritten below: an asynchronous step still running reads them)
+        self.executor.settle()
         self.refusals = {}  # (what a request may be given is decided again: peft_csgmv.continuous.refusal)
         self.peft_only = _not_lora(model)
         found: dict[str, nn.Module] = {}
@@ -553,6 +555,7 @@ class CsgmvState:
         )
 
     def release(self) -> None:
+        self.executor.settle()  # (an asynchronous step still running reads the stacks)
         if self.max_resident is not None:  # PEFT holds every adapter on the device again
             self.tier.settle(list(self.tier.ahead))  # (copies in still on their way land before the pages go)
             for layer in self.tiered:

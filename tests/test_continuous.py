@@ -123,11 +123,9 @@ def test_returned_sequences_take_their_request_adapter(enabled):
 
 
 def test_refusals_change_nothing():
-    """A bad ``adapter_ids`` (unknown name, wrong length) and a configuration with asynchronous batching are refused
-    before any request runs; without ids, ``generate_batch`` is transformers' own on the active adapter, as stock
-    PEFT runs it; ``disable_csgmv`` gives the base model its own ``init_continuous_batching`` back."""
-    from transformers import ContinuousBatchingConfig
-
+    """A bad ``adapter_ids`` (unknown name, wrong length) is refused before any request runs; without ids,
+    ``generate_batch`` is transformers' own on the active adapter, as stock PEFT runs it; ``disable_csgmv`` gives the
+    base model its own ``init_continuous_batching`` back."""
     model = make("llama")
     model.get_base_model().generation_config.eos_token_id = None
     enable_csgmv(model, backend="torch")
@@ -138,11 +136,6 @@ def test_refusals_change_nothing():
         )
     with pytest.raises(ValueError, match="2 inputs"):
         model.generate_batch(PROMPTS[:2], generation_config=gen, continuous_batching_config=cbc, adapter_ids=["a0"])
-    asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
-    with pytest.raises(ValueError, match="synchronous continuous batching; .* sets .*use_async_batching"):
-        model.generate_batch(
-            PROMPTS[:2], generation_config=gen, continuous_batching_config=asynchronous, adapter_ids=IDS[:2]
-        )
     stock = model.generate_batch(PROMPTS[:2], generation_config=gen, continuous_batching_config=cbc)
     active = model.active_adapter
     assert [stock[f"req_{i}"].generated_tokens for i in range(2)] == [_alone(model, p, active, 5) for p in PROMPTS[:2]]
@@ -152,34 +145,32 @@ def test_refusals_change_nothing():
     assert "init_continuous_batching" not in base.__dict__ and "_csgmv_peft_model" not in base.__dict__
 
 
-def test_asynchronous_batching_is_stock_peft():
-    """A configuration asking for asynchronous batching gets transformers' own manager, as stock PEFT does: without
-    ids, transformers' own error off CUDA, as stock PEFT gets it; a request given an adapter is refused as it is added,
-    in the caller's thread, and ``generate_batch`` with ``adapter_ids`` before anything runs."""
+def test_asynchronous_batching_off_cuda_is_refused_as_stock_peft_refuses_it():
+    """A configuration asking for asynchronous batching keeps it (per-request adapters run under it on a GPU:
+    ``test_continuous_graphs.py::test_gpu_asynchronous_batching_gives_each_request_its_adapter``); off CUDA,
+    transformers refuses it, and an enabled model's ``generate_batch`` raises stock PEFT's error, with ids or
+    without."""
     from transformers import ContinuousBatchingConfig
 
-    from peft_csgmv.continuous import stock_only
+    from peft_csgmv.continuous import _eager_config
 
+    asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
+    assert _eager_config(asynchronous).use_async_batching is True
+    assert _eager_config(ContinuousBatchingConfig()).use_async_batching is None, "transformers' own choice"
     model = make("llama")
     model.get_base_model().generation_config.eos_token_id = None
     gen, _ = _configs()
-    assert stock_only(ContinuousBatchingConfig(use_async_batching=False)) is None and stock_only(None) is None
-    assert stock_only(ContinuousBatchingConfig(default_compile_level=1)) is None
-    asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
-    assert stock_only(asynchronous) == "ContinuousBatchingConfig.use_async_batching"
     with pytest.raises(Exception) as stock_error:
         model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=asynchronous)
     enable_csgmv(model, backend="torch")
-    with pytest.raises(type(stock_error.value), match=str(stock_error.value)[:40]):
-        model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=asynchronous)
-    with pytest.raises(ValueError, match="sets ContinuousBatchingConfig.use_async_batching"):
-        model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=asynchronous, adapter_ids=IDS)
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=asynchronous)
-    with pytest.raises(ValueError, match="every request running the model's active adapter"):
-        manager.add_request(PROMPTS[0], request_id="r0", max_new_tokens=5, adapter_id="a0")
-    with pytest.raises(ValueError, match="every request running the model's active adapter"):
-        manager.add_requests(PROMPTS, max_new_tokens=5, adapter_ids=IDS)
-    disable_csgmv(model)
+    try:
+        for ids in (None, IDS):
+            with pytest.raises(type(stock_error.value), match=str(stock_error.value)[:40]):
+                model.generate_batch(
+                    PROMPTS, generation_config=gen, continuous_batching_config=asynchronous, adapter_ids=ids
+                )
+    finally:
+        disable_csgmv(model)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])

@@ -337,10 +337,7 @@ def test_graphs_refusal_says_why_a_model_cannot_replay_graphs():
 
 def test_graphs_are_refused_where_they_cannot_replay():
     """CUDA graphs are refused, before anything runs, with layers offloaded by accelerate (their weights move on
-    every forward) and with the torch backend on CUDA (it reads each step's plan on the host); asynchronous batching
-    with per-request adapters is refused too."""
-    from transformers import ContinuousBatchingConfig
-
+    every forward) and with the torch backend on CUDA (it reads each step's plan on the host)."""
     state = types.SimpleNamespace(offloaded=[object()], devices=(), executor=None)
     assert "offloaded" in continuous._graphs_refusal(state)
     executor = types.SimpleNamespace(triton_on=lambda device: False)
@@ -348,12 +345,6 @@ def test_graphs_are_refused_where_they_cannot_replay():
     assert "torch backend" in continuous._graphs_refusal(state)
     state = types.SimpleNamespace(offloaded=[], devices=(torch.device("cpu"),), executor=executor)
     assert continuous._graphs_refusal(state) is None
-    model = _llama("torch")
-    gen, _ = _configs()
-    asynchronous = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, use_async_batching=True)
-    with pytest.raises(ValueError, match="sets ContinuousBatchingConfig.use_async_batching"):
-        model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=asynchronous, adapter_ids=IDS)
-    disable_csgmv(model)
 
 
 def test_requests_without_an_adapter_run_the_active_one_through_csgmv(monkeypatch):
@@ -419,4 +410,109 @@ def test_gpu_cuda_graphs_give_each_request_its_adapter(arch):
     target = ["q_proj", "v_proj"]
     model.add_adapter("a9", LoraConfig(r=6, lora_alpha=12, init_lora_weights=False, target_modules=target))
     check(["a9", "a0", None, "a9"][: len(rows)] + ["a1"] * max(0, len(rows) - 4))
+    disable_csgmv(model)
+
+
+def test_asynchronous_batching_drops_both_pairs_graphs_and_steps_read_the_current_pair():
+    """With asynchronous batching transformers keeps two pairs of buffers, each with graphs of its own: stale graphs
+    are dropped in both; a step reads its requests from the pair it was prepared in (the current one)."""
+    pairs = [
+        types.SimpleNamespace(host_io=types.SimpleNamespace(requests_in_batch=[i]), device_io=types.SimpleNamespace())
+        for i in range(2)
+    ]
+    for pair in pairs:
+        pair.device_io.graphs = collections.OrderedDict(old=object())
+    io = types.SimpleNamespace(io_pairs=pairs, current_pair=1, compute_stream=None)
+    processor = types.SimpleNamespace(inputs_and_outputs=io)
+    assert continuous._step_io(processor).requests_in_batch == [1]
+    io.current_pair = 0
+    assert continuous._step_io(processor).requests_in_batch == [0]
+    continuous._drop_graphs(processor)
+    assert all(type(p.device_io.graphs) is collections.OrderedDict and not p.device_io.graphs for p in pairs)
+    single = types.SimpleNamespace(requests_in_batch=[7], graphs=collections.OrderedDict(old=1), compute_stream=None)
+    processor = types.SimpleNamespace(inputs_and_outputs=single)
+    assert continuous._step_io(processor) is single
+    continuous._drop_graphs(processor)
+    assert not single.graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager-steps", "cuda-graphs"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_gpu_asynchronous_batching_gives_each_request_its_adapter(arch, graphs):
+    """On a GPU with ``use_async_batching=True`` (transformers prepares each step while the one before runs, each on
+    its own pair of buffers, graphs per pair): every request's tokens are its stock PEFT run's alone (fp32, greedy),
+    prefills split over steps, through ``generate_batch`` and the manager, then again after an adapter is added (a
+    restack while the manager runs)."""
+    from peft import LoraConfig
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingAsyncIOs
+
+    if arch == "llama":
+        model = make("llama")
+        rows, ids = PROMPTS, IDS
+    else:
+        from test_moe import moe_peft, prompts
+
+        model = moe_peft("qwen3_moe")
+        rows, ids = prompts(4, 6, seed=2).tolist(), ["a0", None, "a1", "a1"]
+    model.get_base_model().generation_config.eos_token_id = None
+    enable_csgmv(model, backend="triton")
+    gen, _ = _configs()
+    cbc = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=16, use_async_batching=True, use_cuda_graph=graphs)
+    try:
+        out = model.generate_batch(rows, generation_config=gen, continuous_batching_config=cbc, adapter_ids=ids)
+        want = [_alone(model, r, a, 5) for r, a in zip(rows, ids)]
+        assert len({tuple(w) for w in want}) > 2, "the adapters change nothing: the test would prove nothing"
+        assert _tokens(out, len(rows)) == want
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+        manager.start()
+        try:
+            late = list(reversed(ids))
+            got = {}
+            for i, (row, name) in enumerate(zip(rows, late)):
+                got[manager.add_request(row, request_id=f"m{i}", max_new_tokens=5, adapter_id=name)] = (row, name)
+            results = {rid: manager.get_result(request_id=rid, timeout=120) for rid in got}
+            assert isinstance(manager.batch_processor.inputs_and_outputs, ContinuousBatchingAsyncIOs)
+            torch.manual_seed(5)
+            target = ["q_proj", "v_proj"]
+            model.add_adapter("a9", LoraConfig(r=6, lora_alpha=12, init_lora_weights=False, target_modules=target))
+            added = {manager.add_request(row, request_id=f"n{i}", max_new_tokens=5, adapter_id="a9"): (row, "a9")
+                     for i, row in enumerate(rows[:2])}  # fmt: skip
+            results.update({rid: manager.get_result(request_id=rid, timeout=120) for rid in added})
+            got.update(added)
+        finally:
+            manager.stop(block=True)
+        for rid, (row, name) in got.items():
+            assert results[rid].generated_tokens == _alone(model, row, name, 5), (rid, name)
+    finally:
+        disable_csgmv(model)
+
+
+def test_work_an_asynchronous_step_left_in_flight_is_waited_for_off_its_stream():
+    """An asynchronous step's kernels may still run when its host part ends: a call opened on another stream, and a
+    sync that changes stacks, wait for them first; the next step, queued on the same stream, does not wait."""
+    from peft import LoraConfig
+
+    model = _llama("torch")
+    executor = model._csgmv.executor
+    waits = []
+
+    class Event:
+        def synchronize(self):
+            waits.append(1)
+
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() else object()
+    executor.in_flight = (stream, Event())
+    executor.settle(stream)
+    assert not waits and executor.in_flight is not None, "the same stream is ordered after it"
+    executor.settle(object())
+    assert waits == [1] and executor.in_flight is None
+    executor.in_flight = (object(), Event())
+    model._csgmv.sync(model)
+    assert waits == [1], "nothing changed: nothing to wait for"
+    model.add_adapter("a9", LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj"]))
+    model._csgmv.sync(model)
+    assert waits == [1, 1] and executor.in_flight is None
     disable_csgmv(model)
