@@ -428,7 +428,7 @@ def test_sizing_defaults_and_flags():
     assert (config.max_batch_tokens, config.num_blocks, config.max_requests_per_batch, config.seed) == (64, 9, 3, 4)
     config = batch.Continuous(cache_memory=0.25).config(cpu, needs)
     assert config.num_blocks is None and config.max_memory_percent == 0.25
-    assert config.use_cuda_graph is None and config.use_async_batching is None, "csgmv's manager turns those off"
+    assert config.use_cuda_graph is None and config.use_async_batching is None, "left to the manager"
     assert config.allow_block_sharing is False, "a cached prompt block belongs to the adapter that computed it"
 
 
