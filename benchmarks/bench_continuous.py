@@ -14,6 +14,8 @@ of ``--prompt-min``..``--prompt-max`` random tokens, each with its own ``max_new
 * stock PEFT, one adapter for every request (the same configuration as the first row);
 * csgmv, each request's adapter one of ``--adapters`` (round robin), the same configuration as the first row;
 * ``csgmv-graphs``: csgmv with transformers' CUDA graphs, as the ``base-graphs`` row (its ratio is to that row);
+* ``base-async`` and ``csgmv-async``: as the two rows above with asynchronous batching too (``use_async_batching=True``:
+  each step prepared while the one before runs);
 * ``tier``: the same as csgmv with ``max_resident_adapters=--max-resident-adapters`` (the host tier: the other adapters
   wait in host memory; a step starts a request only while its adapters fit).
 
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--rows",
         default="base,base-default,peft,csgmv",
-        help="of base, base-graphs, base-default, peft, csgmv, csgmv-graphs, tier",
+        help="of base, base-graphs, base-async, base-default, peft, csgmv, csgmv-graphs, csgmv-async, tier",
     )
     p.add_argument(
         "--profile",
@@ -115,11 +117,13 @@ def main(argv=None) -> int:
     sizes = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens), ("num_blocks", args.num_blocks)) if v}
     eager = dict(use_cuda_graph=False, use_async_batching=False, **sizes)
     graphs = dict(eager, use_cuda_graph=True)
+    overlapped = dict(graphs, use_async_batching=True)
     rows = args.rows.split(",")
     results = []
 
     def record(name, seconds, tokens, target=None, adapters=None, config=None):
-        loop = "graphs" if config is graphs else "eager" if config is eager else "default"
+        loops = {id(graphs): "graphs", id(overlapped): "async", id(eager): "eager"}
+        loop = loops.get(id(config), "default")
         results.append(dict(row=name, seconds=seconds, tokens=tokens, tok_s=tokens / seconds, loop=loop))
         print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s", flush=True)
         if args.profile and target is not None:
@@ -143,9 +147,9 @@ def main(argv=None) -> int:
             print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
 
     warm = requests[: min(8, len(requests))]
-    titles = dict(base="no CUDA graphs, sync", **{"base-graphs": "CUDA graphs, sync"})
+    titles = {"base": "no CUDA graphs, sync", "base-graphs": "CUDA graphs, sync", "base-async": "CUDA graphs, async"}
     titles["base-default"] = "transformers defaults"
-    for name, config in (("base", eager), ("base-graphs", graphs), ("base-default", sizes)):
+    for name, config in (("base", eager), ("base-graphs", graphs), ("base-async", overlapped), ("base-default", sizes)):
         if name in rows:
             run(model, warm, None, gen, ContinuousBatchingConfig(**config))
             record(
@@ -165,7 +169,8 @@ def main(argv=None) -> int:
         record("stock PEFT, one adapter", *timed, config=eager)
     names = [f"a{i}" for i in range(args.adapters)]
     for row, limit, config in (
-        ("csgmv", None, eager), ("csgmv-graphs", None, graphs), ("tier", args.max_resident_adapters, eager)
+        ("csgmv", None, eager), ("csgmv-graphs", None, graphs), ("csgmv-async", None, overlapped),
+        ("tier", args.max_resident_adapters, eager),
     ):  # fmt: skip
         if row not in rows:
             continue
@@ -174,7 +179,7 @@ def main(argv=None) -> int:
         print(f"{row}: enable_csgmv took {time.perf_counter() - start:.1f} s", flush=True)
         run(peft_model, warm, names, gen, ContinuousBatchingConfig(**config))
         label = f"csgmv, {args.adapters} adapters" + (f", max_resident_adapters={limit}" if limit else "")
-        label += ", CUDA graphs" if config is graphs else ""
+        label += ", CUDA graphs" if config is graphs else ", CUDA graphs, async" if config is overlapped else ""
         timed = run(peft_model, requests, names, gen, ContinuousBatchingConfig(**config))
         record(label, *timed, peft_model, names, config)
         disable_csgmv(peft_model)

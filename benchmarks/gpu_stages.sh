@@ -42,6 +42,7 @@
 #            answers 16-512): base model and csgmv 32 distinct, both with use_cuda_graph=True (~6 min)
 #            -> continuous_1b_graphs.json
 #   cbgraphs8b the same for 8B over 256 requests (~6 min) -> continuous_8b_graphs.json
+#   cbasync  as cbgraphs, with asynchronous batching too (use_async_batching=True) -> continuous_1b_async.json
 #   cligraphs  the batch command on the uneven work of cligoal: continuous batching with --cuda-graphs, then
 #            static-cache batches (~8 min) -> cli_1b_graphs.json
 #   cbtier   continuous batching over 1000 adapters (copies of 32), 1B, 96 requests (answers 16-256): all resident, then
@@ -218,6 +219,11 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         --out "$OUT/continuous_${m}_graphs.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
         > "$OUT/continuous_${m}_graphs.log"
       grep "^|" "$OUT/continuous_${m}_graphs.log" || tail -25 "$OUT/continuous_${m}_graphs.log" ;;
+    cbasync)
+      python3 benchmarks/bench_continuous.py --model 1b --requests 1024 --rows base-async,csgmv-async \
+        --out "$OUT/continuous_1b_async.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
+        > "$OUT/continuous_1b_async.log"
+      grep "^|" "$OUT/continuous_1b_async.log" || tail -25 "$OUT/continuous_1b_async.log" ;;
     continuous)
       python3 benchmarks/bench_continuous.py --model 1b --requests 256 --out "$OUT/continuous_1b.json" 2>&1 \
         | grep --line-buffered -v -i "warn\|eos_token" > "$OUT/continuous_1b.log"
