@@ -81,7 +81,8 @@
 #            PEFT one adapter, csgmv 8/32 distinct (~9 min; one layout per call if need be) -> static_moe_{qwen3,gptoss}.json
 #   moe      end to end, MoE expert LoRA (r=16 on attention and experts), batch 32, prompt 256: qwen3-30b-a3b and
 #            gpt-oss-20b cut to 16 layers; base model, PEFT one adapter (rebuilds the experts' weights each forward: 2
-#            repeats), csgmv 1/8/32 distinct; 2 rounds (~3-4 min each, ~8 min; a row out of memory reads NaN)
+#            repeats), csgmv 1/8/32 distinct; 3 rounds, the base model measured 3 times (~3 min each, ~6 min; a row
+#            out of memory reads NaN)
 #            -> e2e_moe_{qwen3,gptoss}.json
 # With no stage given: all of them but tune (more than one 10-minute call; split them).
 # TRANSFORMERS=newest runs the stages under the newer transformers of wheels/tf (benchmarks/tf_wheels.sh; carry
@@ -167,7 +168,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
     moe)
       for pair in qwen3:qwen3-30b-a3b gptoss:gpt-oss-20b; do
         tag=${pair%%:*} m=${pair#*:}
-        python3 benchmarks/bench_e2e.py --model $m --layers 16 --repeats 3 --peft-one-repeats 2 --rounds 2 \
+        python3 benchmarks/bench_e2e.py --model $m --layers 16 --repeats 3 --peft-one-repeats 2 --rounds 3 \
           --out "$OUT/e2e_moe_$tag.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/e2e_moe_$tag.log"
         grep "^| $m" "$OUT/e2e_moe_$tag.log" || tail -25 "$OUT/e2e_moe_$tag.log"
       done ;;

@@ -12,8 +12,9 @@ PEFT with one active adapter; PEFT ``adapter_names`` with 1 / 8 / 32 distinct ad
 (and one with base rows mixed in); a measurement out of GPU memory reads NaN. Columns: prefill ms (batch × prompt
 tokens), decode-step ms (one token per row over a KV cache of the prompt length), generate tok/s (``max_new_tokens`` =
 ``min_new_tokens``). Medians of CUDA-event timings after a warm-up; PEFT's one-adapter row and csgmv's rows alternate
-over ``--rounds``, each reporting its median over them, and with more than one round the base model is measured before
-and after them (its row their median). The table is printed last; the JSON holds GPU name, versions and date.
+over ``--rounds``, each reporting its median over them, and with more than one round the base model is measured as
+many times, once before them and the others after (its row their median: a slow spell of the host in one measurement
+moves no median of three). The table is printed last; the JSON holds GPU name, versions and date.
 """
 
 from __future__ import annotations
@@ -519,13 +520,15 @@ def main(argv=None) -> int:
         finally:
             disable_csgmv(pm)
     if args.rounds > 1:
-        # The base model again after the rounds, on a fresh copy (the first now holds the adapters): its row is the
-        # median of both (a host that is slow at the start, or at the end, then does not set every ratio alone).
+        # The base model again after the rounds, on a fresh copy (the first now holds the adapters), so that it is
+        # measured as many times as the rows of the rounds: its row is the median of them all (a host that is slow at
+        # the start, or at the end, then does not set every ratio alone).
         del pm, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
         model = build_model(args.model, device, dtype, args.config, args.layers)
-        base_rows(model)
+        for _ in range(args.rounds - 1):
+            base_rows(model)
     results[:] = _median_over_rounds(results)
 
     ref = {r["row"]: r for r in results}
