@@ -183,7 +183,29 @@ def _fixed_shape_compiles(runner) -> None:
             continue
         options = config.to_dict()
         options["dynamic"] = False
-        setattr(runner, attr, torch.compile(runner._forward_process_and_sample, **options))
+        setattr(runner, attr, _SizedCompile(torch.compile(runner._forward_process_and_sample, **options)))
+
+
+# The graphs one fixed-shape compiled forward may hold (one per padded step size): transformers pads varlen steps to
+# multiples of its query and key/value intervals and decode steps to powers of two, more sizes than dynamo's default
+# limit of recompiles per function (8), past which a full-graph compile fails.
+FIXED_SHAPE_GRAPHS = 256
+
+
+class _SizedCompile:
+    """A compiled forward called with dynamo's limit of recompiles per function raised to :data:`FIXED_SHAPE_GRAPHS`
+    for the call (one graph per padded step size: :func:`_fixed_shape_compiles`)."""
+
+    def __init__(self, compiled) -> None:
+        self.compiled = compiled
+
+    def __call__(self, *args, **kwargs):
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
+        with config.patch(**{name: max(getattr(config, name), FIXED_SHAPE_GRAPHS)}):
+            return self.compiled(*args, **kwargs)
 
 
 def _step_io(processor):
