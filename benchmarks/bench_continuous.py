@@ -91,6 +91,14 @@ def main(argv=None) -> int:
     p.add_argument("--new-max", type=int, default=512)
     p.add_argument("--max-batch-tokens", type=int, default=None, help="the manager's token budget per step")
     p.add_argument("--num-blocks", type=int, default=None, help="the paged cache's blocks (default: transformers')")
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=None,
+        help="the manager's requests per step (max_requests_per_batch; default: transformers'). The batch command "
+        "caps it at 128 where attention takes a dense mask (SDPA), which transformers' own sizing runs out of GPU "
+        "memory without on the 1B layout at 1024 requests (H100)",
+    )
     p.add_argument("--max-resident-adapters", type=int, default=64, help="the tier row's max_resident_adapters")
     p.add_argument(
         "--rows",
@@ -114,7 +122,8 @@ def main(argv=None) -> int:
     model = build_model(args.model, device, dtype)
     requests = workload(args, model.config.vocab_size)
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.new_max)
-    sizes = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens), ("num_blocks", args.num_blocks)) if v}
+    given = (("max_batch_tokens", args.max_batch_tokens), ("num_blocks", args.num_blocks))
+    sizes = {k: v for k, v in given + (("max_requests_per_batch", args.max_requests),) if v}
     eager = dict(use_cuda_graph=False, use_async_batching=False, **sizes)
     graphs = dict(eager, use_cuda_graph=True)
     overlapped = dict(graphs, use_async_batching=True)
