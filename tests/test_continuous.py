@@ -239,7 +239,7 @@ def test_a_default_compile_level_gives_each_request_its_adapter():
         disable_csgmv(model)
 
 
-def test_fixed_shape_compiles_hold_a_graph_per_padded_size(monkeypatch):
+def test_fixed_shape_compiles_hold_a_graph_per_padded_size():
     """transformers pads compiled steps to more sizes than dynamo's limit of recompiles per function (8 by default),
     past which a full-graph compile fails (as ``default_compile_level=1`` did on a GPU): csgmv's fixed-shape compiled
     forwards run with the limit raised to ``FIXED_SHAPE_GRAPHS``, during their calls only."""
@@ -249,22 +249,22 @@ def test_fixed_shape_compiles_hold_a_graph_per_padded_size(monkeypatch):
 
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(config, name, 2)
 
     def step(x):
         return x * 2 + 1
 
     sizes = [torch.ones(n) for n in range(1, 6)]
-    torch._dynamo.reset()
-    plain = torch.compile(step, dynamic=False, fullgraph=True, backend="eager")
-    with pytest.raises(Exception, match="(?i)fullgraph|limit"):
+    with config.patch(**{name: 2}):  # (config.patch: monkeypatch's undo would delete the setting)
+        torch._dynamo.reset()
+        plain = torch.compile(step, dynamic=False, fullgraph=True, backend="eager")
+        with pytest.raises(Exception, match="(?i)fullgraph|limit"):
+            for x in sizes:
+                plain(x)
+        torch._dynamo.reset()
+        sized = _SizedCompile(torch.compile(step, dynamic=False, fullgraph=True, backend="eager"))
         for x in sizes:
-            plain(x)
-    torch._dynamo.reset()
-    sized = _SizedCompile(torch.compile(step, dynamic=False, fullgraph=True, backend="eager"))
-    for x in sizes:
-        torch.testing.assert_close(sized(x), x * 2 + 1)
-    assert getattr(config, name) == 2 < FIXED_SHAPE_GRAPHS
+            torch.testing.assert_close(sized(x), x * 2 + 1)
+        assert getattr(config, name) == 2 < FIXED_SHAPE_GRAPHS
     torch._dynamo.reset()
 
 
