@@ -533,19 +533,21 @@ def main(argv=None) -> int:
 
     ref = {r["row"]: r for r in results}
     one = ref["PEFT one adapter"]
+    base = ref["base model, no LoRA"]
     print()
     header = (
-        f"| {model_label} | row | prefill ms | decode-step ms | generate tok/s | decode vs PEFT one "
+        f"| {model_label} | row | prefill ms | × base | decode-step ms | × base | generate tok/s | decode vs PEFT one "
         "| decode vs PEFT names |"
     )
     print(header)
-    print("|" + "---|" * 7)
+    print("|" + "---|" * 9)
     for r in results:
         mixed = ref.get(r["row"].replace("peft_csgmv", "PEFT adapter_names"))
         vs_names = f"{r['decode_ms'] / mixed['decode_ms']:.3f}" if mixed and mixed is not r else ""
         print(
-            f"| {model_label} | {r['row']} | {r['prefill_ms']:.1f} | {r['decode_ms']:.2f} | "
-            f"{r['generate_tok_s']:.1f} | {r['decode_ms'] / one['decode_ms']:.3f} | {vs_names} |"
+            f"| {model_label} | {r['row']} | {r['prefill_ms']:.1f} | {r['prefill_ms'] / base['prefill_ms']:.2f} | "
+            f"{r['decode_ms']:.2f} | {r['decode_ms'] / base['decode_ms']:.2f} | {r['generate_tok_s']:.1f} | "
+            f"{r['decode_ms'] / one['decode_ms']:.3f} | {vs_names} |"
         )
     if args.out:
         write_results(args.out, run_meta(device, label=model_label, args=vars(args), **setup), results=results)
