@@ -197,13 +197,14 @@ class _SizedCompile:
     for the call (one graph per padded step size: :func:`_fixed_shape_compiles`)."""
 
     def __init__(self, compiled) -> None:
-        self.compiled = compiled
-
-    def __call__(self, *args, **kwargs):
         import torch._dynamo
 
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
+        self.compiled = compiled
+        self.config = config = torch._dynamo.config
+        self.limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
+
+    def __call__(self, *args, **kwargs):
+        config, name = self.config, self.limit
         with config.patch(**{name: max(getattr(config, name), FIXED_SHAPE_GRAPHS)}):
             return self.compiled(*args, **kwargs)
 
@@ -423,10 +424,8 @@ class Router:
                 raise
             executor.end()
             if getattr(processor, "use_async_batching", False):
-                # (the step's kernels may still run while the next step is prepared: see Executor.in_flight)
-                stream = compute_stream(processor)
-                if stream is not None:
-                    executor.in_flight = (stream, stream.record_event())
+                # (the step's kernels may still run while the next step is prepared)
+                executor.leave_in_flight(compute_stream(processor))
             return out
 
     def fresh_graphs(self, processor, state) -> None:

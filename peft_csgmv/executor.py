@@ -135,6 +135,12 @@ class Executor:
 
     # -- a call -----------------------------------------------------------------------------------------------------
 
+    def leave_in_flight(self, stream) -> None:
+        """The work queued on ``stream`` so far (an asynchronous step's, whose host part has ended) may still run:
+        :meth:`settle` waits for it where it must (no stream: nothing to wait for)."""
+        if stream is not None:
+            self.in_flight = (stream, stream.record_event())
+
     def settle(self, stream=None) -> None:
         """Wait for the work an asynchronous step left in flight (:attr:`in_flight`), unless ``stream`` is the stream
         it runs on (work queued there is ordered after it)."""
