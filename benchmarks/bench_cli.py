@@ -2,7 +2,11 @@
 steps or CUDA graphs) against static batches with the dynamic cache (eager decode, ``--static-batches``) and with the
 static cache (transformers' compiled decode, ``--static-batches --cache-implementation static``), and the command's
 own choice (``default``: no batching flag), on the same JSONL, in one run. ``--limits LOW,HIGH`` gives each line its
-own ``max_new_tokens``.
+own ``max_new_tokens``, standing for answers that end at different points; the ``blind`` run is the command's
+default before continuous batching (eager static batches of its default 16 rows, by prompt length) on such answers
+when nothing tells their lengths ahead: the lines without their limits, every line decoded to ``--new-tokens``, and
+only each line's own limit of tokens counted as generated (a batch decodes until its longest answer ends, as it
+would until its last row's stop token).
 
     python benchmarks/bench_cli.py --out results/cli_1b.json
 
@@ -12,8 +16,8 @@ words each (with the character tokenizer the default range gives prompts of 140â
 bucket, so the static run compiles one decode step). Per row: new tokens over the command's own generation time
 (model loading excluded; the static run's compile included, as a user pays it), the wall time, and how many
 completions agree with the first run's (bf16: greedy decoding parts after near ties). ``--batch-size`` is the static
-batches' rows per call (continuous batching runs with its own defaults). The table is printed last; the JSON holds
-GPU name, versions and date.
+batches' rows per call, not the blind run's (continuous batching runs with its own defaults). The table is printed
+last; the JSON holds GPU name, versions and date.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ def main(argv=None) -> int:
         "same with --batch-size 1024, transformers' own cap of requests per step), graphs (--continuous-batching "
         "--cuda-graphs: each step a CUDA graph, the default on CUDA), dynamic "
         "(--static-batches), static (--static-batches --cache-implementation static), default (no batching flag: "
-        "the command's choice)",
+        "the command's choice), blind (--static-batches on the lines without their own limits, each line's limit of "
+        "its new tokens counted: answers that end at a stop token, unknown ahead; needs --limits)",
     )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -76,6 +81,12 @@ def main(argv=None) -> int:
         inp = os.path.join(folder, "in.jsonl")
         limits = tuple(int(n) for n in args.limits.split(",")) if args.limits else None
         write_prompts(inp, args.rows, (low, high), limits)
+        blind_inp, limit_of = os.path.join(folder, "in_blind.jsonl"), {}
+        with open(inp) as f, open(blind_inp, "w") as g:
+            for line in f:
+                record = json.loads(line)
+                limit_of[record["id"]] = record.pop("max_new_tokens", None)
+                g.write(json.dumps(record) + "\n")
         common = ["generate", "--base", base, "--input", inp, "--max-new-tokens", str(args.new_tokens),
                   "--no-progress", "--adapter-dtype", args.adapter_dtype]  # fmt: skip
         for name, path in adapters.items():
@@ -90,18 +101,30 @@ def main(argv=None) -> int:
             "graphs": ["--continuous-batching", "--cuda-graphs"],
             "dynamic": static + ["--cache-implementation", "dynamic"],
             "static": static + ["--cache-implementation", "static"],
+            "blind": ["--static-batches", "--cache-implementation", "dynamic"],  # the command's own batch size
         }
+        if "blind" in args.runs.split(",") and limits is None:
+            p.error("the blind run needs --limits")
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
         outputs = {}
         for run in args.runs.split(","):
             out = os.path.join(folder, f"{run}.jsonl")
             cmd = [sys.executable, "-m", "peft_csgmv", *common, *flags[run], "--output", out]
+            if run == "blind":
+                cmd[cmd.index(inp)] = blind_inp
             row = dict(row=" ".join(flags[run]) or "the default (the command's choice)", **run_generate(cmd, env))
             with open(out) as f:
-                outputs[run] = [json.loads(line)["completion"] for line in f]
-            if len(outputs) > 1:
-                first = next(iter(outputs.values()))
-                row["same_as_first"] = sum(a == b for a, b in zip(first, outputs[run])) / max(len(first), 1)
+                records = [json.loads(line) for line in f]
+            if run == "blind":  # only each answer's own length counts; the rest is what a static batch pays for it
+                row["row"] += " (blind to the lines' limits: the default before continuous batching)"
+                row["decoded_tokens"] = row["new_tokens"]
+                row["new_tokens"] = sum(min(r["new_tokens"], limit_of[r["id"]]) for r in records)
+                row["tok_s"] = row["new_tokens"] / row["generate_s"]
+            else:
+                outputs[run] = [r["completion"] for r in records]
+                if len(outputs) > 1:
+                    first = next(iter(outputs.values()))
+                    row["same_as_first"] = sum(a == b for a, b in zip(first, outputs[run])) / max(len(first), 1)
             rows.append(row)
             print(row, flush=True)
 

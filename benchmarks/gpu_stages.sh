@@ -31,8 +31,10 @@
 #            base model (csgmv's loop and transformers' defaults), stock PEFT one adapter, csgmv 32 distinct (~6 min)
 #            -> continuous_1b.json
 #   cligoal  the batch command on uneven work, 1B, 1024 rows, prompts of ~32-1024 tokens, each line its own
-#            max_new_tokens of 16-512: eager static batches (--static-batches, the command's default before
-#            continuous batching; ~8 min) -> cli_1b_uneven.json
+#            max_new_tokens of 16-512 standing for answers that end at different points: the command's default before
+#            continuous batching on such answers (bench_cli.py's blind run: eager static batches of 16 by prompt
+#            length, every line decoded to 512, each line's own limit counted; ~7 min), against continuous batching
+#            under CUDA graphs (stage cligraphs, a call of its own) -> cli_1b_blind.json
 #   clicap   the batch command, 1B, 2048 rows: continuous batching with its cap of requests per step, then with
 #            transformers' own (1024), then static-cache batches (~6 min) -> cli_1b_cap.json
 #   serve    the server (peft-csgmv serve), 1B, 256 requests from 64 streaming clients, against generate_batch on the
@@ -198,7 +200,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
       grep -E "^\||identical" "$OUT/cli_1b.log" || tail -25 "$OUT/cli_1b.log" ;;
     cligoal)
-      cli_uneven dynamic cli_1b_uneven ;;
+      cli_uneven blind cli_1b_blind ;;
     serve)
       bash benchmarks/serve_wheels.sh install
       python3 benchmarks/bench_serve.py --model 1b --requests 256 --clients 64 --out "$OUT/serve_1b.json" 2>&1 \
