@@ -66,8 +66,10 @@ def main(argv=None) -> int:
         "same with --batch-size 1024, transformers' own cap of requests per step), graphs (--continuous-batching "
         "--cuda-graphs: each step a CUDA graph, the default on CUDA), dynamic "
         "(--static-batches), static (--static-batches --cache-implementation static), default (no batching flag: "
-        "the command's choice), blind (--static-batches on the lines without their own limits, each line's limit of "
-        "its new tokens counted: answers that end at a stop token, unknown ahead; needs --limits)",
+        "the command's choice), blind (--static-batches at the command's own batch size, on the lines without their "
+        "own limits, each line's limit of its new tokens counted: answers that end at a stop token, unknown ahead; "
+        "the default before continuous batching; needs --limits). A run may add the command's flags of its own: "
+        "graphs+--batch-size=64+--max-batch-tokens=2048",
     )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -103,16 +105,21 @@ def main(argv=None) -> int:
             "static": static + ["--cache-implementation", "static"],
             "blind": ["--static-batches", "--cache-implementation", "dynamic"],  # the command's own batch size
         }
-        if "blind" in args.runs.split(",") and limits is None:
+        runs = [spec.split("+") for spec in args.runs.split(",")]  # [name, "--flag=value", ...]
+        for name, *_ in runs:
+            if name not in flags:
+                p.error(f"unknown run {name!r}; runs: {', '.join(flags)}")
+        if any(name == "blind" for name, *_ in runs) and limits is None:
             p.error("the blind run needs --limits")
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
         outputs = {}
-        for run in args.runs.split(","):
-            out = os.path.join(folder, f"{run}.jsonl")
-            cmd = [sys.executable, "-m", "peft_csgmv", *common, *flags[run], "--output", out]
+        for i, (run, *extra) in enumerate(runs):
+            out = os.path.join(folder, f"run{i}.jsonl")
+            own = flags[run] + [part for flag in extra for part in flag.split("=", 1)]
+            cmd = [sys.executable, "-m", "peft_csgmv", *common, *own, "--output", out]
             if run == "blind":
                 cmd[cmd.index(inp)] = blind_inp
-            row = dict(row=" ".join(flags[run]) or "the default (the command's choice)", **run_generate(cmd, env))
+            row = dict(row=" ".join(own) or "the default (the command's choice)", **run_generate(cmd, env))
             with open(out) as f:
                 records = [json.loads(line) for line in f]
             if run == "blind":  # only each answer's own length counts; the rest is what a static batch pays for it
@@ -121,10 +128,10 @@ def main(argv=None) -> int:
                 row["new_tokens"] = sum(min(r["new_tokens"], limit_of[r["id"]]) for r in records)
                 row["tok_s"] = row["new_tokens"] / row["generate_s"]
             else:
-                outputs[run] = [r["completion"] for r in records]
+                outputs[i] = [r["completion"] for r in records]
                 if len(outputs) > 1:
                     first = next(iter(outputs.values()))
-                    row["same_as_first"] = sum(a == b for a, b in zip(first, outputs[run])) / max(len(first), 1)
+                    row["same_as_first"] = sum(a == b for a, b in zip(first, outputs[i])) / max(len(first), 1)
             rows.append(row)
             print(row, flush=True)
 

@@ -35,6 +35,9 @@
 #            continuous batching on such answers (bench_cli.py's blind run: eager static batches of 16 by prompt
 #            length, every line decoded to 512, each line's own limit counted; ~7 min), against continuous batching
 #            under CUDA graphs (stage cligraphs, a call of its own) -> cli_1b_blind.json
+#   clisweep the batch command on the uneven work of cligoal, continuous batching under CUDA graphs at 32, 64 and
+#            128 (its default with SDPA) requests a step: with SDPA a step attends over every running request's
+#            cache, so fewer requests a step cost less attention per token (~9 min) -> cli_1b_sweep.json
 #   clicap   the batch command, 1B, 2048 rows: continuous batching with its cap of requests per step, then with
 #            transformers' own (1024), then static-cache batches (~6 min) -> cli_1b_cap.json
 #   serve    the server (peft-csgmv serve), 1B, 256 requests from 64 streaming clients, against generate_batch on the
@@ -217,6 +220,8 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       grep "^|\|host tier\|enable" "$OUT/continuous_1b_tier.log" || tail -25 "$OUT/continuous_1b_tier.log" ;;
     cligraphs)
       cli_uneven graphs,static cli_1b_graphs ;;
+    clisweep)
+      cli_uneven graphs+--batch-size=32,graphs+--batch-size=64,graphs cli_1b_sweep ;;
     cbgraphs|cbgraphs8b)
       [ "$stage" = cbgraphs ] && m=1b n=1024 || m=8b n=256
       python3 benchmarks/bench_continuous.py --model $m --requests $n --rows base-graphs,csgmv-graphs --max-requests 128 \
