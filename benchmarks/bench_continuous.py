@@ -16,6 +16,9 @@ of ``--prompt-min``..``--prompt-max`` random tokens, each with its own ``max_new
 * ``csgmv-graphs``: csgmv with transformers' CUDA graphs, as the ``base-graphs`` row (its ratio is to that row);
 * ``base-async`` and ``csgmv-async``: as the two rows above with asynchronous batching too (``use_async_batching=True``:
   each step prepared while the one before runs);
+* ``base-varlen`` and ``csgmv-varlen``: CUDA graphs, synchronous, attention per request by torch's own flash kernel
+  (``peft_csgmv.attention.varlen_attention``, in place of SDPA's dense mask over every running request's cache) and no
+  cap of requests per step (``--max-requests`` is for the dense mask);
 * ``tier``: the same as csgmv with ``max_resident_adapters=--max-resident-adapters`` (the host tier: the other adapters
   wait in host memory; a step starts a request only while its adapters fit).
 
@@ -30,12 +33,14 @@ name, versions and date.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
 import torch
 
 from peft_csgmv import disable_csgmv, enable_csgmv
+from peft_csgmv.attention import varlen_attention
 from peft_csgmv.bench import TARGETS, add_adapters, build_model, device_and_dtype, run_meta, write_results
 
 from common import clone_adapter, lora_layers
@@ -103,7 +108,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--rows",
         default="base,base-default,peft,csgmv",
-        help="of base, base-graphs, base-async, base-default, peft, csgmv, csgmv-graphs, csgmv-async, tier",
+        help="of base, base-graphs, base-async, base-default, base-varlen, peft, csgmv, csgmv-graphs, csgmv-async, "
+        "csgmv-varlen, tier",
     )
     p.add_argument(
         "--profile",
@@ -127,11 +133,12 @@ def main(argv=None) -> int:
     eager = dict(use_cuda_graph=False, use_async_batching=False, **sizes)
     graphs = dict(eager, use_cuda_graph=True)
     overlapped = dict(graphs, use_async_batching=True)
+    varlen = {k: v for k, v in graphs.items() if k != "max_requests_per_batch"}  # (the cap is for the dense mask)
     rows = args.rows.split(",")
     results = []
 
     def record(name, seconds, tokens, target=None, adapters=None, config=None):
-        loops = {id(graphs): "graphs", id(overlapped): "async", id(eager): "eager"}
+        loops = {id(graphs): "graphs", id(overlapped): "async", id(eager): "eager", id(varlen): "varlen"}
         loop = loops.get(id(config), "default")
         results.append(dict(row=name, seconds=seconds, tokens=tokens, tok_s=tokens / seconds, loop=loop))
         print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s", flush=True)
@@ -158,16 +165,18 @@ def main(argv=None) -> int:
     warm = requests[: min(8, len(requests))]
     titles = {"base": "no CUDA graphs, sync", "base-graphs": "CUDA graphs, sync", "base-async": "CUDA graphs, async"}
     titles["base-default"] = "transformers defaults"
-    for name, config in (("base", eager), ("base-graphs", graphs), ("base-async", overlapped), ("base-default", sizes)):
+    titles["base-varlen"] = "CUDA graphs, sync, attention per request"
+
+    def scope(target, config):
+        return varlen_attention(target) if config is varlen else contextlib.nullcontext()
+
+    for name, config in (("base", eager), ("base-graphs", graphs), ("base-async", overlapped), ("base-default", sizes),
+                         ("base-varlen", varlen)):  # fmt: skip
         if name in rows:
-            run(model, warm, None, gen, ContinuousBatchingConfig(**config))
-            record(
-                f"base model ({titles[name]})",
-                *run(model, requests, None, gen, ContinuousBatchingConfig(**config)),
-                model,
-                None,
-                config,
-            )
+            with scope(model, config):
+                run(model, warm, None, gen, ContinuousBatchingConfig(**config))
+                timed = run(model, requests, None, gen, ContinuousBatchingConfig(**config))
+                record(f"base model ({titles[name]})", *timed, model, None, config)  # (its profile in the scope)
     peft_model = add_adapters(model, min(args.adapters, 32), [args.rank], device, targets=TARGETS)
     layers = lora_layers(peft_model)
     for i in range(32, args.adapters):
@@ -179,18 +188,20 @@ def main(argv=None) -> int:
     names = [f"a{i}" for i in range(args.adapters)]
     for row, limit, config in (
         ("csgmv", None, eager), ("csgmv-graphs", None, graphs), ("csgmv-async", None, overlapped),
-        ("tier", args.max_resident_adapters, eager),
+        ("csgmv-varlen", None, varlen), ("tier", args.max_resident_adapters, eager),
     ):  # fmt: skip
         if row not in rows:
             continue
         start = time.perf_counter()
         enable_csgmv(peft_model, max_resident_adapters=limit)
         print(f"{row}: enable_csgmv took {time.perf_counter() - start:.1f} s", flush=True)
-        run(peft_model, warm, names, gen, ContinuousBatchingConfig(**config))
         label = f"csgmv, {args.adapters} adapters" + (f", max_resident_adapters={limit}" if limit else "")
         label += ", CUDA graphs" if config is graphs else ", CUDA graphs, async" if config is overlapped else ""
-        timed = run(peft_model, requests, names, gen, ContinuousBatchingConfig(**config))
-        record(label, *timed, peft_model, names, config)
+        label += ", CUDA graphs, attention per request" if config is varlen else ""
+        with scope(peft_model, config):
+            run(peft_model, warm, names, gen, ContinuousBatchingConfig(**config))
+            timed = run(peft_model, requests, names, gen, ContinuousBatchingConfig(**config))
+            record(label, *timed, peft_model, names, config)
         disable_csgmv(peft_model)
 
     bases = {r["loop"]: r["tok_s"] for r in results if r["row"].startswith("base model")}

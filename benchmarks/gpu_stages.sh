@@ -48,6 +48,12 @@
 #            step as the batch command runs them with SDPA (transformers' own sizing ran out of memory there; ~6 min)
 #            -> continuous_1b_graphs.json
 #   cbgraphs8b the same for 8B over 256 requests (~6 min) -> continuous_8b_graphs.json
+#   cbvarlen attention per request by torch's own flash kernel (peft_csgmv.attention; --varlen-attention): its GPU
+#            tests, then the 1B layout's 1024 requests of cbgraphs under CUDA graphs with it and no cap of requests
+#            per step, base model and csgmv 32 distinct (~6 min; against cbgraphs' SDPA rows)
+#            -> gpu_attention.log, continuous_1b_varlen.json
+#   clivarlen  the batch command on the uneven work of cligoal: continuous batching under CUDA graphs with
+#            --varlen-attention (~4 min) -> cli_1b_varlen.json
 #   cbasync  as cbgraphs, with asynchronous batching too (use_async_batching=True) -> continuous_1b_async.json
 #   cligraphs  the batch command on the uneven work of cligoal: continuous batching with --cuda-graphs, then
 #            static-cache batches (~8 min) -> cli_1b_graphs.json
@@ -228,6 +234,15 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         --out "$OUT/continuous_${m}_graphs.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
         > "$OUT/continuous_${m}_graphs.log"
       grep "^|" "$OUT/continuous_${m}_graphs.log" || tail -25 "$OUT/continuous_${m}_graphs.log" ;;
+    cbvarlen)
+      python3 -m pytest tests/test_attention.py -q -p no:cacheprovider -rf --tb=short > "$OUT/gpu_attention.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_attention.log" | tail -5
+      python3 benchmarks/bench_continuous.py --model 1b --requests 1024 --rows base-varlen,csgmv-varlen \
+        --out "$OUT/continuous_1b_varlen.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
+        > "$OUT/continuous_1b_varlen.log"
+      grep "^|" "$OUT/continuous_1b_varlen.log" || tail -25 "$OUT/continuous_1b_varlen.log" ;;
+    clivarlen)
+      cli_uneven graphs+--varlen-attention cli_1b_varlen ;;
     cbasync)
       python3 benchmarks/bench_continuous.py --model 1b --requests 1024 --rows base-async,csgmv-async --max-requests 128 \
         --out "$OUT/continuous_1b_async.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \

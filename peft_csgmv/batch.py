@@ -47,6 +47,7 @@ torn last line (an interrupted write) is cut off; an output whose lines are not 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import glob
@@ -61,6 +62,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .attention import varlen_attention
 from .identity import BASE, RunSettings, read_settings, request_sha1, settings_path, write_settings
 
 
@@ -607,8 +609,10 @@ class Continuous:
     a CPU, where transformers would take most of the free RAM, the blocks of the longest requests one step can hold,
     ``max_batch_tokens`` or ``max_requests`` of them, at their full length). ``max_requests``: requests per step at
     most (default: transformers'). ``seed``: the random seed of sampling. ``cuda_graphs``: each step as transformers'
-    CUDA graph, captured once per step size (:mod:`peft_csgmv.continuous`; default: eager steps). Prefix sharing is
-    off (see :meth:`config`)."""
+    CUDA graph, captured once per step size (:mod:`peft_csgmv.continuous`; default: eager steps).
+    ``varlen_attention``: attention per request by torch's flash kernel instead of SDPA's dense mask, for the run
+    (:func:`peft_csgmv.attention.varlen_attention`; no cap of requests per step then). Prefix sharing is off (see
+    :meth:`config`)."""
 
     max_batch_tokens: int | None = None
     num_blocks: int | None = None
@@ -616,6 +620,7 @@ class Continuous:
     max_requests: int | None = None
     seed: int | None = None
     cuda_graphs: bool = False
+    varlen_attention: bool = False
 
     def config(self, device: torch.device, needs: list[int], model=None):
         """transformers' ``ContinuousBatchingConfig`` for requests of ``needs`` tokens each (prompt and new tokens),
@@ -632,7 +637,8 @@ class Continuous:
             held = min(len(needs), max_batch_tokens, self.max_requests or len(needs))
             num_blocks = sum(sorted((math.ceil(n / PAGE_SIZE) for n in needs), reverse=True)[:held])
         max_requests = self.max_requests
-        if max_requests is None and device.type == "cuda" and model is not None and dense_mask_attention(model):
+        dense = model is not None and not self.varlen_attention and dense_mask_attention(model)
+        if max_requests is None and device.type == "cuda" and dense:
             max_requests = DENSE_MASK_MAX_REQUESTS
         wanted = dict(
             num_blocks=num_blocks,
@@ -757,41 +763,44 @@ def generate_continuous(
     bar = tqdm(total=len(rows), unit="row", disable=not progress, dynamic_ncols=True)
     manager, running = None, False
     waiting: dict[str, Row] = {}
-    try:
-        if not rows:
-            return dict(rows=0, new_tokens=0, seconds=0.0)
-        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
-        for i, (row, prompt, limit) in enumerate(zip(rows, prompts, limits)):
-            request_id = f"row{i}"
-            waiting[request_id] = row
-            manager.add_request(prompt, request_id=request_id, max_new_tokens=limit, adapter_id=row.adapter)
-        manager.start()
-        running = True
-        with open(out_path, "a", encoding="utf-8") as out:
-            while waiting:
-                result = manager.get_result(timeout=1.0)
-                if result is None:
-                    if not manager.is_running():
-                        line = next(iter(waiting.values())).line
-                        raise GenerationFailed(f"continuous batching stopped before input line {line} was generated")
-                    continue
-                if not result.is_finished() or result.request_id not in waiting:
-                    continue
-                row = waiting.pop(result.request_id)
-                if result.error is not None:
-                    raise GenerationFailed(f"continuous batching failed on input line {row.line}: {result.error}")
-                record = _record(row, result.generated_tokens, tokenizer, pad_id, settings)
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                out.flush()
-                written += 1
-                new_tokens_total += record["new_tokens"]
-                bar.update(1)
-                elapsed = time.perf_counter() - started
-                bar.set_postfix(tok_s=f"{new_tokens_total / max(elapsed, 1e-9):.1f}", refresh=False)
-    finally:
-        if running:
-            manager.stop(block=True, hard_stop=bool(waiting))
-        bar.close()
+    scope = varlen_attention(model) if continuous.varlen_attention else contextlib.nullcontext()
+    with scope:  # (the model's own attention back when the run ends)
+        try:
+            if not rows:
+                return dict(rows=0, new_tokens=0, seconds=0.0)
+            manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
+            for i, (row, prompt, limit) in enumerate(zip(rows, prompts, limits)):
+                request_id = f"row{i}"
+                waiting[request_id] = row
+                manager.add_request(prompt, request_id=request_id, max_new_tokens=limit, adapter_id=row.adapter)
+            manager.start()
+            running = True
+            with open(out_path, "a", encoding="utf-8") as out:
+                while waiting:
+                    result = manager.get_result(timeout=1.0)
+                    if result is None:
+                        if not manager.is_running():
+                            line = next(iter(waiting.values())).line
+                            stopped = f"continuous batching stopped before input line {line} was generated"
+                            raise GenerationFailed(stopped)
+                        continue
+                    if not result.is_finished() or result.request_id not in waiting:
+                        continue
+                    row = waiting.pop(result.request_id)
+                    if result.error is not None:
+                        raise GenerationFailed(f"continuous batching failed on input line {row.line}: {result.error}")
+                    record = _record(row, result.generated_tokens, tokenizer, pad_id, settings)
+                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    out.flush()
+                    written += 1
+                    new_tokens_total += record["new_tokens"]
+                    bar.update(1)
+                    elapsed = time.perf_counter() - started
+                    bar.set_postfix(tok_s=f"{new_tokens_total / max(elapsed, 1e-9):.1f}", refresh=False)
+        finally:
+            if running:
+                manager.stop(block=True, hard_stop=bool(waiting))
+            bar.close()
     return dict(rows=written, new_tokens=new_tokens_total, seconds=time.perf_counter() - started)
 
 

@@ -301,6 +301,8 @@ def check_generate_args(args) -> list[str]:
                             "accelerate's placement; leave one out")  # fmt: skip
         if args.backend == "torch":
             problems.append(f"--cuda-graphs and --backend torch: {graphs}, which need the Triton kernels")
+    if args.varlen_attention and static:
+        problems.append(f"--varlen-attention and {static}: it is continuous batching's attention; give one of them")
     if args.device and args.device_map:
         problems.append(f"--device {args.device} and --device-map {args.device_map}: give one of them")
     elif args.device:
@@ -373,7 +375,7 @@ def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
     full and without MoE expert LoRA (whose compiled path has not yet run on a GPU)."""
     from .model import csgmv_stats
 
-    asked = args.static_batches or args.continuous_batching or args.cuda_graphs is not None
+    asked = args.static_batches or args.continuous_batching or args.cuda_graphs is not None or args.varlen_attention
     asked = asked or args.cache_implementation is not None
     sized = any(v is not None for v in _sizing(args).values())
     if asked or sized or device.type not in AUTO_STATIC_DEVICES or any(r.max_new_tokens for r in rows):
@@ -401,7 +403,7 @@ def _graphs(args, model) -> bool:
 
 def generate_command(args, prog: str = "peft-csgmv generate") -> int:
     """``peft-csgmv generate``: see peft_csgmv/batch.py."""
-    from . import batch, identity
+    from . import attention, batch, identity
 
     def fail(problems: list[str]) -> int:
         for problem in problems:
@@ -509,7 +511,10 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
                     max_requests=args.batch_size,
                     seed=args.seed,
                     cuda_graphs=_graphs(args, model),
+                    varlen_attention=args.varlen_attention and attention.refusal(model) is None,
                 )
+                if args.varlen_attention and not continuous.varlen_attention and first:
+                    say(f"--varlen-attention left out, SDPA's attention instead: {attention.refusal(model)}")
             elif first:
                 say(f"static batches, not continuous batching: {static_reason}")
         if continuous is None and args.cache_implementation == "static":
@@ -603,6 +608,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help="continuous batching: run each step as transformers' CUDA graph, captured once per step size and "
         "replayed (default: on a CUDA device with the Triton kernels and no --device-map; on the CPU steps stay "
         "eager); --no-cuda-graphs: eager steps",
+    )
+    p_gen.add_argument(
+        "--varlen-attention",
+        action="store_true",
+        help="continuous batching: attend per request with torch's own flash kernel (CUDA, bf16/fp16, a model "
+        "transformers runs with flash attention; for where the flash-attn package is missing) instead of SDPA's one "
+        "dense mask over every running request's cache, and lift the cap of requests per step that mask needs",
     )
     p_gen.add_argument(
         "--batch-size",

@@ -28,6 +28,8 @@ from typing import AsyncIterator
 
 import torch
 
+from . import attention
+
 logger = logging.getLogger("peft_csgmv.serve")
 
 # The KV cache's blocks on a CPU, where transformers would otherwise reserve 60% of the RAM for it (on CUDA:
@@ -363,6 +365,7 @@ class Engine:
         num_blocks: int | None = None,
         max_batch_tokens: int | None = None,
         cuda_graphs: bool = False,
+        varlen_attention: bool = False,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.base_name = base_name
@@ -371,6 +374,8 @@ class Engine:
         self.adapters = dict(adapters)  # served adapter name -> path it was loaded from
         self.num_blocks, self.max_batch_tokens = num_blocks, max_batch_tokens
         self.cuda_graphs = cuda_graphs  # each step as transformers' CUDA graph (batch.Continuous)
+        self.varlen_attention = varlen_attention  # attention per request while serving (peft_csgmv.attention)
+        self._scope = contextlib.ExitStack()  # what start() changed on the model, undone by stop()
         self.created = int(time.time())
         config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
         self.vocab_size = int(config.get_text_config().vocab_size)
@@ -418,23 +423,30 @@ class Engine:
             pad_token_id=self.tokenizer.pad_token_id, max_new_tokens=16,
         )  # fmt: skip
         sizing = Continuous(
-            max_batch_tokens=self.max_batch_tokens, num_blocks=self.num_blocks, cuda_graphs=self.cuda_graphs
-        )
+            max_batch_tokens=self.max_batch_tokens, num_blocks=self.num_blocks, cuda_graphs=self.cuda_graphs,
+            varlen_attention=self.varlen_attention,
+        )  # fmt: skip
         cb_config = sizing.config(_input_device(self.model), [], self.model)  # (the batch command's sizing)
         cb_config.per_request_processors = True
-        manager = self.model.init_continuous_batching(
-            generation_config=generation_config, continuous_batching_config=cb_config
-        )
-        if "adapter_id" not in inspect.signature(manager.add_request).parameters:
-            raise RuntimeError("this model's continuous batching manager takes no adapter_id: enable csgmv first")
-        supported = getattr(getattr(manager, "logit_processor", None), "supported_keys", None)
-        lacking = sorted({"temperature", "top_k", "top_p"} - set(supported or ()))
-        if supported is not None and lacking:
-            raise RuntimeError(
-                f"this transformers' continuous batching cannot set {', '.join(lacking)} per request: "
-                "pip install -U transformers"
+        if self.varlen_attention:
+            self._scope.enter_context(attention.varlen_attention(self.model))
+        try:
+            manager = self.model.init_continuous_batching(
+                generation_config=generation_config, continuous_batching_config=cb_config
             )
-        manager.start()
+            if "adapter_id" not in inspect.signature(manager.add_request).parameters:
+                raise RuntimeError("this model's continuous batching manager takes no adapter_id: enable csgmv first")
+            supported = getattr(getattr(manager, "logit_processor", None), "supported_keys", None)
+            lacking = sorted({"temperature", "top_k", "top_p"} - set(supported or ()))
+            if supported is not None and lacking:
+                raise RuntimeError(
+                    f"this transformers' continuous batching cannot set {', '.join(lacking)} per request: "
+                    "pip install -U transformers"
+                )
+            manager.start()
+        except BaseException:
+            self._scope.close()  # (the model's own attention back)
+            raise
         self.manager = manager
         deadline = time.monotonic() + timeout
         while getattr(manager, "batch_processor", None) is None:
@@ -470,6 +482,7 @@ class Engine:
                     thread.join(timeout=5)
             with contextlib.suppress(Exception):
                 manager.destroy()
+            self._scope.close()  # (the model's own attention back)
             self._fail_all("the server is stopping")
 
     @staticmethod
@@ -1156,6 +1169,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run each model step as transformers' CUDA graph, captured once per step size and replayed (default: on "
         "a CUDA device; on the CPU steps stay eager); --no-cuda-graphs: eager steps",
     )  # fmt: skip
+    p.add_argument(
+        "--varlen-attention", action="store_true",
+        help="attend per request with torch's own flash kernel (CUDA, bf16/fp16, a model transformers runs with flash "
+        "attention; for where the flash-attn package is missing) instead of SDPA's one dense mask over every running "
+        "request's cache, and lift the cap of requests per step that mask needs",
+    )  # fmt: skip
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="uvicorn's")
     return p
 
@@ -1203,10 +1222,13 @@ def load_engine(args) -> Engine:
         graphs = graphs_refusal(model) is None
     num_blocks = args.num_blocks if args.num_blocks is not None else (CPU_NUM_BLOCKS if on_cpu else None)
     base_name = args.served_model_name or args.base
+    varlen = args.varlen_attention and attention.refusal(model) is None
+    if args.varlen_attention and not varlen:
+        print(f"--varlen-attention left out, SDPA's attention instead: {attention.refusal(model)}", file=sys.stderr)
     return Engine(
         model, tokenizer, base_name, dict(args.adapter), base_path=args.base, num_blocks=num_blocks,
         max_batch_tokens=args.max_batch_tokens,  # (None: batch.Continuous's default)
-        cuda_graphs=graphs,
+        cuda_graphs=graphs, varlen_attention=varlen,
     )  # fmt: skip
 
 

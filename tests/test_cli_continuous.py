@@ -434,8 +434,8 @@ def test_sizing_defaults_and_flags():
 
 def test_requests_per_step_capped_where_attention_takes_a_dense_mask():
     """On a GPU whose paged attention is SDPA or eager (one dense mask over the step's cached tokens), at most
-    DENSE_MASK_MAX_REQUESTS requests per step unless --batch-size says otherwise; with flash attention, on a CPU, or
-    without the model, transformers' own default."""
+    DENSE_MASK_MAX_REQUESTS requests per step unless --batch-size says otherwise; with flash attention (csgmv's per
+    request included), on a CPU, or without the model, transformers' own default."""
     from types import SimpleNamespace
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
@@ -450,6 +450,7 @@ def test_requests_per_step_capped_where_attention_takes_a_dense_mask():
     for impl in ("flash_attention_2", "paged|flash_attention_3", "kernels-community/flash-attn"):
         assert batch.Continuous().config(gpu, [10], model(impl)).max_requests_per_batch is None, impl
     assert batch.Continuous().config(cpu, [10], model("sdpa")).max_requests_per_batch is None
+    assert batch.Continuous(varlen_attention=True).config(gpu, [10], model("sdpa")).max_requests_per_batch is None
     assert batch.Continuous().config(gpu, [10]).max_requests_per_batch is None
 
 

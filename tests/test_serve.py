@@ -510,6 +510,31 @@ def test_cuda_graphs_serve_each_request_its_adapter(checkout, stock, monkeypatch
         server.close()
 
 
+@needs_serving
+def test_varlen_attention_serves_each_request_its_adapter(checkout, stock, monkeypatch):
+    """--varlen-attention (its kernel stood in for by the float64 reference of tests/test_attention.py, which the GPU
+    tests hold the kernel to): requests of two adapters and the base at once are each their alone-run, transformers
+    passes each request's lengths (no dense mask), and stopping the server gives the model its own attention back."""
+    from test_attention import reference
+
+    from peft_csgmv import attention
+
+    calls = []
+    monkeypatch.setattr(attention, "refusal", lambda model: None)
+    monkeypatch.setattr(attention, "flash_varlen", lambda *a: (calls.append(1), reference(*a))[1])
+    server = Server(checkout, "--varlen-attention")
+    config = server.engine.model.get_base_model().config
+    try:
+        assert server.engine.varlen_attention
+        assert config._attn_implementation == attention.implementation_name()
+        cases = [("legal", "hello there", 14), ("chat", "good day", 10), (None, "no", 9), ("chat", "what now?", 12)]
+        assert _at_once(server, cases) == [stock(stock.ids(p), a, n) for a, p, n in cases]
+        assert calls and server.engine.dead is None
+    finally:
+        server.close()
+    assert config._attn_implementation == "sdpa"
+
+
 # ------------------------------------------------------------------------------------------ the command ---- #
 
 

@@ -1,0 +1,147 @@
+"""Continuous batching's attention over each request's own tokens where the flash-attn package is missing.
+
+transformers' continuous batching packs every running request's tokens into one row per step. With a flash attention
+implementation it attends per request (``cu_seq_lens_q`` / ``cu_seq_lens_k``, the varlen call); with SDPA or eager
+attention it builds one dense mask over every running request's cached tokens, so a step's attention grows with the
+product of its tokens and all running requests' lengths (docs/benchmarks.md). transformers switches to flash attention
+by itself only where the flash-attn package (or a hub kernel) is there.
+
+:func:`varlen_attention` gives a model, for the time of one continuous-batching run, an attention implementation that
+transformers treats as a flash one (its name holds "flash": no dense mask, the varlen arguments) and that runs torch's
+own flash kernel (``aten._flash_attention_forward``, shipped in CUDA builds of torch) on the packed row, causal with
+each request's queries aligned to the end of its keys (a decode token or a prefill chunk after its cached tokens).
+The implementation is registered with transformers' public ``AttentionInterface`` / ``AttentionMaskInterface`` and set
+on the model's configs directly (``set_attn_implementation`` would look for the flash-attn package); the model's own
+implementation is back when the run ends. :func:`applies` says where it can run: a CUDA device that has torch's flash
+kernel, half precision, a model whose attention transformers runs with flash attention (``_supports_flash_attn``) and
+that has no sliding window, logit soft-capping or attention sinks, and SDPA or eager attention today (a model already
+on a flash implementation keeps it)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator
+
+import torch
+
+# No "2" or "3" after "flash": transformers' decode fast path (flash_attn_with_kvcache) is for flash-attn 2 and 3 only.
+BASE_NAME = "csgmv_flash_varlen"
+
+
+def implementation_name() -> str:
+    """The name the model's configs carry while :func:`varlen_attention` runs: transformers releases before 5.19 run
+    continuous batching only on ``"paged|<implementation>"`` names (later ones take the name as it is and warn about
+    the prefix)."""
+    import transformers
+    from packaging.version import Version
+
+    return ("paged|" if Version(transformers.__version__).release < (5, 19) else "") + BASE_NAME
+
+
+def flash_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
+    """Causal attention of packed requests: ``query`` ``(Tq, H, D)``, ``key`` / ``value`` ``(Tk, Hkv, D)`` (``H`` a
+    multiple of ``Hkv``), request ``i``'s queries ``cu_seq_q[i]:cu_seq_q[i+1]`` against its keys
+    ``cu_seq_k[i]:cu_seq_k[i+1]``, the queries the last of its tokens. Returns ``(Tq, H, D)``; rows past
+    ``cu_seq_q[-1]`` (a padded step's) are not written."""
+    return torch.ops.aten._flash_attention_forward(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 0.0, True, False, scale=scale
+    )[0]
+
+
+def _forward(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
+    """transformers' attention call in a continuous-batching step: ``query`` ``(1, H, Tq, D)``, ``key`` / ``value``
+    ``(1, Hkv, Tk, D)`` (the step's requests back to back, their cached tokens before their new ones)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None:
+        raise RuntimeError(
+            f"attention {BASE_NAME!r} runs only inside continuous batching (peft_csgmv.attention.varlen_attention)"
+        )
+    max_q = kwargs.get("max_length_q", kwargs.get("max_seqlen_q"))
+    max_k = kwargs.get("max_length_k", kwargs.get("max_seqlen_k"))
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = flash_varlen(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), scaling)
+    return out.unsqueeze(0), None
+
+
+def _configs(model) -> list:
+    """The configs of ``model`` (a transformers model) that carry an attention implementation: its own and its
+    sub-models' (a multimodal model's text config)."""
+    found, seen = [], set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and hasattr(config, "_attn_implementation"):
+            seen.add(id(config))
+            found.append(config)
+    return found
+
+
+def refusal(model) -> str | None:
+    """Why :func:`varlen_attention` cannot run for ``model`` (a ``PeftModel`` or a transformers model), or ``None``:
+    the model's own attention first (what it computes), then where it runs."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    if not getattr(base, "_supports_flash_attn", False):
+        return f"transformers does not run {type(base).__name__} with flash attention"
+    impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
+    if impl not in ("sdpa", "eager", "paged|sdpa", "paged|eager"):
+        return f"the model's attention is {impl!r} already"
+    for c in _configs(base):
+        window = getattr(c, "sliding_window", None)
+        if window is not None and getattr(c, "use_sliding_window", True) is not False:
+            return "the model has a sliding window"
+        if getattr(c, "attn_logit_softcapping", None) is not None:
+            return "the model soft-caps attention logits"
+        if any(t not in (None, "full_attention") for t in getattr(c, "layer_types", None) or ()):
+            return "the model has layers of other attention types"
+    if any(getattr(m, "sinks", None) is not None for m in base.modules()):
+        return "the model has attention sinks"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim > 256 or head_dim % 8:
+        return f"torch's flash kernel takes a head size of at most 256, a multiple of 8, not {head_dim}"
+    param = next(base.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return "it runs on a CUDA device"
+    if base.dtype not in (torch.float16, torch.bfloat16):
+        return f"torch's flash kernel takes float16 or bfloat16, not {base.dtype}"
+    if not torch.backends.cuda.is_flash_attention_available() or torch.cuda.get_device_capability(param.device)[0] < 8:
+        return "this torch build or GPU has no flash attention kernel"
+    return None
+
+
+def applies(model) -> bool:
+    return refusal(model) is None
+
+
+@functools.cache
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    for name in (BASE_NAME, "paged|" + BASE_NAME):
+        AttentionInterface.register(name, _forward)
+        # (what a flash implementation's mask is: none, or the padding of a 2-D mask)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+
+
+@contextlib.contextmanager
+def varlen_attention(model) -> Iterator[None]:
+    """``model`` (a ``PeftModel`` or a transformers model) attends with :func:`flash_varlen` per request while the
+    block runs, its own implementation back after; only for continuous batching (``generate_batch``, a manager), where
+    transformers passes each request's lengths. Raises ``ValueError`` with :func:`refusal`'s reason, changing
+    nothing, where it cannot run."""
+    why = refusal(model)
+    if why is not None:
+        raise ValueError(f"varlen attention: {why}")
+    _register()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    configs = _configs(base)
+    before = [c._attn_implementation for c in configs]
+    name = implementation_name()
+    try:
+        for c in configs:
+            c._attn_implementation = name
+        yield
+    finally:
+        for c, impl in zip(configs, before):
+            c._attn_implementation = impl
