@@ -42,8 +42,10 @@ def implementation_name() -> str:
 def flash_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
     """Causal attention of packed requests: ``query`` ``(Tq, H, D)``, ``key`` / ``value`` ``(Tk, Hkv, D)`` (``H`` a
     multiple of ``Hkv``), request ``i``'s queries ``cu_seq_q[i]:cu_seq_q[i+1]`` against its keys
-    ``cu_seq_k[i]:cu_seq_k[i+1]``, the queries the last of its tokens. Returns ``(Tq, H, D)``; rows past
-    ``cu_seq_q[-1]`` (a padded step's) are not written."""
+    ``cu_seq_k[i]:cu_seq_k[i+1]``, the queries the last of its tokens. Any strides (a last dimension that is not
+    contiguous is copied first). Returns ``(Tq, H, D)``; rows past ``cu_seq_q[-1]`` (a padded step's) are not
+    written."""
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     return torch.ops.aten._flash_attention_forward(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 0.0, True, False, scale=scale
     )[0]
@@ -57,6 +59,8 @@ def _forward(module, query, key, value, attention_mask, scaling=None, dropout: f
         raise RuntimeError(
             f"attention {BASE_NAME!r} runs only inside continuous batching (peft_csgmv.attention.varlen_attention)"
         )
+    if kwargs.get("block_table") is not None:  # (transformers' decode fast path: flash-attn 2 and 3 only)
+        raise RuntimeError(f"attention {BASE_NAME!r} takes no block table: set max_blocks_per_request=0")
     max_q = kwargs.get("max_length_q", kwargs.get("max_seqlen_q"))
     max_k = kwargs.get("max_length_k", kwargs.get("max_seqlen_k"))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))

@@ -131,16 +131,18 @@ def test_outside_continuous_batching_the_attention_says_so(stood_in):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_flash_varlen_is_the_reference(dtype):
     """torch's flash kernel on packed requests equals the float64 reference: decode tokens, a prefill chunk after
-    cached tokens, a whole prefill, grouped key heads, and a padded step's tail (its rows are not compared)."""
+    cached tokens, a whole prefill, grouped key heads, a padded step's tail (its rows are not compared), and inputs
+    of any strides (queries heads-first as attention layers make them, keys every other row, values with a last
+    dimension that is not contiguous)."""
     if not torch.backends.cuda.is_flash_attention_available():
         pytest.skip("this torch build has no flash attention kernel")
     torch.manual_seed(0)
     heads, kv_heads, dim = 8, 2, 64
     lengths = [(1, 37), (1, 300), (24, 90), (57, 57), (1, 1)]  # (new tokens, keys) per request
     tq, tk = sum(q for q, _ in lengths), sum(k for _, k in lengths)
-    q = torch.randn(tq + 5, heads, dim, device="cuda", dtype=dtype)  # 5 padding rows past the last request
-    k = torch.randn(tk + 11, kv_heads, dim, device="cuda", dtype=dtype)
-    v = torch.randn(tk + 11, kv_heads, dim, device="cuda", dtype=dtype)
+    q = torch.randn(heads, tq + 5, dim, device="cuda", dtype=dtype).transpose(0, 1)  # 5 padding rows at the end
+    k = torch.randn(2 * (tk + 11), kv_heads, dim, device="cuda", dtype=dtype)[::2]
+    v = torch.randn(tk + 11, kv_heads, 2 * dim, device="cuda", dtype=dtype)[..., ::2]
     cu_q = torch.tensor([0] + [sum(x for x, _ in lengths[: i + 1]) for i in range(len(lengths))], device="cuda")
     cu_k = torch.tensor([0] + [sum(x for _, x in lengths[: i + 1]) for i in range(len(lengths))], device="cuda")
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
