@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Iterator
 
 import torch
@@ -53,19 +54,42 @@ def flash_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q: int, max_k: int, 
 
 def _forward(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
     """transformers' attention call in a continuous-batching step: ``query`` ``(1, H, Tq, D)``, ``key`` / ``value``
-    ``(1, Hkv, Tk, D)`` (the step's requests back to back, their cached tokens before their new ones)."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None or cu_k is None:
+    ``(1, Hkv, Tk, D)``: the step's requests back to back, their cached tokens before their new ones where the
+    attention layer updated the paged cache before the call (transformers 5.24 and later); earlier releases hand the
+    cache to the attention (``cache``), which updates it and reads the keys back, as their own attention functions do
+    (5.19 to 5.23: ``update(..., kwargs=)``, which also picks the layer's lengths; before: ``update(..., read_index,
+    write_index)``, ``(Tk, Hkv, D)`` back). Run on the CPU under 5.17, 5.19, 5.22, 5.23, 5.24 and 5.25."""
+    if kwargs.get("cu_seq_lens_q") is None or kwargs.get("cu_seq_lens_k") is None:
         raise RuntimeError(
             f"attention {BASE_NAME!r} runs only inside continuous batching (peft_csgmv.attention.varlen_attention)"
         )
     if kwargs.get("block_table") is not None:  # (transformers' decode fast path: flash-attn 2 and 3 only)
         raise RuntimeError(f"attention {BASE_NAME!r} takes no block table: set max_blocks_per_request=0")
+    cache = kwargs.pop("cache", None)
+    if cache is not None and _updates_kwargs(type(cache)):
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+        cache = None
+    if cache is not None:
+        k, v = cache.update(
+            key_states=key, value_states=value, layer_idx=module.layer_idx,
+            read_index=kwargs["read_index"], write_index=kwargs["write_index"],
+        )  # fmt: skip
+    else:
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
     max_q = kwargs.get("max_length_q", kwargs.get("max_seqlen_q"))
     max_k = kwargs.get("max_length_k", kwargs.get("max_seqlen_k"))
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if isinstance(cu_k, dict):  # (per layer type; refusal() leaves full attention only)
+        cu_k, max_k = cu_k["full_attention"], max_k["full_attention"]
+    q = query[0].transpose(0, 1)
     out = flash_varlen(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), scaling)
     return out.unsqueeze(0), None
+
+
+@functools.cache
+def _updates_kwargs(cache_type) -> bool:
+    """Whether this paged cache's ``update`` takes the call's keyword arguments (and updates them in place)."""
+    return "kwargs" in inspect.signature(cache_type.update).parameters
 
 
 def _configs(model) -> list:
