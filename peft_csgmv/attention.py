@@ -12,10 +12,10 @@ own flash kernel (``aten._flash_attention_forward``, shipped in CUDA builds of t
 each request's queries aligned to the end of its keys (a decode token or a prefill chunk after its cached tokens).
 The implementation is registered with transformers' public ``AttentionInterface`` / ``AttentionMaskInterface`` and set
 on the model's configs directly (``set_attn_implementation`` would look for the flash-attn package); the model's own
-implementation is back when the run ends. :func:`applies` says where it can run: a CUDA device that has torch's flash
-kernel, half precision, a model whose attention transformers runs with flash attention (``_supports_flash_attn``) and
-that has no sliding window, logit soft-capping or attention sinks, and SDPA or eager attention today (a model already
-on a flash implementation keeps it)."""
+implementation is back when the run ends. It runs (:func:`refusal` says why not) on a CUDA device that has torch's
+flash kernel, in half precision, for a model whose attention transformers runs with flash attention
+(``_supports_flash_attn``), that has no sliding window, logit soft-capping or attention sinks, and whose attention is
+SDPA or eager today (a model already on a flash implementation keeps it)."""
 
 from __future__ import annotations
 
@@ -66,16 +66,15 @@ def _forward(module, query, key, value, attention_mask, scaling=None, dropout: f
     if kwargs.get("block_table") is not None:  # (transformers' decode fast path: flash-attn 2 and 3 only)
         raise RuntimeError(f"attention {BASE_NAME!r} takes no block table: set max_blocks_per_request=0")
     cache = kwargs.pop("cache", None)
-    if cache is not None and _updates_kwargs(type(cache)):
-        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
-        cache = None
-    if cache is not None:
+    if cache is None or _updates_kwargs(type(cache)):
+        if cache is not None:  # ((1, Hkv, Tk, D) back, the layer's lengths picked in kwargs)
+            key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    else:
         k, v = cache.update(
             key_states=key, value_states=value, layer_idx=module.layer_idx,
             read_index=kwargs["read_index"], write_index=kwargs["write_index"],
         )  # fmt: skip
-    else:
-        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
     max_q = kwargs.get("max_length_q", kwargs.get("max_seqlen_q"))
     max_k = kwargs.get("max_length_k", kwargs.get("max_seqlen_k"))
@@ -135,10 +134,6 @@ def refusal(model) -> str | None:
     if not torch.backends.cuda.is_flash_attention_available() or torch.cuda.get_device_capability(param.device)[0] < 8:
         return "this torch build or GPU has no flash attention kernel"
     return None
-
-
-def applies(model) -> bool:
-    return refusal(model) is None
 
 
 @functools.cache

@@ -507,6 +507,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
         if not args.static_batches and static_reason is None:
             static_reason = batch.continuous_obstacle(model, tokenizer, {r.adapter for r in mine}, **gen)
             if static_reason is None:
+                why_not_varlen = attention.refusal(model) if args.varlen_attention else None
                 continuous = batch.Continuous(
                     max_batch_tokens=args.max_batch_tokens,
                     num_blocks=args.num_blocks,
@@ -514,10 +515,10 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
                     max_requests=args.batch_size,
                     seed=args.seed,
                     cuda_graphs=_graphs(args, model),
-                    varlen_attention=args.varlen_attention and attention.refusal(model) is None,
+                    varlen_attention=args.varlen_attention and why_not_varlen is None,
                 )
-                if args.varlen_attention and not continuous.varlen_attention and first:
-                    say(f"--varlen-attention left out, SDPA's attention instead: {attention.refusal(model)}")
+                if why_not_varlen is not None and first:
+                    say(f"--varlen-attention left out, SDPA's attention instead: {why_not_varlen}")
             elif first:
                 say(f"static batches, not continuous batching: {static_reason}")
         if continuous is None and args.cache_implementation == "static":

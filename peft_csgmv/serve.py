@@ -1222,13 +1222,13 @@ def load_engine(args) -> Engine:
         graphs = graphs_refusal(model) is None
     num_blocks = args.num_blocks if args.num_blocks is not None else (CPU_NUM_BLOCKS if on_cpu else None)
     base_name = args.served_model_name or args.base
-    varlen = args.varlen_attention and attention.refusal(model) is None
-    if args.varlen_attention and not varlen:
-        print(f"--varlen-attention left out, SDPA's attention instead: {attention.refusal(model)}", file=sys.stderr)
+    why_not_varlen = attention.refusal(model) if args.varlen_attention else None
+    if why_not_varlen is not None:
+        print(f"--varlen-attention left out, SDPA's attention instead: {why_not_varlen}", file=sys.stderr)
     return Engine(
         model, tokenizer, base_name, dict(args.adapter), base_path=args.base, num_blocks=num_blocks,
         max_batch_tokens=args.max_batch_tokens,  # (None: batch.Continuous's default)
-        cuda_graphs=graphs, varlen_attention=varlen,
+        cuda_graphs=graphs, varlen_attention=args.varlen_attention and why_not_varlen is None,
     )  # fmt: skip
 
 
