@@ -67,10 +67,15 @@ def check_versions(found: dict[str, str | None] | None = None) -> None:
         raise ImportError("; ".join(problems))
 
 
+def transformers_model(model):
+    """The transformers model under ``model``: a PeftModel's base model, else ``model`` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def cache_kwarg(model) -> str:
     """The name of a transformers model's KV-cache argument: ``cache`` from transformers 5.24 on (where
     ``past_key_values`` is deprecated), ``past_key_values`` before. ``model`` may be a PeftModel."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     try:
         params = inspect.signature(type(base).forward).parameters
     except (TypeError, ValueError):

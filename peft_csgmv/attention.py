@@ -26,6 +26,8 @@ from typing import Iterator
 
 import torch
 
+from ._compat import transformers_model
+
 # No "2" or "3" after "flash": transformers' decode fast path (flash_attn_with_kvcache) is for flash-attn 2 and 3 only.
 BASE_NAME = "csgmv_flash_varlen"
 
@@ -106,7 +108,7 @@ def _configs(model) -> list:
 def refusal(model) -> str | None:
     """Why :func:`varlen_attention` cannot run for ``model`` (a ``PeftModel`` or a transformers model), or ``None``:
     the model's own attention first (what it computes), then where it runs."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     config = base.config
     if not getattr(base, "_supports_flash_attn", False):
         return f"transformers does not run {type(base).__name__} with flash attention"
@@ -157,7 +159,7 @@ def varlen_attention(model) -> Iterator[None]:
     if why is not None:
         raise ValueError(f"varlen attention: {why}")
     _register()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     configs = _configs(base)
     before = [c._attn_implementation for c in configs]
     name = implementation_name()

@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ._compat import transformers_model
 from .attention import varlen_attention
 from .identity import BASE, RunSettings, read_settings, request_sha1, settings_path, write_settings
 
@@ -660,7 +661,7 @@ class Continuous:
 def dense_mask_attention(model) -> bool:
     """Whether transformers' paged attention for ``model`` builds a dense mask over the step's cached tokens (its
     SDPA and eager implementations do; flash attention kernels take the requests' lengths instead)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     impl = str(getattr(base.config, "_attn_implementation", None) or "sdpa")
     return impl.split("|")[-1] in ("sdpa", "eager")
 
@@ -668,7 +669,7 @@ def dense_mask_attention(model) -> bool:
 def _generation_config(model, tokenizer, **generate_kwargs):
     """The generation config ``model.generate(pad_token_id=..., **generate_kwargs)`` would run: the model's own,
     transformers' defaults for what it leaves unset, then the arguments."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     kwargs = dict(generate_kwargs, pad_token_id=_pad_id(tokenizer))
     try:
         gen, _ = base._prepare_generation_config(None, **kwargs)
@@ -697,7 +698,7 @@ def continuous_obstacle(model, tokenizer, adapters: Iterable[str | None] = (), *
                 why = refusal(model, state, name)
                 if why is not None:
                     return why
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     devices = {str(d) for d in (getattr(base, "hf_device_map", None) or {}).values()}
     if len(devices) > 1:
         spread = f"the model is spread over {len(devices)} devices (--device-map)"
@@ -807,7 +808,7 @@ def generate_continuous(
 def _drop_unused_inputs(model, tokenizer) -> None:
     """Keep the tokenizer from returning inputs the model's forward does not take (``token_type_ids`` for most
     causal LMs), which transformers' ``generate`` refuses."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     try:
         params = inspect.signature(type(base).forward).parameters
     except (TypeError, ValueError):

@@ -51,6 +51,7 @@ import weakref
 from typing import Any, Sequence
 
 from . import slots as _slots
+from ._compat import transformers_model
 from .mapping import Mapping
 from .patching import WeakMethod
 from .sync import BASE, BASE_NAMES, PEFT_DORA_ERROR, outside_inference_mode
@@ -147,7 +148,7 @@ def graphs_refusal(model) -> str | None:
     state = model.__dict__.get("_csgmv")
     if state is None:
         return "csgmv is not enabled on the model"
-    if not _on_cuda(model.get_base_model() if hasattr(model, "get_base_model") else model):
+    if not _on_cuda(transformers_model(model)):
         return "the model is not on a CUDA device"
     return _graphs_refusal(state)
 
