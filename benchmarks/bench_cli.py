@@ -16,8 +16,9 @@ words each (with the character tokenizer the default range gives prompts of 140â
 bucket, so the static run compiles one decode step). Per row: new tokens over the command's own generation time
 (model loading excluded; the static run's compile included, as a user pays it), the wall time, and how many
 completions agree with the first run's (bf16: greedy decoding parts after near ties). ``--batch-size`` is the static
-batches' rows per call, not the blind run's (continuous batching runs with its own defaults). The table is printed
-last; the JSON holds GPU name, versions and date.
+batches' rows per call, not the blind run's (continuous batching runs with its own defaults). A run that fails gets a
+row with the last line of its error (out of memory, say), and the runs after it still run; "vs first" is to the first
+run that finished. The table is printed last; the JSON holds GPU name, versions and date.
 """
 
 from __future__ import annotations
@@ -119,7 +120,14 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "peft_csgmv", *common, *own, "--output", out]
             if run == "blind":
                 cmd[cmd.index(inp)] = blind_inp
-            row = dict(row=" ".join(own) or "the default (the command's choice)", **run_generate(cmd, env))
+            label = " ".join(own) or "the default (the command's choice)"
+            try:
+                row = dict(row=label, **run_generate(cmd, env))
+            except RuntimeError as e:  # (the run's row says why; the runs after it still run)
+                last = [line for line in str(e).splitlines() if line.strip()][-1]
+                rows.append(dict(row=label, failed=last[-400:]))
+                print(rows[-1], flush=True)
+                continue
             with open(out) as f:
                 records = [json.loads(line) for line in f]
             if run == "blind":  # only each answer's own length counts; the rest is what a static batch pays for it
@@ -138,13 +146,17 @@ def main(argv=None) -> int:
     print()
     print(f"| {args.model}, {args.rows} rows | new tokens | generate s | tok/s | vs first | same | wall s |")
     print("|---|---|---|---|---|---|---|")
+    done = [r for r in rows if "failed" not in r]
     for r in rows:
+        if "failed" in r:
+            print(f"| {r['row']} | failed: {r['failed']} | | | | | |")
+            continue
         same = f"{r['same_as_first'] * 100:.1f}%" if "same_as_first" in r else "-"
         print(f"| {r['row']} | {r['new_tokens']} | {r['generate_s']:.1f} | {r['tok_s']:.0f} | "
-              f"{r['tok_s'] / rows[0]['tok_s']:.2f} | {same} | {r['wall_s']:.0f} |")  # fmt: skip
+              f"{r['tok_s'] / done[0]['tok_s']:.2f} | {same} | {r['wall_s']:.0f} |")  # fmt: skip
     if args.out:
         write_results(args.out, run_meta(torch.device("cuda:0"), args=vars(args)), results=rows)
-    return 0
+    return 1 if len(done) < len(rows) else 0
 
 
 if __name__ == "__main__":

@@ -30,11 +30,13 @@
 #   continuous  continuous batching with an adapter per request, 1B, 256 requests (prompts 32-1024, answers 16-512):
 #            base model (csgmv's loop and transformers' defaults), stock PEFT one adapter, csgmv 32 distinct (~6 min)
 #            -> continuous_1b.json
-#   cligoal  the batch command on uneven work, 1B, 1024 rows, prompts of ~32-1024 tokens, each line its own
-#            max_new_tokens of 16-512 standing for answers that end at different points: the command's default before
-#            continuous batching on such answers (bench_cli.py's blind run: eager static batches of 16 by prompt
-#            length, every line decoded to 512, each line's own limit counted; ~7 min), against continuous batching
-#            under CUDA graphs (stage cligraphs, a call of its own) -> cli_1b_blind.json
+#   cligoal  the batch command on uneven work, 1B, prompts of ~32-1024 tokens, each line its own max_new_tokens of
+#            16-512 standing for answers that end at different points, the first 512 of the 1024 lines of the other
+#            cli stages (a static batch's speed does not depend on how many follow it; all 1024 take the blind run
+#            past a call's 10 minutes): the command's default before continuous batching on such answers
+#            (bench_cli.py's blind run: eager static batches of 16 by prompt length, every line decoded to 512, each
+#            line's own limit counted; ~5 min), then the command's default today on the same lines
+#            -> cli_1b_goal.json
 #   clisweep the batch command on the uneven work of cligoal, continuous batching under CUDA graphs at 32, 64 and
 #            128 (its default with SDPA) requests a step: with SDPA a step attends over every running request's
 #            cache, so fewer requests a step cost less attention per token (~9 min) -> cli_1b_sweep.json
@@ -52,8 +54,11 @@
 #            tests, then the 1B layout's 1024 requests of cbgraphs under CUDA graphs with it and no cap of requests
 #            per step, base model and csgmv 32 distinct (~6 min; against cbgraphs' SDPA rows)
 #            -> gpu_attention.log, continuous_1b_varlen.json
-#   clivarlen  the batch command on the uneven work of cligoal: continuous batching under CUDA graphs with
-#            --varlen-attention (~4 min) -> cli_1b_varlen.json
+#   clivarlen  the batch command on the uneven work of cligoal (1024 lines) with --varlen-attention, whose first run
+#            (CUDA graphs, transformers' share of memory for the cache) ran out of GPU memory under transformers 5.17:
+#            eager steps, then CUDA graphs with 70% of the free memory for the cache, then CUDA graphs with the
+#            allocator's expandable segments (PYTORCH_CUDA_ALLOC_CONF; ~6 min) -> cli_1b_varlen.json,
+#            cli_1b_varlen_expandable.json
 #   cbasync  as cbgraphs, with asynchronous batching too (use_async_batching=True) -> continuous_1b_async.json
 #   cligraphs  the batch command on the uneven work of cligoal: continuous batching with --cuda-graphs, then
 #            static-cache batches (~8 min) -> cli_1b_graphs.json
@@ -113,8 +118,8 @@ mkdir -p "$OUT"
 tier_host() {  # the host tier's bookkeeping per move (stages memory and tier)
   python3 benchmarks/bench_tier_host.py --phases --repoint 2>&1 | grep "^|" | tee "$OUT/tier_host.log"
 }
-cli_uneven() {  # the batch command on uneven work (stages cligoal and cligraphs): $1 the runs, $2 the result's name
-  python3 benchmarks/bench_cli.py --rows 1024 --words 5,160 --limits 16,512 --new-tokens 512 \
+cli_uneven() {  # the batch command on uneven work (the cli stages): $1 the runs, $2 the result's name, $3 the lines
+  python3 benchmarks/bench_cli.py --rows "${3:-1024}" --words 5,160 --limits 16,512 --new-tokens 512 \
     --runs "$1" --out "$OUT/$2.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/$2.log"
   grep -E "^\|" "$OUT/$2.log" || tail -25 "$OUT/$2.log"
 }
@@ -209,7 +214,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
       grep -E "^\||identical" "$OUT/cli_1b.log" || tail -25 "$OUT/cli_1b.log" ;;
     cligoal)
-      cli_uneven blind cli_1b_blind ;;
+      cli_uneven blind,default cli_1b_goal 512 ;;
     serve)
       bash benchmarks/serve_wheels.sh install
       python3 benchmarks/bench_serve.py --model 1b --requests 256 --clients 64 --out "$OUT/serve_1b.json" 2>&1 \
@@ -242,7 +247,8 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         > "$OUT/continuous_1b_varlen.log"
       grep "^|" "$OUT/continuous_1b_varlen.log" || tail -25 "$OUT/continuous_1b_varlen.log" ;;
     clivarlen)
-      cli_uneven graphs+--varlen-attention cli_1b_varlen ;;
+      cli_uneven "continuous+--varlen-attention,graphs+--varlen-attention+--cache-memory=0.7" cli_1b_varlen
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cli_uneven graphs+--varlen-attention cli_1b_varlen_expandable ;;
     cbasync)
       python3 benchmarks/bench_continuous.py --model 1b --requests 1024 --rows base-async,csgmv-async --max-requests 128 \
         --out "$OUT/continuous_1b_async.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
