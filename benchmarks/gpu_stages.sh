@@ -54,6 +54,7 @@
 #            tests, then the 1B layout's 1024 requests of cbgraphs under CUDA graphs with it and no cap of requests
 #            per step, base model and csgmv 32 distinct (~6 min; against cbgraphs' SDPA rows)
 #            -> gpu_attention.log, continuous_1b_varlen.json
+#   cbvarlen8b  the same for 8B over cbgraphs8b's 256 requests, without the tests (~4 min) -> continuous_8b_varlen.json
 #   clivarlen  the batch command on the uneven work of cligoal (1024 lines) with --varlen-attention, whose first run
 #            (CUDA graphs, transformers' share of memory for the cache) ran out of GPU memory under transformers 5.17:
 #            eager steps, then CUDA graphs with 70% of the free memory for the cache, then CUDA graphs with the
@@ -239,13 +240,16 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         --out "$OUT/continuous_${m}_graphs.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
         > "$OUT/continuous_${m}_graphs.log"
       grep "^|" "$OUT/continuous_${m}_graphs.log" || tail -25 "$OUT/continuous_${m}_graphs.log" ;;
-    cbvarlen)
-      python3 -m pytest tests/test_attention.py -q -p no:cacheprovider -rf --tb=short > "$OUT/gpu_attention.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_attention.log" | tail -5
-      python3 benchmarks/bench_continuous.py --model 1b --requests 1024 --rows base-varlen,csgmv-varlen \
-        --out "$OUT/continuous_1b_varlen.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
-        > "$OUT/continuous_1b_varlen.log"
-      grep "^|" "$OUT/continuous_1b_varlen.log" || tail -25 "$OUT/continuous_1b_varlen.log" ;;
+    cbvarlen|cbvarlen8b)
+      [ "$stage" = cbvarlen ] && m=1b n=1024 || m=8b n=256
+      if [ $m = 1b ]; then
+        python3 -m pytest tests/test_attention.py -q -p no:cacheprovider -rf --tb=short > "$OUT/gpu_attention.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_attention.log" | tail -5
+      fi
+      python3 benchmarks/bench_continuous.py --model $m --requests $n --rows base-varlen,csgmv-varlen \
+        --out "$OUT/continuous_${m}_varlen.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \
+        > "$OUT/continuous_${m}_varlen.log"
+      grep "^|" "$OUT/continuous_${m}_varlen.log" || tail -25 "$OUT/continuous_${m}_varlen.log" ;;
     clivarlen)
       cli_uneven "continuous+--varlen-attention,graphs+--varlen-attention+--cache-memory=0.7" cli_1b_varlen
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cli_uneven graphs+--varlen-attention cli_1b_varlen_expandable ;;
