@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import gc
 import json
 import os
 import random
@@ -151,6 +152,10 @@ def save_checkout(folder: str, model_name: str, device: str = "cuda:0") -> tuple
     for i in range(32):
         nested = os.path.join(adapters_dir, f"a{i}")
         paths[f"a{i}"] = nested if os.path.isdir(nested) else adapters_dir
+    del pm, base  # (the commands run next size their caches by the GPU memory left free: give this process's back)
+    if torch.device(device).type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
     return base_dir, paths
 
 
