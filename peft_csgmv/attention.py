@@ -31,6 +31,11 @@ from ._compat import transformers_model
 # No "2" or "3" after "flash": transformers' decode fast path (flash_attn_with_kvcache) is for flash-attn 2 and 3 only.
 BASE_NAME = "csgmv_flash_varlen"
 
+# Whether the batch command and the server attend this way without being asked (--varlen-attention), wherever
+# refusal() finds nothing against it (--no-varlen-attention: SDPA's): not until the batch command has run it on a GPU
+# over uneven lines (docs/benchmarks.md: it ran out of GPU memory there once).
+COMMAND_DEFAULT = False
+
 
 def implementation_name() -> str:
     """The name the model's configs carry while :func:`varlen_attention` runs: transformers releases before 5.19 run
@@ -136,6 +141,19 @@ def refusal(model) -> str | None:
     if not torch.backends.cuda.is_flash_attention_available() or torch.cuda.get_device_capability(param.device)[0] < 8:
         return "this torch build or GPU has no flash attention kernel"
     return None
+
+
+def command_choice(asked: bool | None, model) -> tuple[bool, str | None]:
+    """Whether a continuous-batching run of the batch command or the server attends per request, and the line it
+    says about it (``None``: nothing to say). ``asked``: ``--varlen-attention`` (True), ``--no-varlen-attention``
+    (False) or neither (None: :data:`COMMAND_DEFAULT` where :func:`refusal` finds nothing against it, quietly
+    otherwise)."""
+    if asked is False or (asked is None and not COMMAND_DEFAULT):
+        return False, None
+    why = refusal(model)
+    if why is not None:
+        return False, (f"--varlen-attention left out, SDPA's attention instead: {why}" if asked else None)
+    return True, (None if asked else "attention per request by torch's flash kernel (--no-varlen-attention: SDPA's)")
 
 
 @functools.cache

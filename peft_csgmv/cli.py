@@ -507,7 +507,7 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
         if not args.static_batches and static_reason is None:
             static_reason = batch.continuous_obstacle(model, tokenizer, {r.adapter for r in mine}, **gen)
             if static_reason is None:
-                why_not_varlen = attention.refusal(model) if args.varlen_attention else None
+                varlen, varlen_note = attention.command_choice(args.varlen_attention, model)
                 continuous = batch.Continuous(
                     max_batch_tokens=args.max_batch_tokens,
                     num_blocks=args.num_blocks,
@@ -515,10 +515,10 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
                     max_requests=args.batch_size,
                     seed=args.seed,
                     cuda_graphs=_graphs(args, model),
-                    varlen_attention=args.varlen_attention and why_not_varlen is None,
+                    varlen_attention=varlen,
                 )
-                if why_not_varlen is not None and first:
-                    say(f"--varlen-attention left out, SDPA's attention instead: {why_not_varlen}")
+                if varlen_note is not None and first:
+                    say(varlen_note)
             elif first:
                 say(f"static batches, not continuous batching: {static_reason}")
         if continuous is None and args.cache_implementation == "static":
@@ -552,6 +552,13 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
     if first:
         batch.finish_output(args.output, parsed)
     return 0
+
+
+def _varlen_default() -> str:
+    """What ``--varlen-attention`` is when not given, for the help."""
+    from . import attention
+
+    return "on where it can run" if attention.COMMAND_DEFAULT else "off"
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -615,10 +622,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     p_gen.add_argument(
         "--varlen-attention",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="continuous batching: attend per request with torch's own flash kernel (CUDA, bf16/fp16, a model "
         "transformers runs with flash attention; for where the flash-attn package is missing) instead of SDPA's one "
-        "dense mask over every running request's cache, and lift the cap of requests per step that mask needs",
+        "dense mask over every running request's cache, and lift the cap of requests per step that mask needs "
+        f"(default: {_varlen_default()}); --no-varlen-attention: SDPA's",
     )
     p_gen.add_argument(
         "--batch-size",

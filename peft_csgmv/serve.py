@@ -1170,10 +1170,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a CUDA device; on the CPU steps stay eager); --no-cuda-graphs: eager steps",
     )  # fmt: skip
     p.add_argument(
-        "--varlen-attention", action="store_true",
+        "--varlen-attention", action=argparse.BooleanOptionalAction, default=None,
         help="attend per request with torch's own flash kernel (CUDA, bf16/fp16, a model transformers runs with flash "
         "attention; for where the flash-attn package is missing) instead of SDPA's one dense mask over every running "
-        "request's cache, and lift the cap of requests per step that mask needs",
+        "request's cache, and lift the cap of requests per step that mask needs (default: "
+        f"{'on where it can run' if attention.COMMAND_DEFAULT else 'off'}); --no-varlen-attention: SDPA's",
     )  # fmt: skip
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="uvicorn's")
     return p
@@ -1222,13 +1223,13 @@ def load_engine(args) -> Engine:
         graphs = graphs_refusal(model) is None
     num_blocks = args.num_blocks if args.num_blocks is not None else (CPU_NUM_BLOCKS if on_cpu else None)
     base_name = args.served_model_name or args.base
-    why_not_varlen = attention.refusal(model) if args.varlen_attention else None
-    if why_not_varlen is not None:
-        print(f"--varlen-attention left out, SDPA's attention instead: {why_not_varlen}", file=sys.stderr)
+    varlen, varlen_note = attention.command_choice(args.varlen_attention, model)
+    if varlen_note is not None:
+        print(varlen_note, file=sys.stderr)
     return Engine(
         model, tokenizer, base_name, dict(args.adapter), base_path=args.base, num_blocks=num_blocks,
         max_batch_tokens=args.max_batch_tokens,  # (None: batch.Continuous's default)
-        cuda_graphs=graphs, varlen_attention=args.varlen_attention and why_not_varlen is None,
+        cuda_graphs=graphs, varlen_attention=varlen,
     )  # fmt: skip
 
 

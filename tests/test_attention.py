@@ -126,6 +126,50 @@ def test_outside_continuous_batching_the_attention_says_so(stood_in):
     assert not stood_in
 
 
+def test_command_choice(monkeypatch):
+    """What the batch command and the server do with ``--varlen-attention`` / ``--no-varlen-attention`` / neither:
+    asked and runnable, on quietly; asked where it cannot run, off with one line why; refused, off; neither, off
+    unless :data:`attention.COMMAND_DEFAULT`, then on where it can run, saying so, and quietly off where it cannot."""
+    model = object()
+    why = {"now": "it runs on a CUDA device"}
+    monkeypatch.setattr(attention, "refusal", lambda m: why["now"] if m is model else "another model")
+    said = "--varlen-attention left out, SDPA's attention instead: it runs on a CUDA device"
+    assert attention.command_choice(True, model) == (False, said)
+    assert attention.command_choice(None, model) == (False, None)
+    monkeypatch.setattr(attention, "COMMAND_DEFAULT", True)
+    assert attention.command_choice(None, model) == (False, None)
+    assert attention.command_choice(False, model) == (False, None)
+    why["now"] = None
+    assert attention.command_choice(True, model) == (True, None)
+    on, note = attention.command_choice(None, model)
+    assert on and "--no-varlen-attention" in note
+    assert attention.command_choice(False, model) == (False, None)
+    monkeypatch.setattr(attention, "COMMAND_DEFAULT", False)
+    assert attention.command_choice(None, model) == (False, None)
+
+
+@needs_cb
+def test_batch_command_attends_per_request_by_default_where_told_to(stood_in, tmp_path, capsys, monkeypatch):
+    """With :data:`attention.COMMAND_DEFAULT` on, a continuous-batching run that names neither flag attends per
+    request (and says so in one line), its records those of ``--no-varlen-attention`` (fp32, greedy), which attends
+    with SDPA."""
+    from test_cli_continuous import PROMPTS, _args, _records, _write
+
+    from peft_csgmv.cli import main
+    from peft_csgmv.toy import save_toy_checkout
+
+    monkeypatch.setattr(attention, "COMMAND_DEFAULT", True)
+    checkout = save_toy_checkout(str(tmp_path / "toy"), {"legal": 4, "chat": 8})
+    inp = tmp_path / "in.jsonl"
+    _write(inp, PROMPTS[:4])
+    assert main(_args(checkout, inp, tmp_path / "sdpa.jsonl", "--no-varlen-attention")) == 0
+    assert not stood_in and "attention per request" not in capsys.readouterr().err
+    assert main(_args(checkout, inp, tmp_path / "default.jsonl", "--max-batch-tokens", "16")) == 0
+    assert stood_in and "attention per request by torch's flash kernel" in capsys.readouterr().err
+    key = lambda r: r["line"]  # noqa: E731
+    assert sorted(_records(tmp_path / "default.jsonl"), key=key) == sorted(_records(tmp_path / "sdpa.jsonl"), key=key)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="torch's flash kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
