@@ -26,8 +26,10 @@ Past 32 adapters, adapters 32.. are copies of the first 32 (built module by modu
 adapter costs O(N²) for a thousand); each is an adapter of its own to csgmv and the tier.
 
 tok/s counts generated tokens over the wall time from the first request added to the last result (manager start,
-warmup and stop excluded; one untimed pass over a few requests first). The table is printed last; the JSON holds GPU
-name, versions and date.
+warmup and stop excluded; one untimed pass over a few requests first). On CUDA each row also gives the peak GPU memory
+the process's allocator reserved over its run (the paged cache, which transformers sizes to a share of the free
+memory, the steps' buffers and CUDA graphs' pool): how close the row came to running out. The table is printed
+last; the JSON holds GPU name, versions and date.
 """
 
 from __future__ import annotations
@@ -57,8 +59,12 @@ def workload(args, vocab: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def run(model, requests, adapters, gen, cbc) -> tuple[float, int]:
-    """Seconds from the first request added to the last result, and the tokens generated."""
+def run(model, requests, adapters, gen, cbc) -> tuple[float, int, float | None]:
+    """Seconds from the first request added to the last result, the tokens generated, and on CUDA the peak of GPU
+    memory the process's allocator reserved over the run (GiB: the paged cache, the steps' buffers and CUDA graphs'
+    pool; ``None`` elsewhere)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
     manager.start()
     try:
@@ -77,9 +83,11 @@ def run(model, requests, adapters, gen, cbc) -> tuple[float, int]:
                     raise RuntimeError(f"{result.request_id}: {result.error}")
                 done += 1
                 tokens += len(result.generated_tokens)
+        peak = None
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return time.perf_counter() - start, tokens
+            peak = torch.cuda.max_memory_reserved() / 2**30
+        return time.perf_counter() - start, tokens, peak
     finally:
         manager.stop(block=True)
 
@@ -137,11 +145,12 @@ def main(argv=None) -> int:
     rows = args.rows.split(",")
     results = []
 
-    def record(name, seconds, tokens, target=None, adapters=None, config=None):
+    def record(name, seconds, tokens, peak, target=None, adapters=None, config=None):
         loops = {id(graphs): "graphs", id(overlapped): "async", id(eager): "eager", id(varlen): "varlen"}
         loop = loops.get(id(config), "default")
-        results.append(dict(row=name, seconds=seconds, tokens=tokens, tok_s=tokens / seconds, loop=loop))
-        print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s", flush=True)
+        results.append(dict(row=name, seconds=seconds, tokens=tokens, tok_s=tokens / seconds, loop=loop, peak_gib=peak))
+        held = f", peak {peak:.1f} GiB reserved" if peak is not None else ""
+        print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s{held}", flush=True)
         if args.profile and target is not None:
             profiled(name, target, adapters, config)
 
@@ -155,7 +164,7 @@ def main(argv=None) -> int:
         # (the manager's own thread runs the steps; host syncs shown where CUDA has them)
         config_all = _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
         with profile(activities=activities, experimental_config=config_all) as prof:
-            seconds, tokens = run(target, requests, adapters, gen, ContinuousBatchingConfig(**config))
+            seconds, tokens, _ = run(target, requests, adapters, gen, ContinuousBatchingConfig(**config))
         events = prof.key_averages()
         print(f"-- {name}, profiled: {tokens} tokens in {seconds:.1f} s", flush=True)
         print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
@@ -206,12 +215,13 @@ def main(argv=None) -> int:
 
     bases = {r["loop"]: r["tok_s"] for r in results if r["row"].startswith("base model")}
     print(f"\n| {args.model}, {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max}, "
-          f"new {args.new_min}-{args.new_max} | tok/s | × base (same loop) |")  # fmt: skip
-    print("|---|---|---|")
+          f"new {args.new_min}-{args.new_max} | tok/s | × base (same loop) | peak GiB reserved |")  # fmt: skip
+    print("|---|---|---|---|")
     for r in results:
         base = bases.get(r["loop"])
         ratio = f"{r['tok_s'] / base:.2f}" if base else "-"
-        print(f"| {r['row']} | {r['tok_s']:.0f} | {ratio} |")
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        print(f"| {r['row']} | {r['tok_s']:.0f} | {ratio} | {peak} |")
     tok_s = {r["row"].split(",")[-1].strip().split("=")[0]: r["tok_s"] for r in results if r["loop"] == "eager"}
     if "max_resident_adapters" in tok_s and f"{args.adapters} adapters" in tok_s:
         ratio = tok_s["max_resident_adapters"] / tok_s[f"{args.adapters} adapters"]
