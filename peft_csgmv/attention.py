@@ -156,6 +156,11 @@ def command_choice(asked: bool | None, model) -> tuple[bool, str | None]:
     return True, (None if asked else "attention per request by torch's flash kernel (--no-varlen-attention: SDPA's)")
 
 
+def command_default() -> str:
+    """What the batch command's and the server's help say a run naming neither flag does."""
+    return "on where it can run" if COMMAND_DEFAULT else "off"
+
+
 @functools.cache
 def _register() -> None:
     from transformers import AttentionInterface

@@ -554,15 +554,10 @@ def generate_command(args, prog: str = "peft-csgmv generate") -> int:
     return 0
 
 
-def _varlen_default() -> str:
-    """What ``--varlen-attention`` is when not given, for the help."""
-    from . import attention
-
-    return "on where it can run" if attention.COMMAND_DEFAULT else "off"
-
-
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The command's parser and its sub-parsers by name."""
+    from . import attention
+
     parser = argparse.ArgumentParser(prog="peft-csgmv", description=DESCRIPTION, formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", title="commands", metavar="{demo,generate,serve,bench}")
     p_demo = sub.add_parser(
@@ -627,7 +622,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help="continuous batching: attend per request with torch's own flash kernel (CUDA, bf16/fp16, a model "
         "transformers runs with flash attention; for where the flash-attn package is missing) instead of SDPA's one "
         "dense mask over every running request's cache, and lift the cap of requests per step that mask needs "
-        f"(default: {_varlen_default()}); --no-varlen-attention: SDPA's",
+        f"(default: {attention.command_default()}); --no-varlen-attention: SDPA's",
     )
     p_gen.add_argument(
         "--batch-size",

@@ -1174,7 +1174,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="attend per request with torch's own flash kernel (CUDA, bf16/fp16, a model transformers runs with flash "
         "attention; for where the flash-attn package is missing) instead of SDPA's one dense mask over every running "
         "request's cache, and lift the cap of requests per step that mask needs (default: "
-        f"{'on where it can run' if attention.COMMAND_DEFAULT else 'off'}); --no-varlen-attention: SDPA's",
+        f"{attention.command_default()}); --no-varlen-attention: SDPA's",
     )  # fmt: skip
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="uvicorn's")
     return p
