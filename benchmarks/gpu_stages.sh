@@ -60,6 +60,11 @@
 #            4.9 GiB; where it fails again: eager steps, then CUDA graphs with 70% of the free memory for the cache,
 #            then CUDA graphs with the allocator's expandable segments (PYTORCH_CUDA_ALLOC_CONF; ~5 min more)
 #            -> cli_1b_varlen.json (cli_1b_varlen_tries.json, cli_1b_varlen_expandable.json)
+#   clidefault  the batch command's default: attention's GPU tests, then on the uneven work of cligoal (1024 lines;
+#            continuous batching, CUDA graphs, attention per request with the allocator's expandable segments as
+#            varlen_attention sets them), then on 2048 even lines (64 new tokens each: static-cache batches by rule)
+#            against continuous batching under CUDA graphs (~6 min) -> gpu_attention.log, cli_1b_default.json,
+#            cli_1b_even.json
 #   cbasync  as cbgraphs, with asynchronous batching too (use_async_batching=True) -> continuous_1b_async.json
 #   cligraphs  the batch command on the uneven work of cligoal: continuous batching with --cuda-graphs, then
 #            static-cache batches (~8 min) -> cli_1b_graphs.json
@@ -256,6 +261,13 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
         cli_uneven "continuous+--varlen-attention,graphs+--varlen-attention+--cache-memory=0.7" cli_1b_varlen_tries
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cli_uneven graphs+--varlen-attention cli_1b_varlen_expandable
       fi ;;
+    clidefault)
+      python3 -m pytest tests/test_attention.py -q -p no:cacheprovider -k gpu -rf --tb=short > "$OUT/gpu_attention.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_attention.log" | tail -5
+      cli_uneven default cli_1b_default
+      python3 benchmarks/bench_cli.py --runs default,graphs --out "$OUT/cli_1b_even.json" 2>&1 | grep --line-buffered \
+        -v -i warn > "$OUT/cli_1b_even.log"
+      grep -E "^\|" "$OUT/cli_1b_even.log" || tail -25 "$OUT/cli_1b_even.log" ;;
     cbasync)
       python3 benchmarks/bench_continuous.py --model 1b --requests 1024 --rows base-async,csgmv-async --max-requests 128 \
         --out "$OUT/continuous_1b_async.json" 2>&1 | grep --line-buffered -v -i "warn\|eos_token" \

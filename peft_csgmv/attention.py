@@ -15,13 +15,21 @@ on the model's configs directly (``set_attn_implementation`` would look for the 
 implementation is back when the run ends. It runs (:func:`refusal` says why not) on a CUDA device that has torch's
 flash kernel, in half precision, for a model whose attention transformers runs with flash attention
 (``_supports_flash_attn``), that has no sliding window, logit soft-capping or attention sinks, and whose attention is
-SDPA or eager today (a model already on a flash implementation keeps it)."""
+SDPA or eager today (a model already on a flash implementation keeps it).
+
+Each step gathers every running request's cached keys and values, a size that grows through a run; under CUDA graphs
+each captured size keeps its gather in the graphs' memory pool, and with the caching allocator's fixed segments those
+pools fragmented until an H100 ran out of memory on 1024 uneven requests (docs/benchmarks.md). While a run attends this
+way the allocator grows its segments in place (``expandable_segments``), unless the user configured the allocator
+(``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``): that run then finished at the same speed."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import os
+import threading
 from typing import Iterator
 
 import torch
@@ -32,9 +40,13 @@ from ._compat import transformers_model
 BASE_NAME = "csgmv_flash_varlen"
 
 # Whether the batch command and the server attend this way without being asked (--varlen-attention), wherever
-# refusal() finds nothing against it (--no-varlen-attention: SDPA's): not until the batch command has run it on a GPU
-# over uneven lines (docs/benchmarks.md: it ran out of GPU memory there once).
-COMMAND_DEFAULT = False
+# refusal() finds nothing against it (--no-varlen-attention: SDPA's): on, since the batch command ran it on an H100
+# over 1024 uneven lines at 3.7x SDPA's speed (docs/benchmarks.md).
+COMMAND_DEFAULT = True
+
+ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the user's own allocator settings: left alone
+_segments_lock = threading.Lock()
+_segments_users = 0  # runs attending this way now, each with the allocator's segments expandable
 
 
 def implementation_name() -> str:
@@ -172,12 +184,41 @@ def _register() -> None:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
 
 
+def _set_expandable(on: bool) -> None:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # (torch >= 2.9; the older name warns there)
+    (setter or torch.cuda.memory._set_allocator_settings)(f"expandable_segments:{on}")
+
+
+@contextlib.contextmanager
+def expandable_segments(device: torch.device) -> Iterator[None]:
+    """The CUDA caching allocator grows its segments in place for new memory while the block runs (fixed segments
+    again after the last such block ends), unless ``device`` is not a CUDA device, the user configured the allocator
+    (:data:`ALLOCATOR_ENV`) or it is not the native one. Memory already held keeps its segments."""
+    global _segments_users
+    own = device.type == "cuda" and not any(os.environ.get(k) for k in ALLOCATOR_ENV)
+    own = own and torch.cuda.memory.get_allocator_backend() == "native"
+    if own:
+        with _segments_lock:
+            if _segments_users == 0:
+                _set_expandable(True)
+            _segments_users += 1
+    try:
+        yield
+    finally:
+        if own:
+            with _segments_lock:
+                _segments_users -= 1
+                if _segments_users == 0:
+                    _set_expandable(False)
+
+
 @contextlib.contextmanager
 def varlen_attention(model) -> Iterator[None]:
     """``model`` (a ``PeftModel`` or a transformers model) attends with :func:`flash_varlen` per request while the
     block runs, its own implementation back after; only for continuous batching (``generate_batch``, a manager), where
-    transformers passes each request's lengths. Raises ``ValueError`` with :func:`refusal`'s reason, changing
-    nothing, where it cannot run."""
+    transformers passes each request's lengths; the allocator's segments expandable meanwhile
+    (:func:`expandable_segments`). Raises ``ValueError`` with :func:`refusal`'s reason, changing nothing, where it
+    cannot run."""
     why = refusal(model)
     if why is not None:
         raise ValueError(f"varlen attention: {why}")
@@ -189,7 +230,8 @@ def varlen_attention(model) -> Iterator[None]:
     try:
         for c in configs:
             c._attn_implementation = name
-        yield
+        with expandable_segments(next(base.parameters()).device):
+            yield
     finally:
         for c, impl in zip(configs, before):
             c._attn_implementation = impl

@@ -151,9 +151,9 @@ speed:  on a CUDA device continuous batching runs each step as transformers' CUD
         of the options above that choose the batching or size continuous batching), takes these static-cache
         batches, 64 rows each, by itself, saying so in one line (docs/benchmarks.md); --continuous-batching keeps
         continuous batching. --adapter-dtype model: bf16 adapters on a bf16 model (the default, fp32, is PEFT's).
-        --varlen-attention: continuous batching attends per request with torch's own flash kernel where the
-        flash-attn package is missing, instead of one dense mask over every running request's cache (CUDA,
-        bf16/fp16; where it cannot run the run says why in one line and keeps SDPA).
+        Where the flash-attn package is missing continuous batching attends per request with torch's own flash
+        kernel wherever it can (CUDA, bf16/fp16), saying so in one line; --no-varlen-attention: one dense mask
+        over every running request's cache (SDPA's; 3.7x slower on uneven lines on an H100).
 memory: --max-resident-adapters N keeps N adapters on the GPU, the rest in host memory; a step (or a static
         batch) then holds at most N distinct adapters, requests of others waiting for a slot.
 gpus:   accelerate launch --num_processes N -m peft_csgmv generate ... (or torchrun) runs N processes, one per GPU,

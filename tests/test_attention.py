@@ -5,6 +5,8 @@ for by a float64 reference of what it computes; on a GPU the kernel itself is he
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import DEVICE, make
@@ -146,6 +148,61 @@ def test_command_choice(monkeypatch):
     assert attention.command_choice(False, model) == (False, None)
     monkeypatch.setattr(attention, "COMMAND_DEFAULT", False)
     assert attention.command_choice(None, model) == (False, None)
+
+
+def test_expandable_segments_while_attending_per_request(monkeypatch):
+    """The allocator's segments are expandable from the first block on a CUDA device to the end of the last one
+    (nested and concurrent runs share it; an error inside still ends it), and never where the user configured the
+    allocator, on another device or another allocator backend."""
+    calls = []
+    monkeypatch.setattr(attention, "_set_expandable", calls.append)
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+    for name in attention.ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    cuda = torch.device("cuda", 0)
+    with attention.expandable_segments(cuda):
+        assert calls == [True]
+        with attention.expandable_segments(cuda):
+            pass
+        assert calls == [True]
+    assert calls == [True, False]
+    with pytest.raises(RuntimeError, match="inside"), attention.expandable_segments(cuda):
+        raise RuntimeError("inside")
+    assert calls == [True, False] * 2 and attention._segments_users == 0
+    with attention.expandable_segments(torch.device("cpu")):
+        pass
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "cudaMallocAsync")
+    with attention.expandable_segments(cuda):
+        pass
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+    for name in attention.ALLOCATOR_ENV:
+        monkeypatch.setenv(name, "garbage_collection_threshold:0.8")
+        with attention.expandable_segments(cuda):
+            pass
+        monkeypatch.delenv(name)
+    assert calls == [True, False] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA caching allocator")
+@pytest.mark.skipif(any(os.environ.get(k) for k in attention.ALLOCATOR_ENV), reason="the allocator configured")
+def test_gpu_expandable_segments():
+    """On a GPU, memory taken while attending per request lies in an expandable segment; after it, in a fixed one."""
+
+    def expandable(tensor) -> bool:
+        ptr = tensor.data_ptr()
+        for seg in torch.cuda.memory._snapshot()["segments"]:
+            if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+                return seg["is_expandable"]
+        raise AssertionError("no segment holds the tensor")
+
+    torch.cuda.empty_cache()  # (no free block of an earlier test's expandable segments to reuse)
+    with attention.expandable_segments(DEVICE):
+        inside = torch.empty(96 << 20, dtype=torch.uint8, device=DEVICE)
+        assert expandable(inside)
+    after = torch.empty(80 << 20, dtype=torch.uint8, device=DEVICE)
+    assert not expandable(after)
+    del inside, after
 
 
 @needs_cb
