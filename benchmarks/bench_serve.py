@@ -9,7 +9,8 @@ LoRA adapters r=16 on all 7 projections) and a seeded workload of ``--requests``
 each with one of the adapters (in turn) and its own ``max_tokens`` in ``--new-min``..``--new-max``. Decoding is greedy
 in both rows (the server's ``temperature: 0`` is top-k 1 over transformers' per-request processors; ``generate_batch``
 runs the same settings). Every row's steps run as CUDA graphs on CUDA (the server's default; ``--no-cuda-graphs``:
-eager steps everywhere).
+eager steps everywhere), and every row attends as the server chooses (``peft_csgmv.attention.command_choice``: per
+request where it can run; ``--no-varlen-attention``: SDPA's everywhere).
 
 1. ``generate_batch``: the checkout loaded as the server loads it (``peft_csgmv.batch.load_model``, csgmv enabled), with
    the server's continuous-batching sizing, twice: all requests given at once, then fed as the clients feed the server
@@ -68,19 +69,32 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def batch_rows(
-    base: str, adapters: dict[str, str], requests: list[dict], device: str, dtype: str, clients: int, graphs: bool
+    base: str,
+    adapters: dict[str, str],
+    requests: list[dict],
+    device: str,
+    dtype: str,
+    clients: int,
+    graphs: bool,
+    varlen: bool | None,
 ) -> list[tuple[dict, list]]:
     """``generate_batch`` with the server's sizing and greedy decoding, twice on one loaded model: every request given
     at once, then fed as the clients feed the server (the first ``clients`` requests, then one more as each ends), so
-    that the server's own cost shows apart from how many requests it has in flight."""
+    that the server's own cost shows apart from how many requests it has in flight; attending as the server does
+    (``varlen``: its --[no-]varlen-attention)."""
+    import contextlib
+
     from transformers import GenerationConfig
 
-    from peft_csgmv import serve
+    from peft_csgmv import attention, serve
     from peft_csgmv.batch import Continuous, _input_device, load_model
 
     model, tokenizer = load_model(base, adapters, dtype, None, device)
     on_cpu = torch.device(device).type == "cpu"
-    sizing = Continuous(num_blocks=serve.CPU_NUM_BLOCKS if on_cpu else None, cuda_graphs=graphs)
+    varlen, note = attention.command_choice(varlen, model)
+    print(f"attention: {'per request' if varlen else 'SDPA'}" + (f" ({note})" if note else ""), flush=True)
+    blocks = serve.CPU_NUM_BLOCKS if on_cpu else None
+    sizing = Continuous(num_blocks=blocks, cuda_graphs=graphs, varlen_attention=varlen)
     inputs = [tokenizer(r["prompt"])["input_ids"] for r in requests]
     longest = max(r["max_tokens"] for r in requests)
     gen = GenerationConfig(do_sample=True, top_k=1, temperature=1.0, max_new_tokens=longest,
@@ -90,6 +104,9 @@ def batch_rows(
     for label, in_flight in (("generate_batch (all requests at once)", len(requests)),
                              (f"generate_batch, at most {clients} requests in flight (fed as the clients do)",
                               clients)):  # fmt: skip
+        scope = contextlib.ExitStack()
+        if varlen:
+            scope.enter_context(attention.varlen_attention(model))
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
         manager.start()
         texts: list = [None] * len(requests)
@@ -126,6 +143,7 @@ def batch_rows(
             seconds = time.perf_counter() - start
         finally:
             manager.stop(block=True)
+            scope.close()
         out.append((dict(row=label, tokens=tokens, seconds=seconds), texts))
         del manager
     del model
@@ -218,6 +236,12 @@ def main(argv=None) -> int:
         default=None,
         help="every row's steps as CUDA graphs (default: on CUDA, as the server's default)",
     )
+    p.add_argument(
+        "--varlen-attention",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every row's attention per request, or SDPA's (default: as the server's default)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -228,7 +252,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         base, adapters = save_checkout(folder, args.model, "cuda:0" if device == "cuda" else device)
         adapters = {name: adapters[name] for name in sorted({r["adapter"] for r in requests})}
-        batches = batch_rows(base, adapters, requests, device, dtype, args.clients, graphs)
+        batches = batch_rows(base, adapters, requests, device, dtype, args.clients, graphs, args.varlen_attention)
         for row, texts in batches:
             rows.append(row)
             print(f"{row['row']}: {row['tokens']} tokens in {row['seconds']:.1f} s", flush=True)
@@ -240,6 +264,8 @@ def main(argv=None) -> int:
         command = [sys.executable, "-m", "peft_csgmv", "serve", "--base", base, "--port", str(port), "--device", device,
                    "--dtype", dtype, "--log-level", "warning",
                    "--cuda-graphs" if graphs else "--no-cuda-graphs"]  # fmt: skip
+        if args.varlen_attention is not None:
+            command.append("--varlen-attention" if args.varlen_attention else "--no-varlen-attention")
         for name, path in adapters.items():
             command += ["--adapter", f"{name}={path}"]
         server = subprocess.Popen(command, env=dict(os.environ))
