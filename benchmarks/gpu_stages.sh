@@ -62,9 +62,10 @@
 #            -> cli_1b_varlen.json (cli_1b_varlen_tries.json, cli_1b_varlen_expandable.json)
 #   clidefault  the batch command's default: attention's GPU tests, then on the uneven work of cligoal (1024 lines;
 #            continuous batching, CUDA graphs, attention per request with the allocator's expandable segments as
-#            varlen_attention sets them), then on 2048 even lines (64 new tokens each: static-cache batches by rule)
-#            against continuous batching under CUDA graphs (~6 min) -> gpu_attention.log, cli_1b_default.json,
-#            cli_1b_even.json
+#            varlen_attention sets them at run time), the same with them set for the whole process by
+#            PYTORCH_CUDA_ALLOC_CONF, then on 2048 even lines (64 new tokens each: static-cache batches by rule)
+#            against continuous batching under CUDA graphs (~8 min) -> gpu_attention.log, cli_1b_default.json,
+#            cli_1b_default_env.json, cli_1b_even.json
 #   cbasync  as cbgraphs, with asynchronous batching too (use_async_batching=True) -> continuous_1b_async.json
 #   cligraphs  the batch command on the uneven work of cligoal: continuous batching with --cuda-graphs, then
 #            static-cache batches (~8 min) -> cli_1b_graphs.json
@@ -265,6 +266,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 -m pytest tests/test_attention.py -q -p no:cacheprovider -k gpu -rf --tb=short > "$OUT/gpu_attention.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_attention.log" | tail -5
       cli_uneven default cli_1b_default
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cli_uneven default cli_1b_default_env
       python3 benchmarks/bench_cli.py --runs default,graphs --out "$OUT/cli_1b_even.json" 2>&1 | grep --line-buffered \
         -v -i warn > "$OUT/cli_1b_even.log"
       grep -E "^\|" "$OUT/cli_1b_even.log" || tail -25 "$OUT/cli_1b_even.log" ;;

@@ -41,7 +41,7 @@ BASE_NAME = "csgmv_flash_varlen"
 
 # Whether the batch command and the server attend this way without being asked (--varlen-attention), wherever
 # refusal() finds nothing against it (--no-varlen-attention: SDPA's): on, since the batch command ran it on an H100
-# over 1024 uneven lines at 3.7x SDPA's speed (docs/benchmarks.md).
+# over 1024 uneven lines at 2.8-3.7x SDPA's speed (docs/benchmarks.md).
 COMMAND_DEFAULT = True
 
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the user's own allocator settings: left alone

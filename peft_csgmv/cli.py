@@ -153,7 +153,7 @@ speed:  on a CUDA device continuous batching runs each step as transformers' CUD
         continuous batching. --adapter-dtype model: bf16 adapters on a bf16 model (the default, fp32, is PEFT's).
         Where the flash-attn package is missing continuous batching attends per request with torch's own flash
         kernel wherever it can (CUDA, bf16/fp16), saying so in one line; --no-varlen-attention: one dense mask
-        over every running request's cache (SDPA's; 3.7x slower on uneven lines on an H100).
+        over every running request's cache (SDPA's; 2.8-3.7x slower on uneven lines on an H100).
 memory: --max-resident-adapters N keeps N adapters on the GPU, the rest in host memory; a step (or a static
         batch) then holds at most N distinct adapters, requests of others waiting for a slot.
 gpus:   accelerate launch --num_processes N -m peft_csgmv generate ... (or torchrun) runs N processes, one per GPU,
