@@ -149,11 +149,12 @@ speed:  on a CUDA device continuous batching runs each step as transformers' CUD
         batch filled, so a run compiles a few shapes, and each batch decodes until its longest answer is done. A
         run on a GPU whose lines share one length limit, with rows x --max-new-tokens of 65536 or more (and none
         of the options above that choose the batching or size continuous batching), takes these static-cache
-        batches, 64 rows each, by itself, saying so in one line (docs/benchmarks.md); --continuous-batching keeps
-        continuous batching. --adapter-dtype model: bf16 adapters on a bf16 model (the default, fp32, is PEFT's).
-        Where the flash-attn package is missing continuous batching attends per request with torch's own flash
-        kernel wherever it can (CUDA, bf16/fp16), saying so in one line; --no-varlen-attention: one dense mask
-        over every running request's cache (SDPA's; 2.8-3.7x slower on uneven lines on an H100).
+        batches, 64 rows each, by itself, saying so in one line, where continuous batching would attend with
+        SDPA's mask (docs/benchmarks.md); --continuous-batching keeps continuous batching. Where the flash-attn
+        package is missing continuous batching attends per request with torch's own flash kernel wherever it
+        can (CUDA, bf16/fp16), saying so in one line; --no-varlen-attention: one dense mask over every running
+        request's cache (SDPA's; 2.8-3.7x slower on uneven lines on an H100). --adapter-dtype model: bf16
+        adapters on a bf16 model (the default, fp32, is PEFT's).
 memory: --max-resident-adapters N keeps N adapters on the GPU, the rest in host memory; a step (or a static
         batch) then holds at most N distinct adapters, requests of others waiting for a slot.
 gpus:   accelerate launch --num_processes N -m peft_csgmv generate ... (or torchrun) runs N processes, one per GPU,
@@ -365,7 +366,9 @@ def _static_reason(args) -> str | None:
 # compiles included), 1184 against 2469 over 2048; uneven lines (1024, prompts of ~32-1024 tokens, limits of 16-512
 # new tokens), continuous batching under CUDA graphs (the default on CUDA since) 1234 against 987. A run that asks
 # for neither takes static-cache batches where every line has the same limit, from about the midpoint of the two
-# even runs, counted in rows times --max-new-tokens (not yet measured against CUDA graphs on even lines).
+# even runs, counted in rows times --max-new-tokens, where continuous batching would attend with SDPA. Attending per
+# request (attention.py), continuous batching under CUDA graphs ran those uneven lines at 3816-5053 tok/s, far past
+# static-cache batches' best on even lines (2469): there it stays continuous batching (on even lines not yet measured).
 STATIC_PAYS_TOKENS = 1024 * 64
 AUTO_STATIC_DEVICES = ("cuda",)  # where the static cache's decode step is compiled
 AUTO_STATIC_BATCH_SIZE = 64  # the static-cache batches' rows per generate call where the command picks them
@@ -375,7 +378,9 @@ def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
     """Why a run that asked for neither continuous batching nor static batches takes static-cache batches (``None``:
     continuous batching): ``rows`` to do on a GPU, each of --max-new-tokens (no line with a limit of its own: uneven
     answers are continuous batching's case), past :data:`STATIC_PAYS_TOKENS`, on a model transformers compiles in
-    full and without MoE expert LoRA (whose compiled path has not yet run on a GPU)."""
+    full and without MoE expert LoRA (whose compiled path has not yet run on a GPU), where continuous batching would
+    attend with SDPA's dense mask (not per request: :func:`attention.command_choice`)."""
+    from . import attention
     from .model import csgmv_stats
 
     asked = args.static_batches or args.continuous_batching or args.cuda_graphs is not None or args.varlen_attention
@@ -386,6 +391,8 @@ def _auto_static(args, rows: list, device: torch.device, model) -> str | None:
     if len(rows) * args.max_new_tokens < STATIC_PAYS_TOKENS:
         return None
     if not getattr(model.get_base_model(), "_can_compile_fullgraph", True) or csgmv_stats(model)["expert_layers"]:
+        return None
+    if args.varlen_attention is None and attention.command_choice(None, model)[0]:
         return None
     return (
         f"{len(rows)} rows x {args.max_new_tokens} new tokens on a GPU: past where compiled static-cache batches beat "

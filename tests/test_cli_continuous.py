@@ -286,6 +286,36 @@ def test_a_long_run_on_a_gpu_takes_static_cache_batches(
     assert out.read_bytes() == reference.read_bytes()
 
 
+@pytest.mark.parametrize("extra, auto", [([], False), (["--no-varlen-attention"], True)], ids=["per-request", "sdpa"])
+def test_a_long_run_attending_per_request_keeps_continuous_batching(
+    checkout, static_reference, tmp_path, capsys, monkeypatch, extra, auto
+):
+    """Where continuous batching attends per request (the default where it can run: here with the float64 stand-in
+    for the kernel), a long run of even lines keeps continuous batching; with --no-varlen-attention it takes
+    static-cache batches as above. Either way its output is the --static-batches output (fp32, greedy)."""
+    from test_attention import reference
+
+    from peft_csgmv import attention, cli
+
+    monkeypatch.setattr(cli, "AUTO_STATIC_DEVICES", ("cpu",))
+    monkeypatch.setattr(cli, "STATIC_PAYS_TOKENS", len(PROMPTS) * 7)
+    monkeypatch.setattr(attention, "COMMAND_DEFAULT", True)
+    monkeypatch.setattr(attention, "refusal", lambda model: None)
+    calls = []
+    monkeypatch.setattr(attention, "flash_varlen", lambda *a: (calls.append(1), reference(*a))[1])
+    inp, want = static_reference
+    out = tmp_path / "out.jsonl"
+    capsys.readouterr()
+    assert main(_args(checkout, inp, out, *extra)) == 0
+    err = capsys.readouterr().err
+    if auto:
+        assert AUTO in err and _mode(err) == "static" and not calls, err
+    else:
+        assert AUTO not in err and _mode(err) == "continuous" and calls, err
+        assert "attention per request by torch's flash kernel" in err
+    assert out.read_bytes() == want.read_bytes()
+
+
 def test_a_short_run_keeps_continuous_batching(checkout, static_reference, tmp_path, capsys, monkeypatch):
     """One token short of ``STATIC_PAYS_TOKENS``: continuous batching, no note."""
     from peft_csgmv import cli
