@@ -21,7 +21,7 @@ Each step gathers every running request's cached keys and values, a size that gr
 each captured size keeps its gather in the graphs' memory pool, and with the caching allocator's fixed segments those
 pools fragmented until an H100 ran out of memory on 1024 uneven requests (docs/benchmarks.md). While a run attends this
 way the allocator grows its segments in place (``expandable_segments``), unless the user configured the allocator
-(``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``): that run then finished at the same speed."""
+(``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``): with them that run finished."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def _register() -> None:
 
 
 def _set_expandable(on: bool) -> None:
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # (torch >= 2.9; the older name warns there)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # (newer torch; the older name warns there)
     (setter or torch.cuda.memory._set_allocator_settings)(f"expandable_segments:{on}")
 
 
