@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -1262,8 +1263,16 @@ def main(argv: list[str] | None = None) -> int:
         engine.start()
     except (ValueError, RuntimeError) as e:
         return fail([str(e)])
+
+    class Server(uvicorn.Server):
+        interrupted = False  # (a Ctrl-C came: uvicorn raises it again once shut down, but not always where we see it)
+
+        def handle_exit(self, sig, frame) -> None:
+            self.interrupted = self.interrupted or sig == signal.SIGINT
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(build_app(engine), host=args.host, port=args.port, log_level=args.log_level)
-    server = uvicorn.Server(config)
+    server = Server(config)
     names = ", ".join(engine.adapters)
     print(f"{prog}: serving {engine.base_name} and its adapters {names} (max {engine.max_model_len} tokens a request)",
           file=sys.stderr)  # fmt: skip
@@ -1278,4 +1287,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: stopped without waiting for the requests in flight", file=sys.stderr)
     else:
         print(f"{prog}: stopped: the requests in flight finished", file=sys.stderr)
-    return 130 if interrupted else 0
+    return 130 if interrupted or server.interrupted else 0
