@@ -35,8 +35,8 @@
 #            cli stages (a static batch's speed does not depend on how many follow it; all 1024 take the blind run
 #            past a call's 10 minutes): the command's default before continuous batching on such answers
 #            (bench_cli.py's blind run: eager static batches of 16 by prompt length, every line decoded to 512, each
-#            line's own limit counted; ~5 min), then the command's default today on the same lines
-#            -> cli_1b_goal.json
+#            line's own limit counted; ~5 min), then the command's default today (attention per request) and
+#            continuous batching with SDPA's attention on the same lines (~2 min) -> cli_1b_goal.json
 #   clisweep the batch command on the uneven work of cligoal, continuous batching under CUDA graphs at 32, 64 and
 #            128 (its default with SDPA) requests a step: with SDPA a step attends over every running request's
 #            cache, so fewer requests a step cost less attention per token (~9 min) -> cli_1b_sweep.json
@@ -221,7 +221,7 @@ for stage in ${*:-tests kernels layer e2e-8b e2e-1b ranks}; do
       python3 benchmarks/bench_cli.py --out "$OUT/cli_1b.json" 2>&1 | grep --line-buffered -v -i warn > "$OUT/cli_1b.log"
       grep -E "^\||identical" "$OUT/cli_1b.log" || tail -25 "$OUT/cli_1b.log" ;;
     cligoal)
-      cli_uneven blind,default cli_1b_goal 512 ;;
+      cli_uneven blind,default,graphs+--no-varlen-attention cli_1b_goal 512 ;;
     serve)
       bash benchmarks/serve_wheels.sh install
       python3 benchmarks/bench_serve.py --model 1b --requests 256 --clients 64 --out "$OUT/serve_1b.json" 2>&1 \
