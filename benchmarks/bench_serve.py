@@ -101,51 +101,51 @@ def batch_rows(
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     config = sizing.config(_input_device(model), [len(p) + r["max_tokens"] for p, r in zip(inputs, requests)])
     out = []
-    for label, in_flight in (("generate_batch (all requests at once)", len(requests)),
-                             (f"generate_batch, at most {clients} requests in flight (fed as the clients do)",
-                              clients)):  # fmt: skip
-        scope = contextlib.ExitStack()
-        if varlen:
-            scope.enter_context(attention.varlen_attention(model))
-        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
-        manager.start()
-        texts: list = [None] * len(requests)
-        try:
-            for i, (ids, r) in enumerate(zip(inputs[:4], requests[:4])):  # (warm-up, untimed)
-                manager.add_request(ids, request_id=f"warm{i}", max_new_tokens=4, adapter_id=r["adapter"])
-            for _ in range(min(4, len(requests))):
-                manager.get_result(timeout=600)
-            start = time.perf_counter()
-            fed = 0
+    scope = attention.varlen_attention(model) if varlen else contextlib.nullcontext()
+    with scope:  # (the model's own attention back after both rows)
+        for label, in_flight in (("generate_batch (all requests at once)", len(requests)),
+                                 (f"generate_batch, at most {clients} requests in flight (fed as the clients do)",
+                                  clients)):  # fmt: skip
+            manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
+            manager.start()
+            texts: list = [None] * len(requests)
+            try:
+                for i, (ids, r) in enumerate(zip(inputs[:4], requests[:4])):  # (warm-up, untimed)
+                    manager.add_request(ids, request_id=f"warm{i}", max_new_tokens=4, adapter_id=r["adapter"])
+                for _ in range(min(4, len(requests))):
+                    manager.get_result(timeout=600)
+                start = time.perf_counter()
+                fed = 0
 
-            def feed(upto: int, manager=manager) -> None:
-                nonlocal fed
-                while fed < min(upto, len(requests)):
-                    r = requests[fed]
-                    manager.add_request(inputs[fed], request_id=f"r{fed}", max_new_tokens=r["max_tokens"],
-                                        adapter_id=r["adapter"])  # fmt: skip
-                    fed += 1
+                def feed(upto: int, manager=manager) -> None:
+                    nonlocal fed
+                    while fed < min(upto, len(requests)):
+                        r = requests[fed]
+                        manager.add_request(inputs[fed], request_id=f"r{fed}", max_new_tokens=r["max_tokens"],
+                                            adapter_id=r["adapter"])  # fmt: skip
+                        fed += 1
 
-            feed(in_flight)
-            tokens, done = 0, 0
-            while done < len(requests):
-                result = manager.get_result(timeout=600)
-                if result is None:
-                    raise RuntimeError("generate_batch: no result for 600 s")
-                if not result.is_finished() or not result.request_id.startswith("r"):
-                    continue
-                if result.error is not None:
-                    raise RuntimeError(f"{result.request_id}: {result.error}")
-                done += 1
-                feed(done + in_flight)
-                tokens += len(result.generated_tokens)
-                texts[int(result.request_id[1:])] = tokenizer.decode(result.generated_tokens, skip_special_tokens=True)
-            seconds = time.perf_counter() - start
-        finally:
-            manager.stop(block=True)
-            scope.close()
-        out.append((dict(row=label, tokens=tokens, seconds=seconds), texts))
-        del manager
+                feed(in_flight)
+                tokens, done = 0, 0
+                while done < len(requests):
+                    result = manager.get_result(timeout=600)
+                    if result is None:
+                        raise RuntimeError("generate_batch: no result for 600 s")
+                    if not result.is_finished() or not result.request_id.startswith("r"):
+                        continue
+                    if result.error is not None:
+                        raise RuntimeError(f"{result.request_id}: {result.error}")
+                    done += 1
+                    feed(done + in_flight)
+                    tokens += len(result.generated_tokens)
+                    texts[int(result.request_id[1:])] = tokenizer.decode(
+                        result.generated_tokens, skip_special_tokens=True
+                    )
+                seconds = time.perf_counter() - start
+            finally:
+                manager.stop(block=True)
+            out.append((dict(row=label, tokens=tokens, seconds=seconds), texts))
+            del manager
     del model
     gc.collect()  # (the server sizes its cache from the free memory: this process's model and cache go first)
     if torch.cuda.is_available():
