@@ -367,8 +367,8 @@ def _static_reason(args) -> str | None:
 # new tokens), continuous batching under CUDA graphs (the default on CUDA since) 1234 against 987. A run that asks
 # for neither takes static-cache batches where every line has the same limit, from about the midpoint of the two
 # even runs, counted in rows times --max-new-tokens, where continuous batching would attend with SDPA. Attending per
-# request (attention.py), continuous batching under CUDA graphs ran the 2048 even lines at 6473 tok/s, 2.6x static-cache
-# batches' 2469 there, and the uneven ones at 3816-5243: it stays continuous batching.
+# request (attention.py), continuous batching under CUDA graphs ran the 2048 even lines at 1.58x static-cache batches in
+# one run (4324 against 2732 tok/s), and the uneven ones at 3816-5243: it stays continuous batching.
 STATIC_PAYS_TOKENS = 1024 * 64
 AUTO_STATIC_DEVICES = ("cuda",)  # where the static cache's decode step is compiled
 AUTO_STATIC_BATCH_SIZE = 64  # the static-cache batches' rows per generate call where the command picks them
